@@ -1,0 +1,62 @@
+"""Reducing per-token values ``[B, T]`` to one scalar, exactly across micro-batches.
+
+Pass the *global* ``num_tokens`` (token-mean) or ``num_seqs`` (seq-mean-*) of the whole
+batch (all micro-batches and data-parallel ranks) and the micro-batch losses sum to the
+full-batch loss; leave them ``None`` to normalise by this tensor's own counts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+Count = int | float | Tensor | None
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> Tensor:
+    """``values`` masked and reduced by ``agg``; an all-padding batch gives 0."""
+    m = mask.to(values.dtype)
+    if agg == "token-mean":
+        denom = m.sum() if num_tokens is None else num_tokens
+        return (values * m).sum() / _at_least_one(denom, values)
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
+    per_seq = (values * m).sum(-1)
+    seq_len = m.sum(-1)
+    if agg == "seq-mean-token-mean":
+        per_seq = per_seq / seq_len.clamp(min=1)
+    denom = (seq_len > 0).sum() if num_seqs is None else num_seqs
+    return per_seq.sum() / _at_least_one(denom, values)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where ``mask`` is set (0 when nothing is)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)
+
+
+def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Per-row masked mean ``[B]`` (0 for rows without tokens)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Min and max of ``values`` where ``mask`` is set (0, 0 when nothing is)."""
+    sel = values.detach()[mask.bool()]
+    if sel.numel() == 0:
+        zero = values.new_zeros(())
+        return zero, zero
+    return sel.min(), sel.max()
+
+
+def _at_least_one(denom: int | float | Tensor, like: Tensor) -> Tensor:
+    return torch.as_tensor(denom, dtype=like.dtype, device=like.device).clamp(min=1)

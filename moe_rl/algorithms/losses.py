@@ -1,0 +1,296 @@
+"""Policy losses: GRPO/PPO token clip (DAPO clip-higher, dual clip), GSPO, GSPO-token,
+GMPO (token clip in log space), its sequence-clip ablation, and CISPO (DESIGN.md §2).
+
+Each loss is a pure function of ``logp``, ``old_logp``, ``advantages`` (already expanded
+to ``[B, T]``) and ``mask`` returning ``(loss_to_minimise, metrics)``. Every loss builds a
+per-token loss ``[B, T]`` (sequence-level losses repeat their value over the sequence's
+tokens) and reduces it with :func:`aggregate`, so all of them honour ``agg``,
+``num_tokens`` and ``num_seqs`` and are exact under micro-batching.
+
+Metrics (detached scalars): ``clip_frac`` (share of response tokens whose objective is
+clipped), ``ratio_mean/min/max`` (the importance ratio the loss uses: per token for
+GRPO/CISPO, per sequence for GSPO and GMPO) and ``approx_kl`` (k3 estimate of
+KL(old || new) per token).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from moe_rl.algorithms.aggregation import (
+    AGG_MODES,
+    Count,
+    aggregate,
+    masked_mean,
+    masked_min_max,
+    sequence_mean,
+)
+from moe_rl.algorithms.registry import Registry
+
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: Registry[LossFn] = Registry("policy loss")
+
+# exp() of a log-ratio beyond this overflows float32 gradients; clamp before exp.
+LOG_RATIO_LIMIT = 20.0
+
+
+def policy_loss(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    **params,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss ``name`` on ``[B, T]`` log-probs; ``advantages`` is ``[B]`` or ``[B, T]``.
+
+    Common params: ``agg`` and the global ``num_tokens`` / ``num_seqs`` of
+    :func:`moe_rl.algorithms.aggregation.aggregate`; others depend on the loss
+    (see :func:`loss_defaults`). Unknown params raise ``ValueError``.
+    """
+    fn = POLICY_LOSSES.get(name)
+    _check_params(name, fn, params)
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"logp, old_logp and mask must share one [B, T] shape; got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logp.shape[0]:
+            raise ValueError(f"advantages {tuple(advantages.shape)} do not match batch {logp.shape[0]}")
+        advantages = advantages.unsqueeze(1).expand_as(logp)
+    elif advantages.shape != logp.shape:
+        raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
+    adv = advantages.detach().to(logp.dtype)
+    return fn(logp, old_logp.detach(), adv, mask.to(logp.dtype), **params)
+
+
+def loss_defaults(name: str) -> dict[str, object]:
+    """The parameters loss ``name`` accepts, with their defaults."""
+    sig = inspect.signature(POLICY_LOSSES.get(name))
+    return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def _check_params(name: str, fn: LossFn, params: dict) -> None:
+    valid = loss_defaults(name)
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} for policy loss {name!r}; valid: {sorted(valid)}")
+    agg = params.get("agg", valid["agg"])
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation agg={agg!r}; valid: {', '.join(AGG_MODES)}")
+    if "eps_low" in params and not 0.0 <= float(params["eps_low"]) <= 1.0:
+        raise ValueError(f"{name}: eps_low={params['eps_low']} is out of range; valid: 0 <= eps_low <= 1")
+    if "eps_high" in params and not float(params["eps_high"]) >= 0.0:
+        raise ValueError(f"{name}: eps_high={params['eps_high']} is out of range; valid: eps_high >= 0")
+    if params.get("dual_clip") is not None and float(params["dual_clip"]) <= 1.0:
+        raise ValueError(f"{name}: dual_clip={params['dual_clip']} must be > 1 (or None to disable)")
+    if "log_clip" in params and float(params["log_clip"]) <= 0.0:
+        raise ValueError(f"{name}: log_clip={params['log_clip']} must be > 0")
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """PPO's ``max(-A*r, -A*clip(r, 1-eps_low, 1+eps_high))`` and where the clip is active."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _per_sequence_advantage(name: str, adv: Tensor, mask: Tensor) -> Tensor:
+    """The one advantage of each sequence; per-token advantages that vary are an error."""
+    seq_adv = sequence_mean(adv, mask)
+    spread = ((adv - seq_adv.unsqueeze(1)).abs() * mask).amax() if adv.numel() else adv.new_zeros(())
+    if spread > 1e-6 * (1.0 + seq_adv.abs().max()):
+        raise ValueError(
+            f"policy loss {name!r} needs one advantage per sequence, but the per-token "
+            "advantages vary within a sequence (use 'gspo_token' for token-level advantages)"
+        )
+    return seq_adv
+
+
+def _token_kl(log_ratio: Tensor) -> Tensor:
+    """k3 estimate of KL(old || new) per token: ``(rho - 1) - log rho``."""
+    lr = log_ratio.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.expm1(lr) - lr
+
+
+def _metrics(
+    mask: Tensor, log_ratio: Tensor, clipped: Tensor, ratio: Tensor, ratio_mask: Tensor, **extra: Tensor
+) -> dict[str, Tensor]:
+    rmin, rmax = masked_min_max(ratio, ratio_mask)
+    out = {
+        "clip_frac": masked_mean(clipped.to(mask.dtype), mask).detach(),
+        "ratio_mean": masked_mean(ratio.detach(), ratio_mask).detach(),
+        "ratio_min": rmin,
+        "ratio_max": rmax,
+        "approx_kl": masked_mean(_token_kl(log_ratio), mask).detach(),
+    }
+    out.update({k: v.detach() for k, v in extra.items()})
+    return out
+
+
+def _reduce(per_token: Tensor, mask: Tensor, agg: str, num_tokens: Count, num_seqs: Count) -> Tensor:
+    return aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+# ---------------------------------------------------------------- the losses
+
+
+@POLICY_LOSSES.register("grpo")
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO token clip; ``eps_high > eps_low`` is DAPO clip-higher; ``dual_clip`` caps
+    the loss of negative-advantage tokens at ``-A * dual_clip``."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    per_token, clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high)
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    metrics = _metrics(
+        mask, log_ratio, clipped | dual, ratio, mask, dual_clip_frac=masked_mean(dual.to(mask.dtype), mask)
+    )
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: clip the length-normalised sequence ratio ``s_i = exp(mean_t logr)``."""
+    seq_adv = _per_sequence_advantage("gspo", adv, mask)
+    log_ratio = logp - old_logp
+    seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    per_seq, clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
+    per_token = per_seq.unsqueeze(1).expand_as(logp)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    has_tokens = mask.sum(-1) > 0
+    return loss, _metrics(mask, log_ratio, clipped.unsqueeze(1).expand_as(mask), seq_ratio, has_tokens)
+
+
+@POLICY_LOSSES.register("gspo_token")
+def gspo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: ``s_{i,t} = sg[s_i] * pi(o_t) / sg[pi(o_t)]``, token advantages allowed."""
+    log_ratio = logp - old_logp
+    seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).detach()
+    token_ratio = seq_ratio.unsqueeze(1) * torch.exp(logp - logp.detach())
+    per_token, clipped = _clipped_surrogate(token_ratio, adv, eps_low, eps_high)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    return loss, _metrics(mask, log_ratio, clipped, seq_ratio, mask.sum(-1) > 0)
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    log_clip: float = 0.4,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: geometric mean of token ratios, each clipped in log space at ``±log_clip``
+    on the side the advantage's sign makes optimistic; loss ``-A_i * ratio_i``."""
+    seq_adv = _per_sequence_advantage("gmpo", adv, mask)
+    sign = torch.sign(seq_adv).unsqueeze(1)
+    log_ratio = logp - old_logp
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-log_clip, log_clip))
+    geo_ratio = torch.exp(sequence_mean(clipped_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    clipped = (sign * log_ratio) > log_clip
+    return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
+
+
+@POLICY_LOSSES.register("gmpo_seqclip")
+def gmpo_seqclip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    log_clip: float = 0.4,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO ablation with a sequence-level clip (as DeepSeek-R1): the log of the whole
+    product ``sum_t logr`` is clipped at ``±log_clip``, then its geometric mean taken."""
+    seq_adv = _per_sequence_advantage("gmpo_seqclip", adv, mask)
+    sign = torch.sign(seq_adv)
+    log_ratio = logp - old_logp
+    log_prod = (log_ratio * mask).sum(-1)
+    clipped_log_prod = sign * torch.minimum(sign * log_prod, sign * log_prod.clamp(-log_clip, log_clip))
+    seq_len = mask.sum(-1).clamp(min=1)
+    geo_ratio = torch.exp((clipped_log_prod / seq_len).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    clipped = ((sign * log_prod) > log_clip).unsqueeze(1).expand_as(mask)
+    return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+    agg: str = "token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): REINFORCE with a clipped, stop-gradient importance weight,
+    ``-sg[clip(rho, 1-eps_low, 1+eps_high)] * A * logp``; no token's gradient is dropped."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = -weight * adv * logp
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    clipped = weight != ratio.detach()
+    return loss, _metrics(mask, log_ratio, clipped, ratio, mask)

@@ -1,0 +1,54 @@
+"""The ``moe-rl`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import moe_rl
+
+
+def _demo(_args: argparse.Namespace) -> int:
+    """Placeholder for the built-in demo until the trainer lands.
+
+    It checks the install and shows, on DESIGN.md's two-binary-reward example, the
+    advantage difference that GDPO exists for.
+    """
+    import torch
+
+    from moe_rl.algorithms import compute_advantages
+
+    print("moe-rl demo: the RL trainer and the compare demo are not built yet (trainer issue).")
+    print("This placeholder checks the install and runs the algorithm core once.\n")
+    # two prompts, G=2, two binary rewards: summed rewards (0, 1) and (0, 2)
+    rewards = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    grpo = compute_advantages("grpo", rewards, group_size=2)
+    gdpo = compute_advantages("gdpo", rewards, group_size=2)
+    print(f"{'sample':>6} {'rewards':>10} {'GRPO adv':>9} {'GDPO adv':>9}")
+    for i, (r, a, b) in enumerate(zip(rewards.tolist(), grpo.tolist(), gdpo.tolist())):
+        print(f"{i:>6} {str(tuple(int(x) for x in r)):>10} {a:>9.3f} {b:>9.3f}")
+    print("\nGRPO gives both groups the same advantages; GDPO keeps them apart.")
+    print(f"torch {torch.__version__}, moe_rl {moe_rl.__version__}: install OK")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moe-rl {moe_rl.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Rule rewards and the multi-reward scorer (named columns for GDPO)."""
+
+from moe_rl.rewards import rules  # noqa: F401  (registers the built-in rewards)
+from moe_rl.rewards.base import (
+    FAILURE_KINDS,
+    REWARD_FUNCTIONS,
+    ConditionalSpec,
+    RewardBatch,
+    RewardInput,
+    RewardScorer,
+    RewardSpec,
+    resolve_reward_fn,
+)
+
+__all__ = [
+    "FAILURE_KINDS",
+    "REWARD_FUNCTIONS",
+    "ConditionalSpec",
+    "RewardBatch",
+    "RewardInput",
+    "RewardScorer",
+    "RewardSpec",
+    "resolve_reward_fn",
+]

@@ -1,0 +1,160 @@
+"""Reward functions by name, and a scorer that turns samples into named reward columns.
+
+A reward function maps one :class:`RewardInput` to a float. The scorer runs every
+configured function on every sample; a function that raises, runs past its timeout or
+returns NaN/Inf scores 0 for that sample, is counted per reward and per kind, and never
+stops the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from moe_rl.algorithms.registry import Registry
+from moe_rl.algorithms.reward_shaping import conditional_reward
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+FAILURE_KINDS = ("error", "timeout", "nonfinite")
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One sampled response and what a rule reward may need to score it."""
+
+    prompt: str
+    response: str
+    answer: str | None = None
+    num_response_tokens: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward column: its ``name``, the function (a registered name or
+    ``"package.module:function"``), its GDPO/sum ``weight`` and keyword arguments."""
+
+    name: str
+    fn: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConditionalSpec:
+    """Reward ``target`` counts only where reward ``condition`` is ``>= threshold``."""
+
+    target: str
+    condition: str
+    threshold: float = 1.0
+
+
+@dataclass
+class RewardBatch:
+    """Scores ``[B, n_rewards]`` with column ``names`` and failure counts of this batch."""
+
+    values: Tensor
+    names: list[str]
+    weights: list[float]
+    failures: dict[str, Counter] = field(default_factory=dict)
+
+    def column(self, name: str) -> Tensor:
+        return self.values[:, self.names.index(name)]
+
+    def total(self) -> Tensor:
+        """Weighted sum of the columns ``[B]``."""
+        return self.values @ torch.tensor(self.weights, dtype=self.values.dtype)
+
+
+def resolve_reward_fn(fn: str) -> RewardFn:
+    """A registered reward name, or ``"package.module:function"`` for a user function."""
+    if ":" in fn:
+        module_name, _, attr = fn.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import reward function {fn!r}: {e}") from None
+    return REWARD_FUNCTIONS.get(fn)
+
+
+class RewardScorer:
+    """Scores samples with several named rewards, safely; see the module docstring."""
+
+    def __init__(
+        self,
+        specs: Sequence[RewardSpec],
+        conditionals: Sequence[ConditionalSpec] = (),
+        timeout_s: float = 10.0,
+    ) -> None:
+        if not specs:
+            raise ValueError("at least one reward is needed")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be unique, got {names}")
+        if timeout_s <= 0:
+            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        for c in conditionals:
+            for ref in (c.target, c.condition):
+                if ref not in names:
+                    raise ValueError(f"conditional reward refers to unknown reward {ref!r}; rewards: {names}")
+        self.specs = list(specs)
+        self.names = names
+        self.weights = [float(s.weight) for s in specs]
+        self.conditionals = list(conditionals)
+        self.timeout_s = timeout_s
+        self._fns = [resolve_reward_fn(s.fn) for s in specs]
+        self.failure_totals: dict[str, Counter] = {n: Counter() for n in names}
+
+    def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
+        values = torch.zeros(len(samples), len(self.specs), dtype=torch.float32)
+        failures = {n: Counter() for n in self.names}
+        for j, (spec, fn) in enumerate(zip(self.specs, self._fns)):
+            for i, sample in enumerate(samples):
+                value, failure = _call_safely(fn, sample, spec.kwargs, self.timeout_s)
+                if failure is not None:
+                    failures[spec.name][failure] += 1
+                    if self.failure_totals[spec.name][failure] == 0:
+                        log.warning("reward %r: %s on a sample (scored 0; counted, further ones not logged)", spec.name, failure)
+                    self.failure_totals[spec.name][failure] += 1
+                values[i, j] = value
+        for c in self.conditionals:
+            values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
+        return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
+
+
+def _call_safely(fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
+    """``fn(sample, **kwargs)`` in a daemon thread: (value, None) or (0.0, failure kind)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(sample, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="moe-rl-reward")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return 0.0, "timeout"
+    if "error" in box:
+        log.debug("reward function raised: %r", box["error"])
+        return 0.0, "error"
+    try:
+        value = float(box["value"])
+    except (TypeError, ValueError):
+        return 0.0, "error"
+    if not math.isfinite(value):
+        return 0.0, "nonfinite"
+    return value, None

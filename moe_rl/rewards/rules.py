@@ -1,0 +1,56 @@
+"""Rule rewards for verifiable tasks: math correctness (math-verify), format, length."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from moe_rl.rewards.base import REWARD_FUNCTIONS, RewardInput
+
+DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}"
+
+
+@REWARD_FUNCTIONS.register("math_correct")
+def math_correct(sample: RewardInput) -> float:
+    """1.0 if the response's final answer equals ``sample.answer`` mathematically
+    (math-verify: LaTeX and plain expressions, ``\\boxed{}`` preferred), else 0.0."""
+    if sample.answer is None:
+        raise ValueError("math_correct needs the sample's reference answer")
+    # math-verify's own timeouts use SIGALRM, which only works on the main thread;
+    # the scorer bounds the time instead, so they are turned off here.
+    from math_verify import parse, verify
+
+    gold = _parse_gold(sample.answer)
+    predicted = parse(sample.response, parsing_timeout=None)
+    if not gold or not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(answer: str):
+    from math_verify import parse
+
+    text = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    return parse(text, parsing_timeout=None)
+
+
+@REWARD_FUNCTIONS.register("format")
+def format_reward(sample: RewardInput, pattern: str = DEFAULT_FORMAT_PATTERN) -> float:
+    """1.0 if ``pattern`` (a regex, searched with DOTALL) occurs in the response."""
+    return 1.0 if _compiled(pattern).search(sample.response) else 0.0
+
+
+@lru_cache(maxsize=64)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern, re.DOTALL)
+
+
+@REWARD_FUNCTIONS.register("length")
+def length_reward(sample: RewardInput, budget: int = 256) -> float:
+    """1.0 within ``budget`` response tokens, falling linearly to 0.0 at twice the budget
+    (counts characters when the token count is unknown)."""
+    if budget <= 0:
+        raise ValueError(f"length budget must be > 0, got {budget}")
+    n = sample.num_response_tokens if sample.num_response_tokens is not None else len(sample.response)
+    return max(0.0, min(1.0, 2.0 - n / budget))

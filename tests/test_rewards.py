@@ -1,0 +1,120 @@
+"""Rule rewards and the safe multi-reward scorer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_rl.rewards import ConditionalSpec, RewardInput, RewardScorer, RewardSpec, resolve_reward_fn
+from moe_rl.rewards.rules import format_reward, length_reward, math_correct
+
+
+def sample(response: str, answer: str | None = None, n: int | None = None) -> RewardInput:
+    return RewardInput(prompt="q", response=response, answer=answer, num_response_tokens=n)
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("so the answer is \\boxed{1/2}", "0.5", 1.0),
+        ("the result: \\boxed{\\frac{1}{2}}", "1/2", 1.0),
+        ("I think \\boxed{3}", "4", 0.0),
+        ("x = 2 + 2 = \\boxed{4}", "$4$", 1.0),
+        ("no answer here", "4", 0.0),
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+    ],
+)
+def test_math_correct(response: str, answer: str, expected: float) -> None:
+    assert math_correct(sample(response, answer)) == expected
+
+
+def test_format_and_length() -> None:
+    assert format_reward(sample("answer \\boxed{7}")) == 1.0
+    assert format_reward(sample("answer 7")) == 0.0
+    assert format_reward(sample("<answer>7</answer>"), pattern=r"<answer>.+</answer>") == 1.0
+    assert length_reward(sample("x", n=100), budget=100) == 1.0
+    assert length_reward(sample("x", n=150), budget=100) == pytest.approx(0.5)
+    assert length_reward(sample("x", n=400), budget=100) == 0.0
+    assert length_reward(sample("abcd"), budget=2) == 0.0  # characters when tokens unknown
+
+
+def _raises(s: RewardInput) -> float:
+    raise RuntimeError("boom")
+
+
+def _hangs(s: RewardInput) -> float:
+    time.sleep(30)
+    return 1.0
+
+
+def _nan(s: RewardInput) -> float:
+    return float("nan")
+
+
+def _text(s: RewardInput) -> str:
+    return "not a number"
+
+
+def test_scorer_columns_weights_and_conditionals() -> None:
+    scorer = RewardScorer(
+        [
+            RewardSpec("correct", "math_correct"),
+            RewardSpec("format", "format", weight=0.5),
+            RewardSpec("short", "length", weight=0.2, kwargs={"budget": 10}),
+        ],
+        conditionals=[ConditionalSpec(target="short", condition="correct", threshold=1.0)],
+    )
+    batch = scorer.score([sample("\\boxed{4}", "4", n=5), sample("\\boxed{5}", "4", n=5), sample("4", "4", n=30)])
+    assert batch.names == ["correct", "format", "short"]
+    assert torch.equal(batch.values, torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(batch.total(), torch.tensor([1.7, 0.5, 1.0]))
+    assert torch.equal(batch.column("format"), torch.tensor([1.0, 1.0, 0.0]))
+
+
+def test_failing_rewards_score_zero_are_counted_and_never_raise() -> None:
+    here = __name__
+    scorer = RewardScorer(
+        [
+            RewardSpec("ok", "format"),
+            RewardSpec("raises", f"{here}:_raises"),
+            RewardSpec("hangs", f"{here}:_hangs"),
+            RewardSpec("nan", f"{here}:_nan"),
+            RewardSpec("text", f"{here}:_text"),
+            RewardSpec("no_answer", "math_correct"),
+        ],
+        timeout_s=0.2,
+    )
+    start = time.monotonic()
+    batch = scorer.score([sample("\\boxed{1}"), sample("none")])
+    assert time.monotonic() - start < 5  # the hanging reward did not block the run
+    assert torch.equal(batch.values[:, 0], torch.tensor([1.0, 0.0]))
+    assert torch.equal(batch.values[:, 1:], torch.zeros(2, 5))
+    assert batch.failures["raises"]["error"] == 2
+    assert batch.failures["hangs"]["timeout"] == 2
+    assert batch.failures["nan"]["nonfinite"] == 2
+    assert batch.failures["text"]["error"] == 2
+    assert batch.failures["no_answer"]["error"] == 2
+    assert sum(batch.failures["ok"].values()) == 0
+    scorer.score([sample("x")])
+    assert scorer.failure_totals["raises"]["error"] == 3
+
+
+@pytest.mark.parametrize(
+    "specs, conditionals, message",
+    [
+        ([], [], "at least one reward"),
+        ([RewardSpec("a", "format"), RewardSpec("a", "length")], [], "unique"),
+        ([RewardSpec("a", "nope")], [], "unknown reward function 'nope'"),
+        ([RewardSpec("a", "no.such.module:fn")], [], "cannot import"),
+        ([RewardSpec("a", "format")], [ConditionalSpec("a", "b")], "unknown reward 'b'"),
+    ],
+)
+def test_scorer_config_errors(specs, conditionals, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        RewardScorer(specs, conditionals)
+
+
+def test_resolve_user_function_by_import_path() -> None:
+    assert resolve_reward_fn("moe_rl.rewards.rules:length_reward") is length_reward
