@@ -1,4 +1,6 @@
-"""Model-parallel plumbing: process groups, megatron-core parallel state, the CPU bridge.
+"""Model-parallel plumbing: layout validation, process groups, megatron-core parallel
+state, and the CPU bridge (loaded only on machines without CUDA)."""
 
-(Filled in by the model-backend issue; kept importable so the package layout is stable.)
-"""
+from parallel.layout import LayoutError, ModelDims, ParallelLayout
+
+__all__ = ["LayoutError", "ModelDims", "ParallelLayout"]

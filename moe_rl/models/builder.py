@@ -1,0 +1,92 @@
+"""Build this rank's part of a megatron-core GPTModel from a Hugging Face config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from transformers import AutoConfig, PretrainedConfig
+
+from moe_rl.models.architectures import rope_theta, transformer_config_kwargs
+from moe_rl.models.layers import decoder_block_spec
+from moe_rl.models.logprob_head import LogProbHead
+from parallel.layout import ParallelLayout
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """The ``config.json`` of a local HF model directory (never a hub download)."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a Hugging Face config from {path!r}: {e}") from None
+
+
+def make_transformer_config(
+    hf_config: PretrainedConfig,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype | None = None,
+    **overrides: Any,
+) -> TransformerConfig:
+    """megatron-core config: the architecture's settings, the parallel layout, the dtype
+    (bf16 on CUDA, fp32 on CPU unless given) and any ``overrides`` (e.g. recompute,
+    ``moe_enable_routing_replay``, ``moe_aux_loss_coeff``)."""
+    if params_dtype is None:
+        params_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    kwargs = transformer_config_kwargs(hf_config)
+    kwargs.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=layout.use_sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config: PretrainedConfig, config: TransformerConfig) -> GPTModel:
+    """This rank's pipeline stage of the model (initialised randomly: load weights next).
+
+    The output layer is a :class:`LogProbHead`: the model returns per-token log-probs
+    and entropies of given targets instead of full-vocabulary logits.
+    """
+    pre = parallel_state.is_pipeline_first_stage()
+    post = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    if post:
+        LogProbHead.attach(model)
+    # megatron-core 0.16.1 marks expert weights allreduce=True when EP == 1, so DDP never
+    # sums their gradients across the tensor-parallel ranks that see other tokens
+    # (ETP < TP) and the replicas diverge silently (DESIGN.md §3.10; upstream PR #5916).
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.allreduce = False
+    return model

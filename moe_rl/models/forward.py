@@ -1,0 +1,99 @@
+"""Run micro-batches through megatron-core's pipeline schedule.
+
+Every rank calls :func:`run_microbatches` with the same micro-batches (token ids are
+cheap to replicate); the first stage embeds them, the last computes per-token log-probs
+and entropies (:mod:`moe_rl.models.logprob_head`) and, when training, the loss.
+
+Loss convention: ``loss_fn`` returns each micro-batch's loss already normalised by
+*global* counts (see :func:`moe_rl.algorithms.aggregate`), so the schedule sums
+micro-batch losses as they are (``calculate_per_token_loss``) and data-parallel
+gradients are summed, not averaged: the result is the full batch's gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded token ids ``[b, s]``; log-probs are of ``input_ids[:, 1:]``."""
+
+    input_ids: Tensor
+    extras: dict | None = None  # anything the loss function needs (mask, advantages, ...)
+
+    @property
+    def targets(self) -> Tensor:
+        """Next-token targets aligned to positions (the last position's is a dummy 0)."""
+        return torch.cat([self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])], dim=1)
+
+
+LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict]]
+
+
+def run_microbatches(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    *,
+    loss_fn: LossFn | None = None,
+    forward_only: bool = True,
+) -> list[dict]:
+    """Forward (and backward unless ``forward_only``) every micro-batch.
+
+    Returns, on the last pipeline stage, one dict per micro-batch: ``logprobs`` and
+    ``entropy`` ``[b, s-1]`` (detached) plus whatever ``loss_fn`` reported; other stages
+    get an empty list. ``loss_fn(logp_entropy [b, s-1, 2], micro_batch) -> (loss, metrics)``.
+    """
+    if not micro_batches:
+        return []
+    shape = micro_batches[0].input_ids.shape
+    if any(mb.input_ids.shape != shape for mb in micro_batches):
+        raise ValueError("all micro-batches must share one [batch, seq] shape (pad them)")
+    chunks = model if isinstance(model, list) else [model]
+    config = _unwrap(chunks[0]).config
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = None  # the caller finalizes (no token-count scaling)
+    device = next(chunks[0].parameters()).device
+    batches = iter(micro_batches)
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        ids = mb.input_ids.to(device)
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        out = model_chunk(ids, positions, attention_mask=None, labels=mb.targets.to(device))
+        return out, partial(_loss_wrapper, loss_fn, mb)
+
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=shape[1],
+        micro_batch_size=shape[0],
+        forward_only=forward_only,
+    )
+    return list(results) if ps.is_pipeline_last_stage() else []
+
+
+def _loss_wrapper(loss_fn: LossFn | None, mb: MicroBatch, output: Tensor):
+    logp_entropy = output[:, :-1]  # the last position predicts past the sequence
+    report = {"logprobs": logp_entropy[..., 0].detach(), "entropy": logp_entropy[..., 1].detach()}
+    if loss_fn is None:
+        loss = logp_entropy.sum() * 0.0
+    else:
+        loss, metrics = loss_fn(logp_entropy, mb)
+        report.update(metrics)
+    return loss, torch.tensor(1, dtype=torch.int), report
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module

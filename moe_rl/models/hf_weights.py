@@ -1,0 +1,315 @@
+"""Hugging Face safetensors <-> this rank's shards of a megatron-core GPTModel.
+
+Loading: every rank reads only the checkpoint tensors its own parameters need (its
+pipeline stage's layers, its experts) and keeps its tensor-parallel slice. Exporting:
+tensor-parallel shards are gathered inside their group, and one rank per replica
+(data-parallel rank 0; expert-data-parallel rank 0 for experts) writes its stage's and
+experts' tensors; rank 0 writes the index, the config and the tokenizer files. The
+directory is written under a temporary name and renamed when complete.
+
+Layout facts (DESIGN.md §3.12): megatron's fused QKV is interleaved per KV group (that
+group's query heads, then its key, then its value head); ``linear_fc1`` is
+``cat(gate_proj, up_proj)`` *per tensor-parallel shard*; ``pre_mlp_layernorm`` is HF's
+``post_attention_layernorm``; ``router`` is the MoE block's ``gate``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
+
+from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one megatron parameter is made of HF tensors.
+
+    ``kind``: ``copy`` (one tensor), ``qkv`` (q, k, v interleaved per KV group) or
+    ``glu`` (gate, up, concatenated per shard). ``shard_dim`` is the tensor-parallel
+    split dimension (None: replicated); ``expert`` selects the expert-TP group.
+    """
+
+    hf_keys: tuple[str, ...]
+    kind: str = "copy"
+    shard_dim: int | None = None
+    expert: bool = False
+
+
+class ParamMapper:
+    """Maps this rank's megatron parameter names to :class:`Recipe` s."""
+
+    _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+    _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+
+    def __init__(self, hf_config: PretrainedConfig, model: GPTModel) -> None:
+        self.cfg = hf_config
+        self.arch = architecture_of(hf_config)
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.layer_offset = get_transformer_layer_offset(model.config)
+        num_experts = self.arch.num_experts(hf_config)
+        self.local_experts = num_experts // model.config.expert_model_parallel_size
+        self.expert_offset = ps.get_expert_model_parallel_rank() * self.local_experts
+
+    def recipe(self, name: str) -> Recipe:
+        if name == "embedding.word_embeddings.weight":
+            return Recipe(("model.embed_tokens.weight",), shard_dim=0)
+        if name == "output_layer.weight":
+            return Recipe(("model.embed_tokens.weight" if self.tied else "lm_head.weight",), shard_dim=0)
+        if name == "decoder.final_layernorm.weight":
+            return Recipe(("model.norm.weight",))
+        m = self._LAYER.fullmatch(name)
+        if not m:
+            raise KeyError(name)
+        l = self.layer_offset + int(m.group(1))
+        rest = m.group(2)
+        p = f"model.layers.{l}."
+        simple = {
+            "input_layernorm.weight": Recipe((p + "input_layernorm.weight",)),
+            "pre_mlp_layernorm.weight": Recipe((p + "post_attention_layernorm.weight",)),
+            "self_attention.q_layernorm.weight": Recipe((p + "self_attn.q_norm.weight",)),
+            "self_attention.k_layernorm.weight": Recipe((p + "self_attn.k_norm.weight",)),
+            "self_attention.linear_proj.weight": Recipe((p + "self_attn.o_proj.weight",), shard_dim=1),
+            "mlp.router.weight": Recipe((self.arch.experts.router.format(l=l),)),
+            "mlp.linear_fc1.weight": Recipe((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "glu", 0),
+            "mlp.linear_fc2.weight": Recipe((p + "mlp.down_proj.weight",), shard_dim=1),
+        }
+        if rest in simple:
+            return simple[rest]
+        if rest.startswith("self_attention.linear_qkv."):
+            suffix = rest.rsplit(".", 1)[1]  # weight | bias
+            keys = tuple(f"{p}self_attn.{x}_proj.{suffix}" for x in "qkv")
+            return Recipe(keys, "qkv", 0)
+        e = self._EXPERT.fullmatch(rest)
+        if e:
+            expert = self.expert_offset + int(e.group(1))
+            keys = self.arch.experts
+            if e.group(2) == "linear_fc1":
+                fc1 = (keys.gate.format(l=l, e=expert), keys.up.format(l=l, e=expert))
+                return Recipe(fc1, "glu", 0, expert=True)
+            return Recipe((keys.down.format(l=l, e=expert),), shard_dim=1, expert=True)
+        raise KeyError(name)
+
+    # -------------------------------------------------------------- full <-> shard
+
+    def to_shard(self, recipe: Recipe, tensors: list[torch.Tensor]) -> torch.Tensor:
+        rank, size = self._tp(recipe)
+        if recipe.kind == "copy":
+            full = tensors[0]
+            return full if recipe.shard_dim is None else full.chunk(size, recipe.shard_dim)[rank]
+        if recipe.kind == "glu":
+            return torch.cat([t.chunk(size, 0)[rank] for t in tensors])
+        return self._interleave_qkv(*tensors).chunk(size, 0)[rank]
+
+    def to_full(self, recipe: Recipe, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Inverse of :meth:`to_shard` given every TP rank's shard (in rank order)."""
+        if recipe.kind == "copy":
+            return [shards[0] if recipe.shard_dim is None else torch.cat(shards, recipe.shard_dim)]
+        if recipe.kind == "glu":
+            halves = [s.chunk(2, 0) for s in shards]
+            return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return self._split_qkv(torch.cat(shards, 0))
+
+    def _tp(self, recipe: Recipe) -> tuple[int, int]:
+        if recipe.shard_dim is None:
+            return 0, 1
+        if recipe.expert:
+            return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+    def _qkv_dims(self) -> tuple[int, int, int]:
+        groups = self.cfg.num_key_value_heads
+        return groups, self.cfg.num_attention_heads // groups, head_dim(self.cfg)
+
+    def _interleave_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups, q_per_group, d = self._qkv_dims()
+        tail = q.shape[1:]
+        parts = [q.reshape(groups, q_per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)]
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+    def _split_qkv(self, fused: torch.Tensor) -> list[torch.Tensor]:
+        groups, q_per_group, d = self._qkv_dims()
+        tail = fused.shape[1:]
+        g = fused.reshape(groups, (q_per_group + 2) * d, *tail)
+        q, k, v = g.split([q_per_group * d, d, d], dim=1)
+        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+
+
+class SafetensorsDir:
+    """Lazy reader of a local HF checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").exists():
+            with safe_open(self.path / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.path}")
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise KeyError(f"{key!r} is not in the checkpoint {self.path}")
+        file = self.weight_map[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.path / file, "pt")
+        return self._handles[file].get_tensor(key)
+
+    def dtype(self) -> torch.dtype:
+        return self.get(next(iter(sorted(self.weight_map)))).dtype
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, hf_config: PretrainedConfig, hf_dir: str | os.PathLike) -> None:
+    """Fill this rank's parameters from the HF checkpoint in ``hf_dir``.
+
+    Raises ``ValueError`` if a parameter's tensors are missing or have the wrong shape,
+    and (after comparing all ranks) if the checkpoint holds weights no rank used.
+    """
+    reader = SafetensorsDir(hf_dir)
+    mapper = ParamMapper(hf_config, model)
+    used: set[str] = set()
+    for name, param in model.named_parameters():
+        recipe = mapper.recipe(name)
+        missing = [k for k in recipe.hf_keys if k not in reader.weight_map]
+        if missing:
+            raise ValueError(f"checkpoint {hf_dir} lacks {missing} (needed for megatron parameter {name})")
+        shard = mapper.to_shard(recipe, [reader.get(k) for k in recipe.hf_keys])
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint gives shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
+        param.copy_(shard.to(param.dtype))
+        used.update(recipe.hf_keys)
+    all_used = _all_gather_objects(used)
+    unused = reader.keys() - set().union(*all_used)
+    if mapper.tied:
+        unused.discard("lm_head.weight")
+    if unused:
+        raise ValueError(
+            f"checkpoint {hf_dir} has {len(unused)} weights this model does not use, e.g. {sorted(unused)[:4]}: "
+            f"is model_type={hf_config.model_type!r} right?"
+        )
+
+
+@torch.no_grad()
+def export_hf_weights(
+    model: GPTModel,
+    hf_config: PretrainedConfig,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    copy_files_from: str | os.PathLike | None = None,
+) -> Path:
+    """Write the model as a HF directory (safetensors shards, index, config) that
+    ``transformers`` and SGLang load. Collective: every rank must call it."""
+    out = Path(out_dir)
+    dtype = dtype or hf_dtype(hf_config)
+    mapper = ParamMapper(hf_config, model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = Path(_broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        recipe = mapper.recipe(name)
+        if name == "output_layer.weight" and mapper.tied:
+            continue
+        shards = _gather_shards(param.detach(), recipe, mapper)
+        if _is_writer(recipe):
+            for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
+                tensors[key] = full.to(dtype).contiguous()
+    writers = _all_gather_objects(sorted(tensors))
+    files = [i for i, keys in enumerate(writers) if keys]
+    weight_map: dict[str, str] = {}
+    for n, writer in enumerate(files):
+        file = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
+        weight_map.update({k: file for k in writers[writer]})
+        if writer == rank:
+            save_file(tensors, tmp / file, metadata={"format": "pt"})
+    if rank == 0:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        hf_config.dtype = dtype
+        hf_config.save_pretrained(tmp)
+        if copy_files_from is not None:
+            for name in _TOKENIZER_FILES:
+                src = Path(copy_files_from) / name
+                if src.exists():
+                    shutil.copy2(src, tmp / name)
+    _barrier()
+    if rank == 0:
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    _barrier()
+    return out
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def _gather_shards(param: torch.Tensor, recipe: Recipe, mapper: ParamMapper) -> list[torch.Tensor]:
+    _, size = mapper._tp(recipe)
+    if size == 1:
+        return [param]
+    group = ps.get_expert_tensor_parallel_group() if recipe.expert else ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(shards, param.contiguous(), group=group)
+    return shards
+
+
+def _is_writer(recipe: Recipe) -> bool:
+    if recipe.expert:
+        return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+
+
+def _all_gather_objects(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast_object(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,137 @@
+"""Per-token log-probs and entropies of given targets, vocabulary-parallel and chunked.
+
+A policy never needs full-vocabulary logits: only ``log p(target)`` and the entropy of
+each position. :class:`LogProbHead` makes a megatron-core ``GPTModel`` return exactly
+those, ``[batch, seq, 2]`` (log-prob, entropy), when it is called with ``labels``
+(the targets):
+
+- the output layer stops at the (sequence-parallel-gathered) hidden states;
+- :func:`vocab_parallel_logprobs` multiplies them by this rank's vocabulary shard of the
+  output weight, one sequence chunk at a time, and combines the shards' max, sum-exp,
+  target logit and ``sum p*z`` with all-reduces over the tensor-parallel group: no rank
+  ever holds more than ``chunk x batch x vocab/TP`` logits, and a chunk's logits are
+  recomputed in the backward pass instead of being kept (activation checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class LogProbConfig:
+    temperature: float = 1.0
+    chunk_size: int = 1024  # sequence positions per logits chunk
+    with_entropy: bool = True
+
+
+def vocab_parallel_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    config: LogProbConfig = LogProbConfig(),
+    group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``log softmax(hidden @ weight.T / T)[target]`` and the entropy, ``[s, b]`` each.
+
+    ``hidden`` ``[s, b, h]`` is the full sequence (replicated over TP); ``weight``
+    ``[V/TP, h]`` is this rank's vocabulary shard; ``targets`` ``[s, b]`` are global ids.
+    """
+    if group is None:
+        group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    vocab_start = weight.shape[0] * (dist.get_rank(group) if tp_size > 1 else 0)
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], config.chunk_size):
+        chunk = slice(start, start + config.chunk_size)
+        logp, ent = checkpoint(
+            _chunk_logprobs,
+            hidden[chunk],
+            weight,
+            targets[chunk],
+            vocab_start,
+            config.temperature,
+            config.with_entropy,
+            group if tp_size > 1 else None,
+            use_reentrant=False,
+        )
+        logps.append(logp)
+        entropies.append(ent)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _chunk_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_start: int,
+    temperature: float,
+    with_entropy: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[Tensor, Tensor]:
+    logits = torch.matmul(hidden, weight.t()).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    local_max = logits.detach().amax(-1)
+    if group is not None:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+    z = logits - local_max.unsqueeze(-1)
+    exp_z = z.exp()
+    local = targets - vocab_start
+    in_shard = (local >= 0) & (local < weight.shape[0])
+    target_z = torch.gather(z, -1, local.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
+    target_z = torch.where(in_shard, target_z, torch.zeros_like(target_z))
+    parts = [exp_z.sum(-1), target_z]
+    if with_entropy:
+        parts.append((exp_z * z).sum(-1))
+    stacked = torch.stack(parts)
+    if group is not None:
+        stacked = tensor_parallel.reduce_from_tensor_model_parallel_region(stacked, group=group)
+    log_sum_exp = stacked[0].log()
+    logp = stacked[1] - log_sum_exp
+    if with_entropy:
+        entropy = log_sum_exp - stacked[2] / stacked[0]
+    else:
+        entropy = torch.zeros_like(logp)
+    return logp, entropy
+
+
+class _DeferredOutputLayer(ColumnParallelLinear):
+    """The model's output layer, stopping before the vocabulary projection: it returns
+    the hidden states of the whole sequence, gathered over sequence-parallel ranks."""
+
+    def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output=None, **_):
+        if self.sequence_parallel:
+            input_ = tensor_parallel.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        elif dist.get_world_size(self.tp_group) > 1:
+            input_ = tensor_parallel.copy_to_tensor_model_parallel_region(input_)
+        return input_, None
+
+
+class LogProbHead:
+    """Turns a last-stage ``GPTModel`` into a log-prob model (see the module docstring)."""
+
+    @staticmethod
+    def attach(model: GPTModel, config: LogProbConfig | None = None) -> None:
+        model.output_layer.__class__ = _DeferredOutputLayer
+        model.logprob_config = config or LogProbConfig()
+        model.compute_language_model_loss = _compute_logprobs.__get__(model)
+
+
+def _compute_logprobs(model: GPTModel, labels: Tensor, hidden: Tensor) -> Tensor:
+    """Replaces ``compute_language_model_loss``: ``[b, s, 2]`` (log-prob, entropy)."""
+    if model.share_embeddings_and_output_weights:
+        weight = model.shared_embedding_or_output_weight()
+    else:
+        weight = model.output_layer.weight
+    logp, entropy = vocab_parallel_logprobs(hidden, weight, labels.transpose(0, 1), config=model.logprob_config)
+    return torch.stack([logp, entropy], dim=-1).transpose(0, 1).contiguous()

@@ -1,0 +1,177 @@
+"""Run megatron-core on a machine without CUDA (DESIGN.md §3).
+
+megatron-core assumes a CUDA device in a few places that have nothing to do with the
+math: ``torch.cuda.current_device()`` used as a device, CUDA streams and events, the
+model-parallel RNG tracker's CUDA generator, literal ``device="cuda"`` tensors, a
+Transformer-Engine symbol that is undefined without TE, split sizes that must be host
+lists, ``torch.cuda.*Tensor`` type-name checks in the optimizer, and gloo's refusal of
+unequal all_gather sizes. :func:`install` bridges each of them onto the CPU once.
+
+It is installed by :func:`parallel.distributed.init_distributed` only when
+``torch.cuda.is_available()`` is false; GPU runs never load this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+
+def is_installed() -> bool:
+    return _INSTALLED
+
+
+def install() -> None:
+    """Bridge megatron-core's CUDA assumptions onto the CPU (idempotent)."""
+    global _INSTALLED, _MODE
+    if _INSTALLED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU bridge is for machines without CUDA; this one has a CUDA device")
+    _patch_torch_cuda()
+    _patch_megatron()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _INSTALLED = True
+
+
+# ----------------------------------------------------------------- torch.cuda
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_NullEvent":
+        return event or _NullEvent()
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NullStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _NullEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cpu = torch.device("cpu")
+    cuda.current_device = lambda: cpu
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.empty_cache = lambda: None
+    # the model-parallel RNG tracker keeps its states in "the CUDA generator": use the CPU one
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+# ----------------------------------------------------------------- megatron-core
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state().clone() if clone else torch.get_rng_state()
+    )
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # the tracker warns when the CPU generator moves inside fork(); on CPU that generator
+    # *is* the forked one, so the warning is expected and silenced (only this message)
+    logging.getLogger(mp_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+
+    # undefined without Transformer Engine; None selects the torch.mm path
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # split sizes must be host lists for all_to_all_single: the original returns CPU
+    # tensors untouched even when numpy was asked for
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(out):
+            return out.numpy()
+        return out
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# ----------------------------------------------------------------- literal "cuda"
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device="cuda"`` (and ``.cuda()``, ``pin_memory=True``) to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)

@@ -1,0 +1,92 @@
+"""Process groups from the launcher's environment, and megatron-core's parallel state.
+
+The DeepSpeed launcher and torchrun both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+and MASTER_PORT. CUDA machines use nccl and one device per local rank; CPU machines use
+gloo and install the CPU bridge (:mod:`parallel.cpu_bridge`) first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.layout import LayoutError, ModelDims, ParallelLayout
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launch_env() -> LaunchEnv:
+    """Read the launcher's variables; a plain ``python`` start is a world of one."""
+    try:
+        return LaunchEnv(
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+        )
+    except ValueError as e:
+        raise LayoutError(f"bad launcher environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT): {e}") from None
+
+
+def init_distributed(
+    layout: ParallelLayout,
+    model: ModelDims | None = None,
+    *,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> LaunchEnv:
+    """Validate ``layout``, create the process group and megatron's parallel groups."""
+    env = launch_env()
+    layout.validate(env.world_size, model)  # before any group exists
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        from parallel import cpu_bridge
+
+        cpu_bridge.install()
+    else:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return env
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
