@@ -168,6 +168,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizer checks type names such as 'torch.cuda.FloatTensor'
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if kwargs.get("pin_memory"):

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -223,6 +224,32 @@ def load_hf_weights(model: GPTModel, hf_config: PretrainedConfig, hf_dir: str | 
 
 
 @torch.no_grad()
+def gather_hf_tensors(
+    model: GPTModel,
+    hf_config: PretrainedConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    source: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors of the parameters this rank writes (others get ``{}``).
+
+    ``source(name, param)`` picks what to gather (default: the parameter itself; e.g.
+    ``lambda n, p: p.main_grad`` gathers gradients). Collective over TP groups."""
+    mapper = ParamMapper(hf_config, model)
+    source = source or (lambda name, param: param)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight" and mapper.tied:
+            continue
+        recipe = mapper.recipe(name)
+        shards = _gather_shards(source(name, param).detach(), recipe, mapper)
+        if _is_writer(recipe):
+            for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
+                tensors[key] = (full if dtype is None else full.to(dtype)).contiguous()
+    return tensors
+
+
+@torch.no_grad()
 def export_hf_weights(
     model: GPTModel,
     hf_config: PretrainedConfig,
@@ -235,18 +262,11 @@ def export_hf_weights(
     ``transformers`` and SGLang load. Collective: every rank must call it."""
     out = Path(out_dir)
     dtype = dtype or hf_dtype(hf_config)
-    mapper = ParamMapper(hf_config, model)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(_broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        recipe = mapper.recipe(name)
-        if name == "output_layer.weight" and mapper.tied:
-            continue
-        shards = _gather_shards(param.detach(), recipe, mapper)
-        if _is_writer(recipe):
-            for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
-                tensors[key] = full.to(dtype).contiguous()
+    tensors = gather_hf_tensors(model, hf_config, dtype=dtype)
     writers = _all_gather_objects(sorted(tensors))
     files = [i for i, keys in enumerate(writers) if keys]
     weight_map: dict[str, str] = {}

@@ -1,0 +1,98 @@
+"""megatron-core DDP, the (distributed) Adam optimizer and one training step.
+
+Gradients are summed (not averaged) over data-parallel ranks: the policy losses are
+normalised by global token/sequence counts (see :mod:`moe_rl.models.forward`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+
+
+@dataclass
+class OptimSettings:
+    """The optimizer knobs a user sets (the rest follows the model's dtype)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
+
+
+def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, settings: OptimSettings) -> DistributedDataParallel:
+    """megatron-core DDP with fp32 gradient buffers, summed over data-parallel ranks."""
+    config.calculate_per_token_loss = True  # DDP then sums instead of averaging
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimSettings) -> MegatronOptimizer:
+    settings.validate()
+    config = chunks[0].config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        **settings.extra,
+    )
+    return get_megatron_optimizer(opt_config, chunks)
+
+
+@dataclass
+class StepResult:
+    updated: bool
+    grad_norm: float
+    outputs: list[dict]
+
+
+def train_step(
+    chunks: list[DistributedDataParallel],
+    optimizer: MegatronOptimizer,
+    forward_backward: Callable[[], list[dict]],
+) -> StepResult:
+    """Zero gradients, run ``forward_backward`` (e.g. :func:`run_microbatches` with
+    ``forward_only=False``), reduce gradients across ranks, clip and step.
+
+    ``updated`` is False when the gradients held NaN/Inf and the step was skipped."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = forward_backward()
+    finalize_model_grads(chunks)
+    updated, grad_norm, _ = optimizer.step()
+    return StepResult(updated=bool(updated), grad_norm=float(grad_norm or 0.0), outputs=outputs)
