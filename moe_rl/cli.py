@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import moe_rl
 
@@ -38,10 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
     demo.set_defaults(func=_demo)
+    from moe_rl.commands import export, parity
+
+    parity.add_parser(sub)
+    export.add_parser(sub)
     return parser
 
 
+# harmless notices megatron-core prints on every start without Transformer Engine/Apex
+_KNOWN_NOISE = (
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*Apex is not installed.*",
+    ".*full scope is deprecated.*",
+    ".*all_gather_into_tensor. is deprecated.*",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    for pattern in _KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``moe-rl`` command line, one module each."""

@@ -1,0 +1,75 @@
+"""``moe-rl parity`` and ``moe-rl export`` end to end (subprocesses, real HTTP-free CLI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.models.hf_weights import SafetensorsDir
+from moe_rl.models.tiny import save_tiny_checkpoint
+
+
+def moe_rl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3_moe", seed=2, norm_topk_prob=False),
+        "qwen3_norm": save_tiny_checkpoint(root / "qwen3_norm", "qwen3_moe", seed=3, norm_topk_prob=True),
+        "mixtral": save_tiny_checkpoint(root / "mixtral", "mixtral", seed=4),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("qwen3", []),
+        ("qwen3_norm", []),
+        ("mixtral", []),
+        ("mixtral", ["--nproc", "2", "--tp", "2", "--ep", "2", "--etp", "1"]),
+    ],
+)
+def test_parity_with_transformers(checkpoints, name, layout) -> None:
+    out = moe_rl("parity", "--hf-dir", checkpoints[name], "--tolerance", "1e-4", *layout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(l for l in out.stdout.splitlines() if l.startswith("parity"))
+    diff = float(line.split("= ")[1].split()[0])
+    assert diff <= 1e-4 and line.endswith("OK")
+
+
+def test_parity_fails_above_tolerance(checkpoints) -> None:
+    out = moe_rl("parity", "--hf-dir", checkpoints["qwen3"], "--tolerance", "0")
+    assert out.returncode == 1 and "FAILED" in out.stdout
+
+
+def test_bad_layout_is_one_clear_line(checkpoints) -> None:
+    out = moe_rl("parity", "--hf-dir", checkpoints["qwen3"], "--nproc", "2", "--ep", "3")
+    assert out.returncode == 2
+    assert "moe-rl: error:" in out.stderr and "Traceback" not in out.stderr
+    missing = moe_rl("parity", "--hf-dir", "/nonexistent/dir")
+    assert missing.returncode == 2 and "cannot read a Hugging Face config" in missing.stderr
+
+
+@pytest.mark.parametrize("layout", [[], ["--nproc", "2", "--ep", "2"]])
+def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path, layout) -> None:
+    src = checkpoints["qwen3"]
+    out = moe_rl("export", "--checkpoint", src, "--out", str(tmp_path / "hf"), *layout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    a, b = SafetensorsDir(src), SafetensorsDir(tmp_path / "hf")
+    assert a.keys() == b.keys()
+    for key in a.keys():
+        assert torch.equal(a.get(key), b.get(key)), key
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert model.config.model_type == "qwen3_moe"
+    assert not list(tmp_path.glob(".hf.tmp-*")), "temporary export directory left behind"
