@@ -36,6 +36,8 @@ def _demo(_args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
     parser.add_argument("--version", action="version", version=f"moe-rl {moe_rl.__version__}")
+    # the DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment is used
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
     demo.set_defaults(func=_demo)
@@ -52,6 +54,7 @@ _KNOWN_NOISE = (
     ".*Apex is not installed.*",
     ".*full scope is deprecated.*",
     ".*all_gather_into_tensor. is deprecated.*",
+    ".*reduce_scatter_tensor. is deprecated.*",
 )
 
 

@@ -36,7 +36,9 @@ def fixed_batch(vocab: int) -> list[MicroBatch]:
 
 
 def loss_fn(logp_entropy: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
-    loss = -(logp_entropy[..., 0] * mb.extras["w"]).sum() / (NUM_SEQS * (SEQ - 1))
+    # log-probs and entropy both carry gradient (the entropy through the vocab-parallel path)
+    per_token = logp_entropy[..., 0] * mb.extras["w"] + 0.1 * logp_entropy[..., 1]
+    loss = -per_token.sum() / (NUM_SEQS * (SEQ - 1))
     return loss, {"loss": loss.detach()}
 
 
@@ -61,6 +63,8 @@ def main() -> None:
             config = make_transformer_config(hf_config, layout)
             model = build_model(hf_config, config)
             load_hf_weights(model, hf_config, hf_dir)
+            if hasattr(model, "logprob_config") and dist.get_world_size() > 1:
+                model.logprob_config.chunk_size = 5  # several sequence chunks (reference: one)
             settings = OptimSettings(lr=3e-3, use_distributed_optimizer=distributed_optimizer)
             ddp = wrap_ddp(model, config, settings)
             return ddp, settings
@@ -70,6 +74,7 @@ def main() -> None:
         results = run_microbatches([ddp], batch, forward_only=True)
         if reporter:
             torch.save(torch.cat([r["logprobs"] for r in results]), out / "logp.pt")
+            torch.save(torch.cat([r["entropy"] for r in results]), out / "entropy.pt")
 
         # 2. gradients of the fixed loss, data split over data-parallel ranks
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads

@@ -43,6 +43,7 @@ def _grads(run: Path) -> dict[str, torch.Tensor]:
 def test_layout_matches_single_process(qwen3_runs: Path, layout: str) -> None:
     ref, run = qwen3_runs / "1-1-1-1", qwen3_runs / layout.replace(",", "-")
     torch.testing.assert_close(torch.load(run / "logp.pt"), torch.load(ref / "logp.pt"), rtol=0, atol=2e-5)
+    torch.testing.assert_close(torch.load(run / "entropy.pt"), torch.load(ref / "entropy.pt"), rtol=0, atol=2e-5)
     ref_grads, grads = _grads(ref), _grads(run)
     assert set(grads) == set(ref_grads)
     for key, g in ref_grads.items():

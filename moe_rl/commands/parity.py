@@ -64,13 +64,15 @@ def _run_rank(args: argparse.Namespace) -> int:
         verdict = torch.zeros(1)
         if reporter:
             ours = torch.cat([r["logprobs"] for r in results])
-            theirs = _transformers_logprobs(args.hf_dir, ids)
+            our_entropy = torch.cat([r["entropy"] for r in results])
+            theirs, their_entropy = _transformers_logprobs(args.hf_dir, ids)
             diff = (ours - theirs).abs().max().item()
-            ok = diff <= args.tolerance
+            entropy_diff = (our_entropy - their_entropy).abs().max().item()
+            ok = max(diff, entropy_diff) <= args.tolerance
             print(
                 f"parity tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp} "
                 f"({hf_config.model_type}, {args.batch}x{args.seq_len} tokens): "
-                f"max |logp_megatron - logp_transformers| = {diff:.3e} "
+                f"max |logp_megatron - logp_transformers| = {diff:.3e}, entropy {entropy_diff:.3e} "
                 f"{'<=' if ok else '>'} {args.tolerance:g}: {'OK' if ok else 'FAILED'}",
                 flush=True,
             )
@@ -88,5 +90,7 @@ def _transformers_logprobs(hf_dir: str, ids):
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
     model.eval()
     with torch.no_grad():
-        logits = model(ids).logits.float()
-    return torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        logits = model(ids).logits.float()[:, :-1]
+    logp = torch.log_softmax(logits, -1)
+    entropy = torch.distributions.Categorical(logits=logits).entropy()
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy

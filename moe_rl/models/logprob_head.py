@@ -46,9 +46,9 @@ def vocab_parallel_logprobs(
     ``hidden`` ``[s, b, h]`` is the full sequence (replicated over TP); ``weight``
     ``[V/TP, h]`` is this rank's vocabulary shard; ``targets`` ``[s, b]`` are global ids.
     """
-    if group is None:
+    if group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    tp_size = dist.get_world_size(group) if group is not None else 1
     vocab_start = weight.shape[0] * (dist.get_rank(group) if tp_size > 1 else 0)
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], config.chunk_size):
