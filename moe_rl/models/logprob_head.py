@@ -78,7 +78,8 @@ def _chunk_logprobs(
     with_entropy: bool,
     group: dist.ProcessGroup | None,
 ) -> tuple[Tensor, Tensor]:
-    logits = torch.matmul(hidden, weight.t()).float()
+    logits = torch.matmul(hidden, weight.t())
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
     if temperature != 1.0:
         logits = logits / temperature
     local_max = logits.detach().amax(-1)
