@@ -39,6 +39,7 @@ def install() -> None:
         raise RuntimeError("the CPU bridge is for machines without CUDA; this one has a CUDA device")
     _patch_torch_cuda()
     _patch_megatron()
+    _patch_uneven_collectives()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True
@@ -148,6 +149,53 @@ def _patch_megatron() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# ----------------------------------------------------------------- gloo collectives
+
+
+class _DoneWork:
+    """What an ``async_op=True`` collective returns once it has already completed."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _patch_uneven_collectives() -> None:
+    """gloo's all_gather / reduce_scatter reject unequal sizes, which megatron uses with
+    expert-tensor parallelism (EP > 1, ETP > 1): pad -> all_gather -> trim, and
+    all_reduce -> take this rank's slice."""
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    @functools.wraps(all_gather)
+    def uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        buffers = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(buffers, padded, group=group)
+        for out, buf in zip(tensor_list, buffers):
+            out.copy_(buf[: out.shape[0]])
+        return _DoneWork() if async_op else None
+
+    @functools.wraps(reduce_scatter)
+    def uneven_reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if all(t.shape == output.shape for t in input_list):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start : start + output.numel()].view_as(output))
+        return _DoneWork() if async_op else None
+
+    dist.all_gather = uneven_all_gather
+    dist.reduce_scatter = uneven_reduce_scatter
 
 
 # ----------------------------------------------------------------- literal "cuda"

@@ -51,6 +51,8 @@ def init_distributed(
     env = launch_env()
     layout.validate(env.world_size, model)  # before any group exists
     use_cuda = torch.cuda.is_available()
+    # megatron's recommendation for TP communication overlap; must precede CUDA init
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not use_cuda:
         from parallel import cpu_bridge
 

@@ -74,3 +74,20 @@ def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path, layout
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert model.config.model_type == "qwen3_moe"
     assert not list(tmp_path.glob(".hf.tmp-*")), "temporary export directory left behind"
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_parity_under_a_launcher(checkpoints, launcher) -> None:
+    import os
+
+    bin_dir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", "29631", "--module", "moe_rl.cli"]
+    else:
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", "29632", "-m", "moe_rl.cli"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        cmd + ["parity", "--hf-dir", checkpoints["qwen3"], "--pp", "2"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "parity tp=1 pp=2" in out.stdout and "OK" in out.stdout

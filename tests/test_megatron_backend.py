@@ -16,7 +16,7 @@ WORKER = str(Path(__file__).with_name("dist_worker.py"))
 ALL_LAYOUTS = {
     1: ["1,1,1,1"],
     2: ["2,1,1,2", "2,1,1,1", "1,1,2,1", "1,2,1,1"],  # TP2+SP, TP2/ETP1, EP2, PP2
-    4: ["1,2,2,1", "2,1,2,1"],  # PP2 x EP2, TP2 x EP2 (ETP1)
+    4: ["1,2,2,1", "2,1,2,1", "2,1,2,2"],  # PP2 x EP2, TP2 x EP2 with ETP1 and ETP2
 }
 
 

@@ -1,0 +1,1 @@
+"""MoE routing: replay (R2, R3) on megatron-core's RouterReplay, drift metrics, logging."""
