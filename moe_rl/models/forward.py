@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -38,18 +38,29 @@ class MicroBatch:
 LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict]]
 
 
+class ForwardHooks(Protocol):
+    """Called around each micro-batch's forward on this rank (e.g. routing replay)."""
+
+    def before_forward(self, index: int, num_tokens: int) -> None: ...
+
+    def after_forward(self, index: int) -> None: ...
+
+
 def run_microbatches(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
     *,
     loss_fn: LossFn | None = None,
     forward_only: bool = True,
+    hooks: Sequence[ForwardHooks] = (),
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) every micro-batch.
 
     Returns, on the last pipeline stage, one dict per micro-batch: ``logprobs`` and
     ``entropy`` ``[b, s-1]`` (detached) plus whatever ``loss_fn`` reported; other stages
     get an empty list. ``loss_fn(logp_entropy [b, s-1, 2], micro_batch) -> (loss, metrics)``.
+    ``hooks`` see each micro-batch's index and its number of tokens on this rank (the
+    sequence-parallel slice), in forward order.
     """
     if not micro_batches:
         return []
@@ -61,13 +72,21 @@ def run_microbatches(
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = None  # the caller finalizes (no token-count scaling)
     device = next(chunks[0].parameters()).device
-    batches = iter(micro_batches)
+    batches = iter(enumerate(micro_batches))
+    tokens_here = shape[0] * shape[1] // (ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1)
+
+    # explicit (True = masked), so that no pass, activation recompute included, builds one
+    causal_mask = torch.ones(shape[1], shape[1], dtype=torch.bool, device=device).triu(1)[None, None]
 
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
         ids = mb.input_ids.to(device)
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        out = model_chunk(ids, positions, attention_mask=None, labels=mb.targets.to(device))
+        for hook in hooks:
+            hook.before_forward(index, tokens_here)
+        out = model_chunk(ids, positions, attention_mask=causal_mask, labels=mb.targets.to(device))
+        for hook in hooks:
+            hook.after_forward(index)
         return out, partial(_loss_wrapper, loss_fn, mb)
 
     results = get_forward_backward_func()(

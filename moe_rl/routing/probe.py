@@ -1,0 +1,76 @@
+"""Observe each MoE layer's routing during a forward pass, per micro-batch.
+
+For every router on this rank a forward hook records, for the tokens it routes:
+``natural`` top-k (what the live router would choose: top-k of its logits, even when
+replay forces other experts), ``used`` top-k (what the layer actually dispatched to:
+the router's routing map) and the router's distribution over experts ``probs``.
+Tensors are ``[T, L_local, ...]`` in megatron's token order for this rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_rl.routing.replay import moe_layers
+
+
+@dataclass
+class ProbedRouting:
+    natural: Tensor  # [T, L, k] int64
+    used: Tensor  # [T, L, k] int64
+    probs: Tensor  # [T, L, E] float32
+
+
+class RouterProbe:
+    """Forward hooks on this rank's routers; use as ``run_microbatches`` hooks."""
+
+    def __init__(self, model: torch.nn.Module, *, with_probs: bool = True) -> None:
+        layers = moe_layers(model)
+        self.layer_numbers = [n for n, _ in layers]
+        self.top_k = layers[0][1].topk if layers else 0
+        self.with_probs = with_probs
+        self.enabled = False
+        self._current: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        self.captured: dict[int, ProbedRouting] = {}
+        self._handles = [router.register_forward_hook(self._hook) for _, router in layers]
+
+    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            logits = F.linear(hidden.float(), router.weight.float())
+            natural = logits.topk(self.top_k, dim=-1).indices
+            routing_map = output[1]
+            used = routing_map.to(torch.int8).topk(self.top_k, dim=-1).indices  # the k True columns
+            probs = torch.softmax(logits, dim=-1) if self.with_probs else None
+        self._current.append((natural, used, probs))
+
+    def before_forward(self, index: int, num_tokens: int) -> None:
+        self._current = []
+
+    def after_forward(self, index: int) -> None:
+        if not self.enabled or not self._current:
+            return
+        natural, used, probs = zip(*self._current)
+        self.captured[index] = ProbedRouting(
+            natural=torch.stack(natural, dim=1),
+            used=torch.stack(used, dim=1),
+            probs=torch.stack(probs, dim=1) if self.with_probs else torch.empty(0),
+        )
+        self._current = []
+
+    def start(self) -> None:
+        self.captured, self.enabled = {}, True
+
+    def stop(self) -> list[ProbedRouting]:
+        self.enabled = False
+        return [self.captured[i] for i in sorted(self.captured)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

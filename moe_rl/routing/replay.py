@@ -1,0 +1,203 @@
+"""Routing replay on megatron-core's own ``RouterReplay`` (DESIGN.md §2).
+
+- ``r2``: record every MoE layer's top-k in the old-policy log-prob pass; replay it in
+  the training forward and in activation recompute.
+- ``r3``: replay the routing the rollout engine returned (SGLang's ``routed_experts``)
+  in both the old-log-prob and the training passes.
+
+Replay forces the *expert choice*; the gate weights are recomputed from the live router
+logits at the replayed indices, so the router keeps its gradient. Indices are handled
+per micro-batch and per rank in megatron's token order: ``[s, b]`` flattened, this
+rank's sequence-parallel slice, this pipeline stage's MoE layers.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Sequence
+
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from torch import Tensor
+
+REPLAY_MODES = ("none", "r2", "r3")
+
+
+class ReplayError(RuntimeError):
+    """Recorded routing that does not match the pass replaying it."""
+
+
+def replay_config_overrides(mode: str) -> dict:
+    """``TransformerConfig`` settings a replay mode needs."""
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
+    return {"moe_enable_routing_replay": mode != "none"}
+
+
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(global 0-based layer number, router)`` of this rank's MoE layers, in order."""
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
+    out = []
+    for layer in module.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            out.append((layer.layer_number - 1, router))
+    return out
+
+
+class _Phase(Enum):
+    IDLE = "idle"
+    RECORD = "record"
+    REPLAY = "replay"
+
+
+class RoutingReplay:
+    """This model's ``RouterReplay`` instances, driven per micro-batch.
+
+    Use as the ``hooks`` of :func:`moe_rl.models.forward.run_microbatches`:
+    :meth:`start_record` before the old-log-prob pass and :meth:`recorded` after it;
+    :meth:`start_replay` with per-micro-batch indices before a pass that replays them,
+    and :meth:`finish` after its backward (checks every entry was consumed once).
+    """
+
+    def __init__(self, model: torch.nn.Module, recompute: bool = False) -> None:
+        layers = moe_layers(model)
+        self.layer_numbers = [n for n, _ in layers]
+        self.instances: list[RouterReplay] = []
+        for n, router in layers:
+            if router.router_replay is None:
+                raise ValueError("the model was built without moe_enable_routing_replay=True")
+            self.instances.append(router.router_replay)
+        self.top_k = layers[0][1].topk if layers else 0
+        self.recompute = recompute
+        self._phase = _Phase.IDLE
+        self._record: dict[int, list[Tensor]] = {}
+        self._replay: Sequence[Sequence[Tensor]] = ()
+        self._replayed: set[int] = set()
+        self._keep_backward = False
+
+    # ---------------------------------------------------------------- recording
+
+    def start_record(self) -> None:
+        self._check_idle()
+        self._phase, self._record = _Phase.RECORD, {}
+        self._set_action(RouterReplayAction.RECORD)
+
+    def recorded(self) -> list[list[Tensor]]:
+        """Per micro-batch, per MoE layer: the recorded top-k ``[tokens, k]``."""
+        if self._phase is not _Phase.RECORD:
+            raise ReplayError("recorded() without start_record()")
+        self._reset()
+        return [self._record[i] for i in sorted(self._record)]
+
+    # ---------------------------------------------------------------- replaying
+
+    def start_replay(self, per_microbatch: Sequence[Sequence[Tensor]], *, forward_only: bool = False) -> None:
+        """Replay ``per_microbatch[i][layer]`` in micro-batch i; ``forward_only`` passes
+        have no backward, so keep no entries for activation recompute."""
+        self._check_idle()
+        self._keep_backward = self.recompute and not forward_only
+        for mb, layers in enumerate(per_microbatch):
+            if len(layers) != len(self.instances):
+                raise ReplayError(
+                    f"micro-batch {mb}: routing for {len(layers)} MoE layers, this rank has {len(self.instances)}"
+                )
+        self._phase, self._replay, self._replayed = _Phase.REPLAY, per_microbatch, set()
+
+    def finish(self) -> None:
+        """After the replayed pass (and its backward): every micro-batch replayed once,
+        every recompute entry consumed; then clears all state."""
+        if self._phase is _Phase.REPLAY:
+            missing = set(range(len(self._replay))) - self._replayed
+            leftover = sum(len(r.replay_backward_list) for r in self.instances) if self._keep_backward else 0
+            self._reset()
+            if missing:
+                raise ReplayError(f"routing recorded for micro-batches {sorted(missing)} was never replayed")
+            if leftover:
+                raise ReplayError(f"{leftover} recompute replay entries were not consumed by the backward pass")
+        else:
+            self._reset()
+
+    # ---------------------------------------------------------------- hooks
+
+    def before_forward(self, index: int, num_tokens: int) -> None:
+        if self._phase is _Phase.RECORD:
+            self._set_action(RouterReplayAction.RECORD)
+        elif self._phase is _Phase.REPLAY:
+            if index >= len(self._replay):
+                raise ReplayError(f"no recorded routing for micro-batch {index} ({len(self._replay)} recorded)")
+            if index in self._replayed:
+                raise ReplayError(f"routing of micro-batch {index} replayed twice")
+            for layer, (inst, idx) in enumerate(zip(self.instances, self._replay[index])):
+                if idx.shape != (num_tokens, self.top_k):
+                    raise ReplayError(
+                        f"micro-batch {index}, MoE layer {self.layer_numbers[layer]}: routing has shape "
+                        f"{tuple(idx.shape)}, the pass routes ({num_tokens}, {self.top_k}) tokens on this rank"
+                    )
+                inst.target_topk_idx = None
+                inst.set_target_indices(idx)
+                if not self._keep_backward:
+                    inst.replay_backward_list.clear()
+            self._replayed.add(index)
+            self._set_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def after_forward(self, index: int) -> None:
+        if self._phase is _Phase.RECORD:
+            self._record[index] = [inst.get_recorded_indices().detach().clone() for inst in self.instances]
+        elif self._phase is _Phase.REPLAY:
+            # an activation-recompute pass during this micro-batch's backward must replay too
+            self._set_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _set_action(self, action: RouterReplayAction) -> None:
+        for inst in self.instances:
+            inst.set_router_replay_action(action)
+
+    def _check_idle(self) -> None:
+        if self._phase is not _Phase.IDLE:
+            raise ReplayError(f"routing replay is busy ({self._phase.value}); call finish() or recorded() first")
+
+    def _reset(self) -> None:
+        for inst in self.instances:
+            inst.clear_indices()
+            inst.clear_router_replay_action()
+        self._phase = _Phase.IDLE
+
+
+def engine_routing_to_replay(
+    routed: Sequence[Tensor],
+    seq_len: int,
+    layer_numbers: Sequence[int],
+    top_k: int,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+) -> list[Tensor]:
+    """One micro-batch's engine routing as this rank's per-layer replay indices.
+
+    ``routed[j]`` is sequence j's ``[n_j, num_layers, k]`` (SGLang: n_j = its length - 1).
+    Positions without engine routing (the last token, right padding) get experts
+    ``0..k-1``: their routing cannot change any earlier token's log-prob. Dense layers are
+    skipped by taking only ``layer_numbers``; the sequence-parallel slice of this TP rank
+    is kept; the result is in megatron's ``[s, b]`` token order.
+    """
+    b = len(routed)
+    layers = torch.as_tensor(list(layer_numbers), dtype=torch.long)
+    full = torch.arange(top_k, dtype=torch.int64).expand(seq_len, b, len(layers), top_k).clone()
+    for j, r in enumerate(routed):
+        n = min(r.shape[0], seq_len)
+        if r.shape[-1] != top_k:
+            raise ReplayError(f"engine routing has top_k={r.shape[-1]}, the model routes to {top_k}")
+        if layers.numel() and int(layers.max()) >= r.shape[1]:
+            raise ReplayError(f"engine routing covers {r.shape[1]} layers, the model has MoE layer {int(layers.max())}")
+        full[:n, j] = r[:n].index_select(1, layers).to(torch.int64)
+    if sequence_parallel and tp_size > 1:
+        if seq_len % tp_size:
+            raise ReplayError(f"sequence length {seq_len} is not divisible by tp={tp_size} (pad it)")
+        per_rank = seq_len // tp_size
+        full = full[tp_rank * per_rank : (tp_rank + 1) * per_rank]
+    return [full[:, :, l].reshape(-1, top_k) for l in range(len(layers))]
