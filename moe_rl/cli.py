@@ -41,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
     demo.set_defaults(func=_demo)
-    from moe_rl.commands import export, parity
+    from moe_rl.commands import drift, export, parity
 
     parity.add_parser(sub)
     export.add_parser(sub)
+    drift.add_parser(sub)
     return parser
 
 

@@ -42,6 +42,90 @@ def loss_fn(logp_entropy: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, d
     return loss, {"loss": loss.detach()}
 
 
+def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[MicroBatch], out: Path) -> None:
+    import json
+
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.routing.probe import RouterProbe
+    from moe_rl.models.architectures import architecture_of
+    from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, moe_layers, replay_config_overrides
+    from moe_rl.routing.stats import RoutingStats
+
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = make_transformer_config(hf_config, layout, **replay_config_overrides("r2"), **recompute)
+    model = build_model(hf_config, config)
+    load_hf_weights(model, hf_config, hf_dir)
+    replay, probe = RoutingReplay(model, recompute=True), RouterProbe(model)
+    result: dict = {"layers": replay.layer_numbers}
+
+    # r2: record in the old-policy pass, replay before any update: identical log-probs
+    replay.start_record()
+    probe.start()
+    old = run_microbatches(model, batches, hooks=[replay, probe])
+    recorded, old_probe = replay.recorded(), probe.stop()
+    replay.start_replay(recorded, forward_only=True)
+    again = run_microbatches(model, batches, hooks=[replay])
+    replay.finish()
+    result["replay_identical"] = all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(old, again))
+
+    # change the routers (the same on every layout), then train through the replay
+    with torch.no_grad():
+        for layer, router in zip(replay.layer_numbers, [r for _, r in moe_layers(model)]):
+            gen = torch.Generator().manual_seed(1000 + layer)
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=gen))
+    probe.start()
+    replay.start_replay(recorded)
+    run_microbatches(model, batches, loss_fn=loss_fn, forward_only=False, hooks=[replay, probe])
+    replay.finish()
+    new_probe = probe.stop()
+    same = lambda x, y: torch.equal(x.sort(-1).values, y.sort(-1).values)  # noqa: E731
+    result["used_equals_recorded"] = all(
+        same(new_probe[i].used[:, l], recorded[i][l]) for i in range(len(batches)) for l in range(len(replay.layer_numbers))
+    )
+    result["natural_changed_tokens"] = sum(
+        int((new_probe[i].natural.sort(-1).values != torch.stack(recorded[i], 1).sort(-1).values).any(-1).any(-1).sum())
+        for i in range(len(batches))
+    )
+    grads = [r.weight.grad for _, r in moe_layers(model)]
+    result["router_grad_min"] = min(float(g.norm()) for g in grads) if grads else None
+
+    # the drift the router change causes, reduced over ranks
+    stats = RoutingStats(hf_config.num_hidden_layers, architecture_of(hf_config).num_experts(hf_config))
+    for i in range(len(batches)):
+        mask = torch.ones(new_probe[i].natural.shape[0])
+        stats.add_drift(replay.layer_numbers, old_probe[i].natural, new_probe[i].natural, mask, old_probe[i].probs, new_probe[i].probs)
+        stats.add_load(replay.layer_numbers, new_probe[i].natural, mask)
+    metrics = stats.reduce(pipeline_group=ps.get_pipeline_model_parallel_group())
+    result["drift"] = {k: v.tolist() for k, v in metrics.items()}
+
+    # r3: replaying transformers' own routing reproduces megatron's own log-probs
+    load_hf_weights(model, hf_config, hf_dir)
+    plain = run_microbatches(model, batches)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    from moe_rl.routing.hf_routing import transformers_routing
+
+    per_mb = []
+    for mb in batches:
+        indices, _ = transformers_routing(hf_model, mb.input_ids)
+        seqs = [indices[j, :-1] for j in range(indices.shape[0])]  # SGLang: length - 1 positions
+        per_mb.append(
+            engine_routing_to_replay(
+                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
+                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                sequence_parallel=config.sequence_parallel,
+            )
+        )
+    replay.start_replay(per_mb, forward_only=True)
+    r3 = run_microbatches(model, batches, hooks=[replay])
+    replay.finish()
+    result["r3_maxdiff"] = max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
+    probe.remove()
+    with open(out / f"replay_rank{dist.get_rank()}.json", "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     hf_dir, out_dir, *layouts = sys.argv[1:]
     hf_config = load_hf_config(hf_dir)
@@ -98,6 +182,9 @@ def main() -> None:
             losses.append(float(local))
         if reporter:
             torch.save(torch.tensor(losses), out / "losses.pt")
+
+        # 4. routing replay (r2 with activation recompute, r3 from transformers' routing)
+        replay_checks(hf_dir, hf_config, layout, my_batches, out)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -195,9 +195,17 @@ def engine_routing_to_replay(
         if layers.numel() and int(layers.max()) >= r.shape[1]:
             raise ReplayError(f"engine routing covers {r.shape[1]} layers, the model has MoE layer {int(layers.max())}")
         full[:n, j] = r[:n].index_select(1, layers).to(torch.int64)
+    local = to_local_tokens(full.transpose(0, 1), tp_rank=tp_rank, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    return [local[:, l] for l in range(len(layers))]
+
+
+def to_local_tokens(x: Tensor, *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False) -> Tensor:
+    """``[b, s, ...]`` per-position values as this rank's routed tokens ``[T_local, ...]``:
+    megatron's ``[s, b]`` order, this TP rank's sequence-parallel slice."""
+    x = x.transpose(0, 1)
     if sequence_parallel and tp_size > 1:
-        if seq_len % tp_size:
-            raise ReplayError(f"sequence length {seq_len} is not divisible by tp={tp_size} (pad it)")
-        per_rank = seq_len // tp_size
-        full = full[tp_rank * per_rank : (tp_rank + 1) * per_rank]
-    return [full[:, :, l].reshape(-1, top_k) for l in range(len(layers))]
+        if x.shape[0] % tp_size:
+            raise ReplayError(f"sequence length {x.shape[0]} is not divisible by tp={tp_size} (pad it)")
+        per_rank = x.shape[0] // tp_size
+        x = x[tp_rank * per_rank : (tp_rank + 1) * per_rank]
+    return x.reshape(-1, *x.shape[2:])

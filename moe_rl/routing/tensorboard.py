@@ -1,0 +1,86 @@
+"""Routing metrics to TensorBoard under tags users and dashboards can rely on:
+
+- ``routing/<metric>/layer_<l>`` and ``routing/<metric>/mean`` for ``changed_frac``,
+  ``expert_change_frac``, ``router_kl``, ``expert_load_cv``, ``expert_load_entropy``
+  (``routing/any_layer_changed_frac/mean``); engine-vs-trainer ones under
+  ``routing/train_vs_rollout/<metric>/...``;
+- histograms ``routing/expert_load/layer_<l>`` (tokens per expert id);
+- image ``routing/expert_load_heatmap`` (layers x experts).
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+PER_LAYER = {
+    "changed_frac": "drift_layers",
+    "expert_change_frac": "drift_layers",
+    "router_kl": "drift_layers",
+    "expert_load_cv": "load_layers",
+    "expert_load_entropy": "load_layers",
+}
+
+
+def log_routing(writer, step: int, metrics: dict[str, Tensor], prefix: str = "routing", images: bool = True) -> dict[str, float]:
+    """Write ``metrics`` (from :class:`RoutingStats.reduce` or ``drift_metrics``) and
+    return the scalars written, by tag."""
+    written: dict[str, float] = {}
+    for name, layers_key in PER_LAYER.items():
+        if name not in metrics:
+            continue
+        values = metrics[name]
+        layers = metrics.get(layers_key, torch.arange(len(values)))
+        for layer, value in zip(layers.tolist(), values.tolist()):
+            written[f"{prefix}/{name}/layer_{layer}"] = value
+        written[f"{prefix}/{name}/mean"] = float(values.mean())
+    if "any_layer_changed_frac" in metrics:
+        written[f"{prefix}/any_layer_changed_frac/mean"] = float(metrics["any_layer_changed_frac"])
+    for tag, value in written.items():
+        writer.add_scalar(tag, value, step)
+    if "expert_load" in metrics:
+        load = metrics["expert_load"]
+        layers = metrics.get("load_layers", torch.arange(load.shape[0])).tolist()
+        for layer, row in zip(layers, load):
+            _load_histogram(writer, f"routing/expert_load/layer_{layer}", row, step)
+        if images:
+            fig = heatmap_figure(load, layers)
+            writer.add_figure("routing/expert_load_heatmap", fig, step, close=True)
+    return written
+
+
+def _load_histogram(writer, tag: str, load: Tensor, step: int) -> None:
+    experts = torch.arange(len(load), dtype=torch.float64)
+    load = load.to(torch.float64)
+    writer.add_histogram_raw(
+        tag,
+        min=0.0,
+        max=float(len(load) - 1),
+        num=float(load.sum()),
+        sum=float((experts * load).sum()),
+        sum_squares=float((experts**2 * load).sum()),
+        bucket_limits=(experts + 0.5).tolist(),
+        bucket_counts=load.tolist(),
+        global_step=step,
+    )
+
+
+def heatmap_figure(load: Tensor, layers: list[int], title: str = "expert load (share of layer's tokens)", panels: dict[str, Tensor] | None = None):
+    """A layers x experts heatmap (or several side by side: ``panels`` name -> load)."""
+    panels = panels or {title: load}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 3 * len(panels), 1.5 + 0.35 * len(layers)), squeeze=False)
+    for ax, (name, data) in zip(axes[0], panels.items()):
+        share = data / data.sum(-1, keepdim=True).clamp(min=1e-12) if data.min() >= 0 else data
+        im = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+        ax.set_xticks(range(data.shape[-1]))
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return fig
