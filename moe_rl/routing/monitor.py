@@ -1,0 +1,139 @@
+"""Routing in one RL training step: replay (none / r2 / r3) and the drift measured
+wherever the data exists. The trainer calls, per step:
+
+1. :meth:`old_pass_hooks` for the old-policy log-prob pass (r2 records there; r3 replays
+   the engine's routing there too), then :meth:`end_old_pass`;
+2. :meth:`update_pass_hooks` for each policy-update pass (r2/r3 replay), then
+   :meth:`end_update_pass` after its backward;
+3. after the optimizer step, optionally :meth:`after_update_hooks` on a forward-only
+   pass over the same batch (the routing an update changed), then :meth:`end_after_update`;
+4. :meth:`reduce` for the metrics to log with :func:`moe_rl.routing.tensorboard.log_routing`:
+   ``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer ->
+   engine, when the engine returned routing), ``replayed`` (old -> what the replayed
+   update pass dispatched: zero under r2), and ``load`` (expert load, old pass).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from megatron.core import parallel_state as ps
+from torch import Tensor
+
+from moe_rl.models.forward import MicroBatch
+from moe_rl.routing.probe import ProbedRouting, RouterProbe
+from moe_rl.routing.replay import REPLAY_MODES, RoutingReplay, engine_routing_to_replay, to_local_tokens
+from moe_rl.routing.stats import RoutingStats
+
+
+class RoutingMonitor:
+    def __init__(self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False) -> None:
+        if mode not in REPLAY_MODES:
+            raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
+        self.mode = mode
+        self.probe = RouterProbe(model)
+        self.replay = RoutingReplay(model, recompute=recompute) if mode != "none" else None
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self._replay_indices: list[list[Tensor]] = []
+        self._old: list[ProbedRouting] = []
+        self._masks: list[Tensor] = []
+        self._engine: list[list[Tensor]] | None = None
+        self._stats: dict[str, RoutingStats] = {}
+        self._config = model.config if hasattr(model, "config") else model.module.config
+
+    # ------------------------------------------------------------ step phases
+
+    def old_pass_hooks(
+        self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None = None
+    ) -> list:
+        """``engine_routing[i][j]``: micro-batch i, sequence j, ``[n, num_layers, k]``."""
+        self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in ("old_vs_new", "train_vs_rollout", "replayed", "load")}
+        self._masks = [self._local(_routing_mask(mb)) for mb in batches]
+        self._engine = None
+        if engine_routing is not None:
+            self._engine = [self._engine_local(mb, routed) for mb, routed in zip(batches, engine_routing)]
+        if self.mode == "r3":
+            if self._engine is None:
+                raise ValueError("routing replay r3 needs the rollout engine's routing (return_routed_experts)")
+            self._replay_indices = self._engine
+            self.replay.start_replay(self._engine, forward_only=True)
+        elif self.mode == "r2":
+            self.replay.start_record()
+        self.probe.start()
+        return [self.probe] + ([self.replay] if self.replay else [])
+
+    def end_old_pass(self) -> None:
+        self._old = self.probe.stop()
+        if self.mode == "r2":
+            self._replay_indices = self.replay.recorded()
+        elif self.mode == "r3":
+            self.replay.finish()
+        layers = self.probe.layer_numbers
+        for i, old in enumerate(self._old):
+            self._stats["load"].add_load(layers, old.used, self._masks[i])
+            if self._engine is not None:
+                engine = torch.stack(self._engine[i], dim=1)
+                self._stats["train_vs_rollout"].add_drift(layers, engine, old.natural, self._masks[i])
+
+    def update_pass_hooks(self) -> list:
+        self.probe.start()
+        if self.replay is None:
+            return [self.probe]
+        self.replay.start_replay(self._replay_indices)
+        return [self.probe, self.replay]
+
+    def end_update_pass(self) -> None:
+        if self.replay is not None:
+            self.replay.finish()
+        for i, new in enumerate(self.probe.stop()):
+            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].natural, new.used, self._masks[i])
+
+    def after_update_hooks(self) -> list:
+        self.probe.start()
+        return [self.probe]
+
+    def end_after_update(self) -> None:
+        for i, new in enumerate(self.probe.stop()):
+            old = self._old[i]
+            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
+
+    def reduce(self) -> dict[str, dict[str, Tensor]]:
+        """Collective: every rank calls it. Groups without data are left out."""
+        group = ps.get_pipeline_model_parallel_group()
+        out = {name: stats.reduce(pipeline_group=group) for name, stats in self._stats.items()}
+        return {name: m for name, m in out.items() if m}
+
+    # ------------------------------------------------------------ helpers
+
+    def _local(self, per_position: Tensor) -> Tensor:
+        cfg = self._config
+        return to_local_tokens(
+            per_position,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            sequence_parallel=cfg.sequence_parallel,
+        )
+
+    def _engine_local(self, mb: MicroBatch, routed: Sequence[Tensor]) -> list[Tensor]:
+        cfg = self._config
+        return engine_routing_to_replay(
+            routed,
+            mb.input_ids.shape[1],
+            self.probe.layer_numbers,
+            self.probe.top_k,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            sequence_parallel=cfg.sequence_parallel,
+        )
+
+
+def _routing_mask(mb: MicroBatch) -> Tensor:
+    """Positions whose routing matters: real tokens except each sequence's last one
+    (``extras["lengths"]``; all positions but the last when absent)."""
+    b, s = mb.input_ids.shape
+    lengths = (mb.extras or {}).get("lengths")
+    if lengths is None:
+        lengths = torch.full((b,), s)
+    positions = torch.arange(s).unsqueeze(0)
+    return (positions < torch.as_tensor(lengths).unsqueeze(1) - 1).to(torch.float32)

@@ -1,0 +1,168 @@
+"""Routing pieces that need no model: SGLang encoding, engine routing -> replay indices,
+the rank-reduced stats (one process), TensorBoard tags, and the drift command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.routing.drift import drift_metrics, load_metrics
+from moe_rl.routing.encoding import decode_routed_experts, encode_routed_experts, load_routing, save_routing
+from moe_rl.routing.replay import ReplayError, engine_routing_to_replay, to_local_tokens
+from moe_rl.routing.stats import RoutingStats
+
+
+def test_sglang_encoding_round_trip_and_layout() -> None:
+    idx = torch.randint(0, 8, (5, 3, 2), dtype=torch.int32)
+    text = encode_routed_experts(idx)
+    assert torch.equal(decode_routed_experts(text, num_layers=3, top_k=2), idx)
+    # raw little-endian int32, row-major [tokens, layers, k]
+    import base64
+    import struct
+
+    raw = base64.b64decode(text)
+    assert struct.unpack("<i", raw[4:8])[0] == idx[0, 0, 1].item()
+    with pytest.raises(ValueError, match="multiple of num_layers"):
+        decode_routed_experts(text, num_layers=4, top_k=2)
+
+
+def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:
+    k, layers_all = 2, 3
+    seq_a = torch.tensor([[[1, 2], [3, 4], [5, 6]], [[7, 0], [1, 3], [2, 4]]])  # 2 positions
+    seq_b = torch.tensor([[[6, 5], [4, 3], [2, 1]]])  # 1 position
+    out = engine_routing_to_replay([seq_a, seq_b], seq_len=4, layer_numbers=[0, 2], top_k=k)
+    assert len(out) == 2 and out[0].shape == (8, 2)
+    # megatron order: token (t, j) at t * b + j; missing positions get experts 0..k-1
+    expected_l0 = torch.tensor([[1, 2], [6, 5], [7, 0], [0, 1], [0, 1], [0, 1], [0, 1], [0, 1]])
+    assert torch.equal(out[0], expected_l0)
+    assert torch.equal(out[1][0], torch.tensor([5, 6])) and torch.equal(out[1][2], torch.tensor([2, 4]))
+    sp = engine_routing_to_replay([seq_a, seq_b], 4, [0, 2], k, tp_rank=1, tp_size=2, sequence_parallel=True)
+    assert torch.equal(sp[0], expected_l0[4:])
+    with pytest.raises(ReplayError, match="top_k"):
+        engine_routing_to_replay([seq_a], 4, [0], top_k=3)
+    with pytest.raises(ReplayError, match="covers 3 layers"):
+        engine_routing_to_replay([seq_a], 4, [5], top_k=2)
+    with pytest.raises(ReplayError, match="divisible by tp"):
+        to_local_tokens(torch.zeros(1, 5), tp_size=2, sequence_parallel=True)
+
+
+def test_stats_in_one_process_equal_the_plain_metrics() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(40 * 3)]).view(40, 3, 2)
+    b = a.clone()
+    b[::3, 1] = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(14)])
+    pa = torch.softmax(torch.randn(40, 3, 6, generator=gen), -1)
+    pb = torch.softmax(torch.randn(40, 3, 6, generator=gen), -1)
+    mask = (torch.arange(40) % 5 != 0).float()
+    stats = RoutingStats(num_layers=5, num_experts=6)
+    layers = [0, 2, 4]
+    for part in (slice(0, 17), slice(17, 40)):  # two micro-batches
+        stats.add_drift(layers, a[part], b[part], mask[part], pa[part], pb[part])
+        stats.add_load(layers, a[part], mask[part])
+    got = stats.reduce()
+    ref = {**drift_metrics(a, b, probs_a=pa, probs_b=pb, mask=mask), **load_metrics(a, 6, mask)}
+    assert got["drift_layers"].tolist() == layers and got["load_layers"].tolist() == layers
+    for key in ("changed_frac", "expert_change_frac", "any_layer_changed_frac", "router_kl", "expert_load", "expert_load_cv", "expert_load_entropy"):
+        torch.testing.assert_close(got[key].double(), ref[key].double(), msg=key)
+
+
+def test_tensorboard_tags(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from moe_rl.routing.tensorboard import log_routing
+
+    a = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]]])
+    b = torch.tensor([[[0, 2], [2, 3]], [[1, 2], [0, 3]]])
+    metrics = {**drift_metrics(a, b), **load_metrics(a, 4), "drift_layers": torch.tensor([1, 3]), "load_layers": torch.tensor([1, 3])}
+    with SummaryWriter(str(tmp_path)) as writer:
+        written = log_routing(writer, 7, metrics)
+        log_routing(writer, 7, drift_metrics(a, b), prefix="routing/train_vs_rollout", images=False)
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "histograms": 0}).Reload()
+    scalars = set(events.Tags()["scalars"])
+    for tag in (
+        "routing/changed_frac/layer_1",
+        "routing/changed_frac/layer_3",
+        "routing/changed_frac/mean",
+        "routing/expert_change_frac/mean",
+        "routing/any_layer_changed_frac/mean",
+        "routing/expert_load_cv/layer_3",
+        "routing/expert_load_entropy/mean",
+        "routing/train_vs_rollout/changed_frac/layer_0",
+    ):
+        assert tag in scalars, tag
+    assert events.Scalars("routing/changed_frac/layer_1")[0].value == pytest.approx(0.5)
+    assert events.Scalars("routing/changed_frac/layer_1")[0].step == 7
+    assert written["routing/expert_change_frac/layer_1"] == pytest.approx(0.25)
+    assert {"routing/expert_load/layer_1", "routing/expert_load/layer_3"} <= set(events.Tags()["histograms"])
+    assert "routing/expert_load_heatmap" in events.Tags()["images"]
+
+
+def moe_rl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from moe_rl.models.hf_weights import SafetensorsDir
+    from moe_rl.models.tiny import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("drift")
+    a = save_tiny_checkpoint(root / "a", "qwen3_moe", seed=5)
+    b = save_tiny_checkpoint(root / "b", "qwen3_moe", seed=5)
+    reader = SafetensorsDir(b)
+    tensors = {k: reader.get(k) for k in reader.keys()}
+    gen = torch.Generator().manual_seed(0)
+    changed = [k for k in tensors if k.endswith("mlp.gate.weight")]  # only the routers differ
+    for k in changed:
+        tensors[k] = tensors[k] + 0.05 * torch.randn(tensors[k].shape, generator=gen)
+    save_file(tensors, str(Path(b) / "model.safetensors"), metadata={"format": "pt"})
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": torch.randint(0, 64, (10,), generator=gen).tolist()}) + "\n" for _ in range(4)))
+    return a, b, str(prompts)
+
+
+def test_drift_command_nonzero_for_changed_routers_zero_for_identical(two_checkpoints, tmp_path: Path) -> None:
+    a, b, prompts = two_checkpoints
+    out = moe_rl("drift", "--a", a, "--b", b, "--prompts", prompts, "--out", str(tmp_path / "ab"))
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "ab" / "drift.json").read_text())
+    assert report["tokens"] == 40 and report["layers"] == [0, 1]
+    assert report["metrics"]["changed_frac"]["mean"] > 0 and report["metrics"]["router_kl"]["mean"] > 0
+    assert len(report["metrics"]["expert_change_frac"]["layers"]) == 2
+    assert (tmp_path / "ab" / "expert_load_heatmap.png").stat().st_size > 1000
+    assert list((tmp_path / "ab" / "tensorboard").glob("events.out.tfevents.*"))
+    same = moe_rl("drift", "--a", a, "--b", a, "--prompts", prompts, "--out", str(tmp_path / "aa"))
+    assert same.returncode == 0, same.stderr
+    zero = json.loads((tmp_path / "aa" / "drift.json").read_text())["metrics"]
+    assert all(v["mean"] == 0.0 for v in zero.values())
+
+
+def test_drift_command_on_saved_routing_files(tmp_path: Path) -> None:
+    idx = torch.randint(0, 4, (30, 2, 2))
+    other = idx.clone()
+    other[:10, 0] = (other[:10, 0] + 1) % 4
+    save_routing(tmp_path / "step1.safetensors", idx)
+    save_routing(tmp_path / "step2.safetensors", other)
+    assert torch.equal(load_routing(tmp_path / "step1.safetensors")["indices"], idx.int())
+    out = moe_rl("drift", "--a", str(tmp_path / "step1.safetensors"), "--b", str(tmp_path / "step2.safetensors"), "--out", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "r" / "drift.json").read_text())["metrics"]
+    assert metrics["changed_frac"]["layers"] == [pytest.approx(1 / 3), 0.0]
+
+
+def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
+    a, _, _ = two_checkpoints
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [1, 2]}\nnot json\n')
+    out = moe_rl("drift", "--a", a, "--b", a, "--prompts", str(bad), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and f"{bad}:2: not valid JSON" in out.stderr and "Traceback" not in out.stderr
+    missing = moe_rl("drift", "--a", a, "--b", a, "--out", str(tmp_path / "y"))
+    assert missing.returncode == 2 and "--prompts is needed" in missing.stderr
