@@ -1,0 +1,124 @@
+"""Per-step cost of routing replay and of the routing-drift metrics, side by side.
+
+    .venv/bin/python tools/bench_routing.py [--repeats 5] [--json FILE]
+
+One process, a small random Qwen3-MoE, one RL step = old-log-prob pass (forward) +
+policy update (forward + backward, 2 micro-batches) + Adam step. Variants run
+interleaved, each repeat in turn, so machine noise hits all alike; reported as median
+step time and the ratio to the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
+    from moe_rl.models.forward import MicroBatch, run_microbatches
+    from moe_rl.models.hf_weights import load_hf_weights
+    from moe_rl.models.tiny import save_tiny_checkpoint
+    from moe_rl.routing.hf_routing import transformers_routing
+    from moe_rl.routing.monitor import RoutingMonitor
+    from moe_rl.routing.replay import replay_config_overrides
+    from parallel.distributed import init_distributed
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    size = dict(hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=16, num_experts=16, num_experts_per_tok=4, vocab_size=512)
+    hf_dir = save_tiny_checkpoint(tempfile.mkdtemp() + "/hf", "qwen3_moe", seed=0, **size)
+    hf_config = load_hf_config(hf_dir)
+    layout = ParallelLayout()
+    init_distributed(layout, model_dims(hf_config))
+    gen = torch.Generator().manual_seed(0)
+    batches = [MicroBatch(torch.randint(0, 512, (4, 128), generator=gen)) for _ in range(2)]
+    tokens = sum(mb.input_ids.numel() for mb in batches)
+    from transformers import AutoModelForCausalLM
+
+    engine = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    engine_routing = [[r[:-1] for r in transformers_routing(engine, mb.input_ids)[0]] for mb in batches]
+
+    def loss_fn(le, mb):
+        return -le[..., 0].sum() / tokens, {}
+
+    variants = {
+        "plain": ("none", False, False),
+        "r2": ("r2", False, False),
+        "r3": ("r3", False, False),
+        "drift metrics": ("none", True, False),
+        "drift + after-update pass": ("none", True, True),
+    }
+    steps = {}
+    for name, (mode, drift, after) in variants.items():
+        RouterReplay.clear_global_router_replay_instances()
+        config = make_transformer_config(hf_config, layout, **replay_config_overrides(mode))
+        model = build_model(hf_config, config)
+        load_hf_weights(model, hf_config, hf_dir)
+        settings = OptimSettings(lr=1e-5)
+        ddp = wrap_ddp(model, config, settings)
+        optimizer = build_optimizer([ddp], settings)
+        monitor = RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts) if (mode != "none" or drift) else None
+
+        def step(ddp=ddp, optimizer=optimizer, monitor=monitor, drift=drift, after=after):
+            hooks = monitor.old_pass_hooks(batches, engine_routing) if monitor else []
+            if monitor and not drift:
+                hooks = [h for h in hooks if h is not monitor.probe]
+                monitor.probe.enabled = False
+            run_microbatches([ddp], batches, hooks=hooks)
+            if monitor:
+                monitor.end_old_pass()
+                hooks = monitor.update_pass_hooks()
+                if not drift:
+                    hooks = [h for h in hooks if h is not monitor.probe]
+                    monitor.probe.enabled = False
+            train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
+            if monitor:
+                monitor.end_update_pass()
+                if after:
+                    run_microbatches([ddp], batches, hooks=monitor.after_update_hooks())
+                    monitor.end_after_update()
+                if drift:
+                    monitor.reduce()
+
+        step()  # warm-up
+        steps[name] = step
+    times = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["plain"])
+    print(f"RL step (old-log-prob pass + update + Adam), {tokens} tokens, {hf_config.num_hidden_layers} MoE layers x "
+          f"{hf_config.num_experts} experts (top-{hf_config.num_experts_per_tok}), 1 CPU process, median of {args.repeats}")
+    print(f"{'variant':<28}{'ms/step':>10}{'x plain':>9}")
+    rows = {}
+    for name in variants:
+        med = statistics.median(times[name])
+        rows[name] = {"ms": med * 1e3, "ratio": med / base}
+        print(f"{name:<28}{med * 1e3:>10.1f}{med / base:>9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
