@@ -1,0 +1,203 @@
+"""The built-in rollout engine: a transformers model with a KV cache, in this process.
+
+Same interface and log-prob semantics as :class:`moe_rl.rollout.sglang.SGLangEngine`:
+log-probs at the sampling temperature before top-p/top-k truncation, one seeded
+generator per sample, and routed experts in SGLang's layout
+(``[prompt + output - 1, num_layers, top_k]``; dense layers get ``0..k-1``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from moe_rl.models.architectures import architecture_of
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, sample_seed
+
+
+class LocalEngine(RolloutEngine):
+    """Generates with ``model`` (or loads ``model_path``); fp32 on CPU by default."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        model: PreTrainedModel | None = None,
+        weight_version: str = "0",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if (model_path is None) == (model is None):
+            raise ValueError("give LocalEngine exactly one of model_path or model")
+        self.dtype = dtype
+        self.model = model if model is not None else self._load(model_path)
+        self.model.eval()
+        self._version = weight_version
+        cfg = self.model.config
+        self.arch = architecture_of(cfg)
+        self.num_layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        self._moe_layers = [l for l, moe in enumerate(self.arch.moe_layer_pattern(cfg)) if moe]
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None) or cfg.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        self.tokens_generated = 0
+        self.seconds_generating = 0.0
+
+    def _load(self, path: str) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    # ------------------------------------------------------------ weights
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        fresh = self._load(model_path)
+        self.model.load_state_dict(fresh.state_dict())
+        self._version = weight_version
+
+    @torch.no_grad()
+    def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
+        """Weights from the trainer in this process, by HF checkpoint names (as
+        :func:`moe_rl.models.hf_weights.gather_hf_tensors` gives them)."""
+        state = self.model.state_dict()
+        keys = self.arch.experts
+        num_experts = self.arch.num_experts(self.model.config)
+        missing = []
+        for name, target in state.items():
+            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
+            try:
+                if m and m.group(2) == "experts.gate_up_proj":
+                    l = int(m.group(1))
+                    value = torch.stack(
+                        [torch.cat([hf_tensors[keys.gate.format(l=l, e=e)], hf_tensors[keys.up.format(l=l, e=e)]]) for e in range(num_experts)]
+                    )
+                elif m and m.group(2) == "experts.down_proj":
+                    l = int(m.group(1))
+                    value = torch.stack([hf_tensors[keys.down.format(l=l, e=e)] for e in range(num_experts)])
+                elif m:
+                    value = hf_tensors[keys.router.format(l=int(m.group(1)))]
+                elif name == "lm_head.weight" and name not in hf_tensors and self.model.config.tie_word_embeddings:
+                    continue
+                else:
+                    value = hf_tensors[name]
+            except KeyError as e:
+                missing.append(str(e))
+                continue
+            target.copy_(value.to(target.dtype))
+        if missing:
+            raise ValueError(f"weight update lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self._version = weight_version
+
+    # ------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        params.validate()
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt must be >= 1")
+        start = time.perf_counter()
+        out = [
+            self._generate_group(list(p), [sample_seed(seed, i, j, n) for j in range(n)], params, return_routed_experts)
+            for i, p in enumerate(prompts)
+        ]
+        self.seconds_generating += time.perf_counter() - start
+        self.tokens_generated += sum(len(s.output_ids) for group in out for s in group)
+        return out
+
+    @torch.no_grad()
+    def _generate_group(self, prompt: list[int], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
+        if not prompt:
+            raise ValueError("empty prompt")
+        n = len(seeds)
+        vocab = self.model.config.vocab_size
+        if max(prompt) >= vocab or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        stop_ids = self.eos_ids | set(params.stop_token_ids)
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        ids = torch.tensor([prompt] * n)
+        step_out = self.model(ids, use_cache=True, output_router_logits=routed)
+        routing = [self._routing(step_out, n, len(prompt))] if routed else []
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        for step in range(params.max_new_tokens):
+            logits = step_out.logits[:, -1].float() / params.temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            probs = _filtered_probs(logits, params.top_p, params.top_k)
+            next_tokens = torch.zeros(n, dtype=torch.long)
+            for j in range(n):
+                if reasons[j] is not None:
+                    continue
+                token = int(torch.multinomial(probs[j], 1, generator=generators[j]))
+                outputs[j].append(token)
+                logprobs[j].append(float(logp[j, token]))
+                next_tokens[j] = token
+                if token in stop_ids:
+                    reasons[j] = "stop"
+            if all(r is not None for r in reasons) or step == params.max_new_tokens - 1:
+                break  # the last sampled token is never fed back (as in SGLang)
+            step_out = self.model(next_tokens[:, None], use_cache=True, output_router_logits=routed, **self._cache_kwargs(step_out))
+            if routed:
+                routing.append(self._routing(step_out, n, 1))
+        samples = []
+        full_routing = torch.cat(routing, dim=1) if routed else None  # [n, positions, L, k]
+        for j in range(n):
+            routed_j = None
+            if routed:
+                routed_j = full_routing[j, : len(prompt) + len(outputs[j]) - 1].to(torch.int32)
+            samples.append(
+                Sample(
+                    prompt_ids=list(prompt),
+                    output_ids=outputs[j],
+                    output_logprobs=logprobs[j],
+                    finish_reason=reasons[j] or "length",
+                    weight_version=self._version,
+                    seed=seeds[j],
+                    routed_experts=routed_j,
+                )
+            )
+        return samples
+
+    def _cache_kwargs(self, out) -> dict:
+        """The KV cache of the last step, under the name this transformers version uses
+        (``cache`` in 5.x, ``past_key_values`` before)."""
+        if hasattr(out, "cache") and out.cache is not None:
+            return {"cache": out.cache}
+        return {"past_key_values": out.past_key_values}
+
+    def _routing(self, out, n: int, positions: int) -> Tensor:
+        """Top-k per fed position ``[n, positions, num_layers, k]`` from router logits."""
+        result = torch.arange(self.top_k).expand(n, positions, self.num_layers, self.top_k).clone()
+        for layer, logits in zip(self._moe_layers, out.router_logits):
+            result[:, :, layer] = logits.float().view(n, positions, -1).topk(self.top_k, dim=-1).indices
+        return result
+
+    def tokens_per_second(self) -> float:
+        return self.tokens_generated / self.seconds_generating if self.seconds_generating else 0.0
+
+
+def _filtered_probs(logits: Tensor, top_p: float, top_k: int) -> Tensor:
+    """Sampling distribution after top-k and top-p (nucleus) truncation."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the top token
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
