@@ -1,0 +1,266 @@
+"""SGLang servers over HTTP (SGLang 0.5.23's API; only httpx is needed).
+
+- ``/generate`` per sample with ``input_ids``, ``return_logprob``, a distinct
+  ``sampling_seed`` (deterministic servers would otherwise use 42 for every sample of a
+  group) and ``return_routed_experts`` when R3 is on;
+- bounded concurrency over one or more servers; timeouts; retries with exponential
+  backoff on connection errors, timeouts, 5xx and malformed replies (the next attempt
+  goes to the next server), then a :class:`RolloutError` naming the server and cause;
+  4xx is not retried (the request is wrong);
+- weight sync by ``/update_weights_from_disk`` (any setup) or NCCL
+  (``/init_weights_update_group`` + ``/update_weights_from_distributed`` inside
+  ``/begin_weight_update`` ... ``/end_weight_update``, with generation paused);
+- every sample's ``weight_version`` is checked against the version last synced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, sample_seed
+from moe_rl.routing.encoding import decode_routed_experts
+
+log = logging.getLogger(__name__)
+
+
+class _Retryable(Exception):
+    pass
+
+
+class SGLangEngine(RolloutEngine):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        weight_version: str = "0",
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        check_weight_version: bool = True,
+    ) -> None:
+        if not urls:
+            raise ValueError("rollout.sglang.urls is empty: give at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.num_layers, self.top_k = num_layers, top_k
+        self._version = weight_version
+        self.max_concurrency = max_concurrency
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.check_weight_version = check_weight_version
+        self._rr = itertools.count()
+        self.retries = 0
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    # ------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        params.validate()
+        if return_routed_experts and (self.num_layers is None or self.top_k is None):
+            raise ValueError("routed experts need num_layers and top_k of the served model")
+        return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts))
+
+    async def _generate(self, prompts, n, params, seed, routed) -> list[list[Sample]]:
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+
+            async def one(i: int, j: int) -> Sample:
+                s = sample_seed(seed, i, j, n)
+                payload = {
+                    "input_ids": list(prompts[i]),
+                    "sampling_params": params.to_sglang(s),
+                    "return_logprob": True,
+                    "logprob_start_len": len(prompts[i]),
+                    "rid": f"moe-rl-{seed}-{i}-{j}",
+                }
+                if routed:
+                    payload["return_routed_experts"] = True
+                async with semaphore:
+                    reply = await self._post_with_retries(client, "/generate", payload)
+                return self._parse(list(prompts[i]), s, reply, routed)
+
+            tasks = [[asyncio.create_task(one(i, j)) for j in range(n)] for i in range(len(prompts))]
+            try:
+                return [[await t for t in group] for group in tasks]
+            except BaseException:
+                for t in itertools.chain.from_iterable(tasks):
+                    t.cancel()
+                await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
+                raise
+
+    async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict) -> dict:
+        start = next(self._rr)
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            url = self.urls[(start + attempt) % len(self.urls)]
+            try:
+                response = await client.post(url + path, json=payload)
+                if response.status_code >= 500:
+                    raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+                if response.status_code >= 400:
+                    raise RolloutError(f"{url}{path} refused the request (HTTP {response.status_code}): {response.text[:500]}")
+                try:
+                    return response.json()
+                except ValueError:
+                    raise _Retryable(f"reply is not JSON: {response.text[:100]!r}") from None
+            except (httpx.TransportError, _Retryable) as e:
+                last = f"{url}: {type(e).__name__}: {e}"
+                if attempt < self.max_retries:
+                    self.retries += 1
+                    delay = self.backoff_s * 2**attempt
+                    log.warning("rollout request failed (%s); retry %d/%d in %.1fs", last, attempt + 1, self.max_retries, delay)
+                    await asyncio.sleep(delay)
+        raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
+
+    def _parse(self, prompt: list[int], seed: int, reply: dict, routed: bool) -> Sample:
+        try:
+            meta = reply["meta_info"]
+            output_ids = [int(t) for t in reply["output_ids"]]
+            logprobs = meta["output_token_logprobs"]
+            if [int(x[1]) for x in logprobs] != output_ids:
+                raise RolloutError("output_token_logprobs do not match output_ids")
+            finish = meta["finish_reason"]
+            version = str(meta.get("weight_version", ""))
+            routed_experts = None
+            if routed:
+                routed_experts = decode_routed_experts(meta["routed_experts"], self.num_layers, self.top_k)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise RolloutError(f"malformed /generate reply ({type(e).__name__}: {e})") from None
+        if self.check_weight_version and version != self._version:
+            raise StaleWeightsError(
+                f"a sample was generated with weight_version {version!r}, expected {self._version!r}: "
+                "the batch would train on the wrong weights"
+            )
+        if routed_experts is not None and routed_experts.shape[0] != len(prompt) + len(output_ids) - 1:
+            raise RolloutError(
+                f"routed_experts covers {routed_experts.shape[0]} positions, expected prompt+output-1 = "
+                f"{len(prompt) + len(output_ids) - 1}"
+            )
+        return Sample(
+            prompt_ids=prompt,
+            output_ids=output_ids,
+            output_logprobs=[float(x[0]) for x in logprobs],
+            finish_reason=finish.get("type", "stop") if isinstance(finish, dict) else str(finish),
+            weight_version=version,
+            seed=seed,
+            routed_experts=routed_experts,
+        )
+
+    # ------------------------------------------------------------ control
+
+    def _post_all(self, path: str, payload: dict | None = None, *, check_success: bool = True) -> list[dict]:
+        replies = []
+        with httpx.Client(timeout=self.timeout) as client:
+            for url in self.urls:
+                try:
+                    response = client.post(url + path, json=payload or {})
+                except httpx.TransportError as e:
+                    raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
+                try:
+                    body = response.json()
+                except ValueError:
+                    body = {}
+                if response.status_code >= 400 or (check_success and body.get("success") is False):
+                    raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
+                replies.append(body)
+        return replies
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        self._post_all("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, "flush_cache": True})
+        self._version = weight_version
+
+    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str = "moe-rl") -> None:
+        """Each server joins an NCCL group with the trainer (rank 0) for broadcasts."""
+        for i, url in enumerate(self.urls):
+            self._post_one(url, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port, "rank_offset": 1 + i,
+                "world_size": world_size, "group_name": group_name, "backend": "nccl",
+            })  # fmt: skip
+
+    def update_weights_from_distributed(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        weight_version: str,
+        broadcast: Callable[[Sequence[tuple[str, Any]]], None],
+        group_name: str = "moe-rl",
+    ) -> None:
+        """Pause generation, announce the tensors, ``broadcast`` them (the trainer's NCCL
+        collective, run while the servers wait in their request), resume."""
+        import concurrent.futures
+
+        body = {
+            "names": [n for n, _ in named_tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+            "shapes": [list(t.shape) for _, t in named_tensors],
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": True,
+        }
+        self._post_all("/pause_generation", check_success=False)
+        self._post_all("/begin_weight_update")
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+                pending = [pool.submit(self._post_one, url, "/update_weights_from_distributed", body) for url in self.urls]
+                broadcast(named_tensors)
+                for f in pending:
+                    f.result()
+        finally:
+            self._post_all("/end_weight_update")
+            self._post_all("/continue_generation", check_success=False)
+        self._version = weight_version
+
+    def _post_one(self, url: str, path: str, payload: dict) -> dict:
+        with httpx.Client(timeout=self.timeout) as client:
+            response = client.post(url + path, json=payload)
+        body = response.json() if response.content else {}
+        if response.status_code >= 400 or body.get("success") is False:
+            raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
+        return body
+
+    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+        """Block until every server answers ``/health_generate``; a clear error after ``timeout_s``."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.urls)
+        last = ""
+        with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
+            while pending:
+                for url in list(pending):
+                    try:
+                        if client.get(url + "/health_generate").status_code == 200:
+                            pending.remove(url)
+                    except httpx.TransportError as e:
+                        last = f"{type(e).__name__}: {e}"
+                if pending and time.monotonic() > deadline:
+                    raise RolloutError(f"SGLang server(s) {pending} not healthy after {timeout_s:.0f}s ({last or 'no answer'})")
+                if pending:
+                    time.sleep(poll_s)
+
+    def close(self) -> None:
+        """Abort everything in flight on every server (best effort)."""
+        with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
+            for url in self.urls:
+                try:
+                    client.post(url + "/abort_request", json={"abort_all": True})
+                except httpx.TransportError:
+                    pass

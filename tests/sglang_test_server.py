@@ -1,0 +1,213 @@
+"""An SGLang-protocol test server for CPU tests, driven by moe-rl's LocalEngine.
+
+It speaks SGLang 0.5.23's HTTP API with its field names and enforces its rules that the
+client relies on: HTTP 400 for unknown ``sampling_params`` keys; tensor/distributed
+weight updates only between ``/begin_weight_update`` and ``/end_weight_update``;
+``output_token_logprobs`` as ``[logprob, token_id, text]``; ``finish_reason`` objects;
+``routed_experts`` as base64 int32 ``[prompt + output - 1, num_layers, top_k]``
+(only with ``--enable-return-routed-experts``); seed 42 for requests without
+``sampling_seed`` under ``--enable-deterministic-inference``. It cannot receive NCCL
+broadcasts: ``/update_weights_from_distributed`` checks the request and sets the version.
+
+Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
+``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
+``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
+/generate), ``die_after`` (exit the process when the Nth next /generate arrives).
+
+    python tests/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from moe_rl.rollout.local import LocalEngine
+from moe_rl.rollout.types import SamplingParams
+from moe_rl.routing.encoding import encode_routed_experts
+
+SAMPLING_KEYS = {
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "n", "sampling_seed",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "no_stop_trim", "custom_params",
+    "json_schema", "regex", "ebnf",
+}  # fmt: skip
+
+
+class State:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engine = LocalEngine(args.model_path, weight_version=args.weight_version)
+        self.lock = threading.Lock()
+        self.in_weight_update = False
+        self.paused = threading.Event()
+        self.faults: dict = {}
+        self.generate_requests = 0
+        self.aborts = 0
+        self.groups: dict[str, dict] = {}
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State
+
+    def log_message(self, fmt, *a):  # quiet
+        pass
+
+    def _send(self, status: int, body) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _json(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"{}")
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        st = self.state
+        path = self.path.split("?")[0]
+        try:
+            body = self._json() if method == "POST" else {}
+        except json.JSONDecodeError:
+            return self._send(400, {"error": {"message": "request body is not JSON"}})
+        if path in ("/health", "/health_generate"):
+            return self._send(200, {})
+        if path == "/get_model_info":
+            return self._send(200, {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version})
+        if path == "/get_server_info":
+            return self._send(200, {"tp_size": st.args.tp_size, "ep_size": st.args.ep_size, "random_seed": st.args.random_seed,
+                                    "enable_return_routed_experts": st.args.enable_return_routed_experts})
+        if path == "/generate":
+            return self._generate(body)
+        if path == "/update_weights_from_disk":
+            with st.lock:
+                st.engine.update_weights_from_disk(body["model_path"], str(body.get("weight_version") or st.engine.weight_version))
+            return self._send(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+        if path == "/begin_weight_update":
+            st.in_weight_update = True
+            return self._send(200, {"success": True, "message": "weight update begun"})
+        if path == "/end_weight_update":
+            st.in_weight_update = False
+            return self._send(200, {"success": True, "message": "weight update ended"})
+        if path == "/init_weights_update_group":
+            st.groups[body.get("group_name", "")] = body
+            return self._send(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+        if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
+            if not st.in_weight_update:
+                return self._send(400, {"success": False, "message": f"{path} must be called between /begin_weight_update and /end_weight_update"})
+            if path.endswith("distributed"):
+                if body.get("group_name") not in st.groups:
+                    return self._send(400, {"success": False, "message": f"unknown group_name {body.get('group_name')!r}"})
+                if not (len(body.get("names", [])) == len(body.get("dtypes", [])) == len(body.get("shapes", []))):
+                    return self._send(400, {"success": False, "message": "names, dtypes and shapes differ in length"})
+            if body.get("weight_version") is not None:
+                st.engine._version = str(body["weight_version"])
+            return self._send(200, {"success": True, "message": "Succeeded to update parameter online."})
+        if path == "/pause_generation":
+            st.paused.set()
+            return self._send(200, {"success": True})
+        if path == "/continue_generation":
+            st.paused.clear()
+            return self._send(200, {"success": True})
+        if path == "/flush_cache":
+            return self._send(200, {"success": True})
+        if path == "/abort_request":
+            st.aborts += 1
+            return self._send(200, {"success": True})
+        if path == "/_test/faults":
+            st.faults = body
+            return self._send(200, {"success": True})
+        if path == "/_test/stats":
+            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts})
+        return self._send(404, {"error": {"message": f"no route {path}"}})
+
+    def _generate(self, body: dict) -> None:
+        st = self.state
+        st.generate_requests += 1
+        faults = st.faults
+        if faults.get("die_after") is not None:
+            faults["die_after"] -= 1
+            if faults["die_after"] <= 0:
+                os._exit(1)
+        if faults.get("delay_s"):
+            time.sleep(float(faults["delay_s"]))
+        if faults.get("fail_count", 0) > 0:
+            faults["fail_count"] -= 1
+            return self._send(int(faults.get("fail_status", 500)), {"error": {"message": "injected failure"}})
+        if faults.get("malformed_count", 0) > 0:
+            faults["malformed_count"] -= 1
+            return self._send(200, b"{not json")
+        sp = body.get("sampling_params") or {}
+        unknown = sorted(set(sp) - SAMPLING_KEYS)
+        if unknown:
+            return self._send(400, {"error": {"message": f"Unknown sampling parameter(s): {unknown}"}})
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            return self._send(400, {"error": {"message": "input_ids must be a non-empty list of token ids"}})
+        if body.get("return_routed_experts") and not st.args.enable_return_routed_experts:
+            return self._send(400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}})
+        seed = sp.get("sampling_seed")
+        if seed is None:
+            seed = 42 if st.args.enable_deterministic_inference else int(time.time_ns() % (2**31))
+        params = SamplingParams(
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            top_k=int(sp.get("top_k", -1)),
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+        )
+        while st.paused.is_set():
+            time.sleep(0.01)
+        with st.lock:
+            (sample,) = st.engine._generate_group(ids, [int(seed)], params, bool(body.get("return_routed_experts")))
+        meta = {
+            "id": body.get("rid") or f"req-{st.generate_requests}",
+            "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]} if sample.finish_reason == "stop"
+            else {"type": "length", "length": len(sample.output_ids)},
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(sample.output_ids),
+            "cached_tokens": 0,
+            "weight_version": st.engine.weight_version,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)]
+        if body.get("return_routed_experts"):
+            meta["routed_experts"] = encode_routed_experts(sample.routed_experts)
+        self._send(200, {"text": "", "output_ids": sample.output_ids, "meta_info": meta})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float, default=0.8)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--weight-version", default="0")
+    args, _unknown = p.parse_known_args(argv)
+    Handler.state = State(args)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print(f"test server ready on {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Rollouts: SGLangEngine over real HTTP against the SGLang-protocol test server
+(started through SGLangServer, the code that starts real servers), and LocalEngine
+against the trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from moe_rl.models.tiny import save_tiny_checkpoint
+from moe_rl.rollout.local import LocalEngine
+from moe_rl.rollout.server import ServerSettings, SGLangServer
+from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
+from parallel.launch import free_port
+
+SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
+PROMPTS = [[3, 17, 22, 5], [9, 1, 40, 33, 2, 8]]
+PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("rollout")
+    return {"v0": save_tiny_checkpoint(root / "v0", "qwen3_moe", seed=11), "v1": save_tiny_checkpoint(root / "v1", "qwen3_moe", seed=12)}
+
+
+def start_server(model_path: str, log_dir: Path) -> SGLangServer:
+    settings = ServerSettings(
+        model_path=model_path, port=free_port(), return_routed_experts=True, deterministic=True, launch_command=SERVER
+    )
+    server = SGLangServer(settings, log_dir)
+    server.wait_healthy(timeout_s=120)
+    return server
+
+
+@pytest.fixture(scope="module")
+def servers(ckpts, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    started = [start_server(ckpts["v0"], log_dir), start_server(ckpts["v0"], log_dir)]
+    yield started
+    for s in started:
+        s.stop()
+
+
+def engine_for(servers, **kwargs) -> SGLangEngine:
+    return SGLangEngine([s.url for s in servers], num_layers=2, top_k=2, **kwargs)
+
+
+def control(server, path: str, body: dict | None = None) -> dict:
+    return httpx.post(server.url + path, json=body or {}, timeout=10).json()
+
+
+def test_generate_logprobs_routing_and_distinct_seeds(servers, ckpts) -> None:
+    engine = engine_for(servers)
+    groups = engine.generate(PROMPTS, 3, PARAMS, seed=5, return_routed_experts=True)
+    assert [len(g) for g in groups] == [3, 3]
+    local = LocalEngine(ckpts["v0"]).generate(PROMPTS, 3, PARAMS, seed=5, return_routed_experts=True)
+    seeds = [s.seed for g in groups for s in g]
+    assert len(set(seeds)) == len(seeds), "every sample must get its own sampling_seed"
+    for group, local_group in zip(groups, local):
+        outputs = {tuple(s.output_ids) for s in group}
+        assert len(outputs) > 1, "a group's samples must not repeat one sampling stream"
+        for s, ref in zip(group, local_group):
+            assert s.seed == ref.seed and s.output_ids == ref.output_ids  # the seed reached this sample
+            assert s.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-6)
+            assert s.finish_reason in ("stop", "length") and s.weight_version == "0"
+            assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.output_ids) - 1, 2, 2)
+            assert torch.equal(s.routed_experts, ref.routed_experts)
+
+
+def test_server_rules_and_client_errors(servers) -> None:
+    url = servers[0].url
+    bad = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "best_of": 3}})
+    assert bad.status_code == 400 and "best_of" in bad.text
+    outside = httpx.post(url + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": [], "group_name": "g"})
+    assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
+    engine = engine_for(servers[:1], max_retries=3, backoff_s=0.01)
+    with pytest.raises(RolloutError, match="refused the request \\(HTTP 400\\)"):
+        import asyncio
+
+        async def post():
+            async with httpx.AsyncClient() as client:
+                return await engine._post_with_retries(client, "/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}})
+
+        asyncio.run(post())
+    assert engine.retries == 0, "4xx must not be retried"
+
+
+def test_retries_on_5xx_and_malformed_replies(servers) -> None:
+    control(servers[0], "/_test/faults", {"fail_status": 503, "fail_count": 2, "malformed_count": 1})
+    engine = engine_for(servers[:1], backoff_s=0.01)
+    groups = engine.generate(PROMPTS[:1], 1, PARAMS, seed=1)
+    assert groups[0][0].output_ids and engine.retries == 3
+
+
+def test_update_weights_from_disk_and_stale_version(servers, ckpts) -> None:
+    engine = engine_for(servers)
+    engine.update_weights_from_disk(ckpts["v1"], "1")
+    try:
+        (sample,), = engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)
+        (ref,), = LocalEngine(ckpts["v1"]).generate(PROMPTS[:1], 1, PARAMS, seed=3)
+        assert sample.weight_version == "1" and sample.output_ids == ref.output_ids
+        # a server that changed version behind the trainer's back is detected
+        control(servers[1], "/update_weights_from_disk", {"model_path": ckpts["v1"], "weight_version": "7"})
+        with pytest.raises(StaleWeightsError, match="weight_version '7', expected '1'"):
+            engine.generate(PROMPTS, 2, PARAMS, seed=3)
+    finally:
+        engine.update_weights_from_disk(ckpts["v0"], "0")
+
+
+def test_distributed_update_protocol(servers) -> None:
+    engine = engine_for(servers)
+    engine.init_weights_update_group("127.0.0.1", free_port(), world_size=3)
+    seen = []
+    engine.update_weights_from_distributed([("model.norm.weight", torch.ones(32))], "5", broadcast=seen.extend)
+    assert seen and engine.weight_version == "5"
+    assert all(control(s, "/get_model_info")["weight_version"] == "5" for s in servers)
+    engine.update_weights_from_disk(servers[0].settings.model_path, "0")
+
+
+def test_killed_server_is_retried_elsewhere_or_reported(ckpts, tmp_path) -> None:
+    dying, healthy = start_server(ckpts["v0"], tmp_path), start_server(ckpts["v0"], tmp_path)
+    try:
+        control(dying, "/_test/faults", {"die_after": 2})
+        both = SGLangEngine([dying.url, healthy.url], max_retries=2, backoff_s=0.05)
+        groups = both.generate(PROMPTS, 2, PARAMS, seed=2)
+        assert all(len(s.output_ids) for g in groups for s in g) and both.retries >= 1
+        assert dying.process.wait(timeout=10) == 1  # it really died mid-batch
+        alone = SGLangEngine([dying.url], max_retries=2, backoff_s=0.05, connect_timeout_s=1)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="failed after 3 attempts.*ConnectError"):
+            alone.generate(PROMPTS, 2, PARAMS, seed=2)
+        assert time.monotonic() - start < 30, "a dead server must fail fast, never hang"
+        with pytest.raises(RolloutError, match="not healthy after 1s"):
+            alone.wait_healthy(timeout_s=1, poll_s=0.2)
+    finally:
+        dying.stop()
+        healthy.stop()
+
+
+def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
+    settings = ServerSettings(model_path="x", port=free_port(), launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"])
+    server = SGLangServer(settings, tmp_path)
+    with pytest.raises(RolloutError, match="exited with code 3(.|\\n)*boom: no GPU"):
+        server.wait_healthy(timeout_s=60)
+    assert "--model-path" in settings.command() and "--enable-return-routed-experts" not in settings.command()
+
+
+def test_close_aborts_in_flight_requests(servers) -> None:
+    before = control(servers[0], "/_test/stats")["aborts"]
+    engine_for(servers).close()
+    assert control(servers[0], "/_test/stats")["aborts"] == before + 1
+
+
+def test_local_engine_in_process_weight_update_equals_disk(ckpts) -> None:
+    from moe_rl.models.hf_weights import SafetensorsDir
+
+    engine = LocalEngine(ckpts["v0"])
+    reader = SafetensorsDir(ckpts["v1"])
+    engine.update_weights({k: reader.get(k) for k in reader.keys()}, "1")
+    got = engine.generate(PROMPTS, 2, PARAMS, seed=9)
+    ref = LocalEngine(ckpts["v1"]).generate(PROMPTS, 2, PARAMS, seed=9)
+    assert [[s.output_ids for s in g] for g in got] == [[s.output_ids for s in g] for g in ref]
+    assert engine.weight_version == "1"
+    with pytest.raises(ValueError, match="lacks"):
+        engine.update_weights({}, "2")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_local_engine_matches_the_trainer(ckpts, temperature) -> None:
+    script = Path(__file__).with_name("rollout_parity_checks.py")
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script), ckpts["v0"], str(temperature)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_diff"] <= 1e-4
+    assert result["routing_equal"] and result["positions"] > 0
