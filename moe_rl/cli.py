@@ -41,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
     demo.set_defaults(func=_demo)
-    from moe_rl.commands import drift, export, parity
+    from moe_rl.commands import compare, drift, export, parity, prepare, train
 
+    train.add_parser(sub)
+    compare.add_parser(sub)
+    prepare.add_parser(sub)
     parity.add_parser(sub)
     export.add_parser(sub)
     drift.add_parser(sub)

@@ -29,12 +29,19 @@ class LaunchEnv:
 def launch_env() -> LaunchEnv:
     """Read the launcher's variables; a plain ``python`` start is a world of one."""
     try:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        port = os.environ.get("MASTER_PORT")
+        if port is None:
+            # a plain one-process start: any free port, so that concurrent runs never collide
+            from parallel.launch import free_port
+
+            port = free_port() if world_size == 1 else 29500
         return LaunchEnv(
             rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            world_size=world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            master_port=int(port),
         )
     except ValueError as e:
         raise LayoutError(f"bad launcher environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT): {e}") from None

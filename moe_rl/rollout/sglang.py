@@ -142,6 +142,11 @@ class SGLangEngine(RolloutEngine):
             version = str(meta.get("weight_version", ""))
             routed_experts = None
             if routed:
+                if not meta.get("routed_experts"):
+                    raise RolloutError(
+                        "the server returned no routed_experts: start it with --enable-return-routed-experts "
+                        "(routing replay r3 needs them)"
+                    )
                 routed_experts = decode_routed_experts(meta["routed_experts"], self.num_layers, self.top_k)
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RolloutError(f"malformed /generate reply ({type(e).__name__}: {e})") from None

@@ -74,7 +74,8 @@ class RoutingMonitor:
             self._stats["load"].add_load(layers, old.used, self._masks[i])
             if self._engine is not None:
                 engine = torch.stack(self._engine[i], dim=1)
-                self._stats["train_vs_rollout"].add_drift(layers, engine, old.natural, self._masks[i])
+                # what the trainer computed with (under r3 that is the engine's routing)
+                self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
 
     def update_pass_hooks(self) -> list:
         self.probe.start()

@@ -1,0 +1,113 @@
+"""``moe-rl compare --config configs/compare/demo.yaml``: several runs with the same
+seed and data (each a ``moe-rl train`` process), their TensorBoard events under one
+directory (so TensorBoard overlays them), and ``report.md`` with plots."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HELP = "run several algorithms on the same data and write a comparison report"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help=HELP, description=HELP)
+    p.add_argument("--config", default="configs/compare/demo.yaml")
+    p.add_argument("--only", nargs="*", help="run only these runs (names from the config)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run (base config keys)")
+    p.set_defaults(func=run)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from moe_rl.commands._distributed import fail
+    from moe_rl.config import ConfigError, load_config
+
+    try:
+        spec = yaml.safe_load(Path(args.config).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        return fail(f"cannot read compare config {args.config!r}: {e}")
+    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs"}
+    if unknown:
+        return fail(f"unknown key {sorted(unknown)[0]!r} in {args.config}; valid: base, runs, out_dir, parallel_runs, fixed_steps")
+    out_dir = Path(spec.get("out_dir", "runs/compare"))
+    runs = spec.get("runs") or {}
+    if args.only:
+        missing = set(args.only) - set(runs)
+        if missing:
+            return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
+        runs = {k: v for k, v in runs.items() if k in args.only}
+    configs = {}
+    for name, extra in runs.items():
+        merged = _merge(spec.get("base") or {}, extra or {})
+        merged.setdefault("train", {})["run_dir"] = str(out_dir / name)
+        path = out_dir / "configs" / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(merged, sort_keys=False))
+        try:
+            configs[name] = (path, load_config(str(path), args.overrides))
+        except ConfigError as e:
+            return fail(f"run {name!r}: {e}")
+    if not configs:
+        return fail("no runs to compare")
+
+    start = time.monotonic()
+    first = next(iter(configs.values()))
+    print(f"[compare] preparing the model ({first[1].model.hf_dir or 'built-in demo model, cached after the first time'})", flush=True)
+    code = _moe_rl(["prepare", "--config", str(first[0]), *args.overrides], out_dir / "prepare.log", threads=os.cpu_count() or 1)
+    if code != 0:
+        return fail(f"preparing the model failed; see {out_dir / 'prepare.log'}")
+    parallel = max(1, int(spec.get("parallel_runs", 1)))
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    pending = list(configs.items())
+    active: list[tuple[str, subprocess.Popen, float]] = []
+    failed = []
+    while pending or active:
+        while pending and len(active) < parallel:
+            name, (path, cfg) = pending.pop(0)
+            log_path = Path(cfg.train.run_dir) / "train.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            proc = _start(["train", "--config", str(path), *args.overrides], log_path, threads)
+            active.append((name, proc, time.monotonic()))
+            print(f"[compare] {name}: started (log: {log_path})", flush=True)
+        time.sleep(0.5)
+        for item in list(active):
+            name, proc, t0 = item
+            if proc.poll() is not None:
+                active.remove(item)
+                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+                print(f"[compare] {name}: {status} in {time.monotonic() - t0:.0f}s", flush=True)
+                if proc.returncode != 0:
+                    failed.append(name)
+    from moe_rl.report import write_report
+    from moe_rl.claims import claims_section
+
+    done = {name: Path(cfg.train.run_dir) for name, (_, cfg) in configs.items() if name not in failed}
+    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(done))
+    print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; report: {report}")
+    print(f"[compare] tensorboard --logdir {out_dir}")
+    return 1 if failed else 0
+
+
+def _start(argv: list[str], log_path: Path, threads: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "moe_rl.cli", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _moe_rl(argv: list[str], log_path: Path, threads: int) -> int:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return _start(argv, log_path, threads).wait()

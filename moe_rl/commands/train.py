@@ -1,0 +1,50 @@
+"""``moe-rl train --config C [key=value ...]``: one RL run (one process, or every rank
+under a launcher, or ``--nproc N`` local processes)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "run RL training from a YAML config with dotted overrides"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help=HELP, description=HELP)
+    p.add_argument("--config", default=None, help="YAML config (default: the built-in demo settings)")
+    p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algorithm.loss=gspo")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import os
+    import sys
+
+    from moe_rl.commands._distributed import fail
+    from moe_rl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return fail(str(e))
+    if args.nproc and "RANK" not in os.environ:
+        from parallel.launch import spawn_local
+
+        argv = ["-m", "moe_rl.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+        return spawn_local(args.nproc, argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("megatron", "math_verify", "httpx", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from moe_rl.trainer.loop import train
+    from parallel.layout import LayoutError
+
+    try:
+        train(cfg)
+    except (LayoutError, ConfigError) as e:
+        return fail(str(e))
+    finally:
+        from parallel.distributed import destroy_distributed
+
+        destroy_distributed()
+    return 0

@@ -1,0 +1,348 @@
+"""The run configuration: a typed tree of dataclasses, read from YAML, with dotted
+command-line overrides (``algorithm.loss=gspo``), validated before anything starts.
+Every error names the key, the value and what would be valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str | None = None  # None: the built-in tiny demo model (warm-started and cached)
+    architecture: str = "qwen3_moe"  # for the built-in model
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_experts: int = 8
+    top_k: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"  # built-in task, or a JSONL path with {"prompt", "answer"} lines
+    max_operand: int = 9
+    max_prompt_tokens: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "local"  # local | sglang
+    group_size: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    sglang_urls: list[str] = field(default_factory=list)
+    launch_server: bool = False  # start SGLang servers (else attach to sglang_urls)
+    server_port: int = 30000
+    server_tp: int = 1
+    server_ep: int = 1
+    mem_fraction_static: float = 0.8
+    precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
+
+
+@dataclass
+class RewardItem:
+    name: str = ""
+    fn: str = ""
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class ConditionalItem:
+    target: str = ""
+    condition: str = ""
+    threshold: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    rewards: list[RewardItem] = field(
+        default_factory=lambda: [
+            RewardItem("correct", "math_correct", 1.0),
+            RewardItem("format", "format", 0.5),
+            RewardItem("short", "length", 0.25, {"budget": 4}),
+        ]
+    )
+    conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])
+    timeout_s: float = 5.0
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"
+    loss: str = "grpo"
+    loss_params: dict = field(default_factory=dict)
+    old_logprobs: str = "recompute"  # recompute | rollout
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    updates_per_batch: int = 2
+    micro_batch_size: int = 32
+
+
+@dataclass
+class RoutingConfig:
+    replay: str = "none"  # none | r2 | r3
+    metrics: bool = True
+    after_update_pass: bool = True  # one extra forward to measure the routing an update changes
+    recompute_activations: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 100
+    lr: float = 3e-3
+    batch_size: int = 64
+    cache_dir: str = "~/.cache/moe-rl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    seed: int = 1
+    run_dir: str = "runs/default"
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: bool = True
+    log_every: int = 1
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (optional) + ``key.sub=value`` overrides -> validated :class:`Config`."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, _, text = item.partition("=")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _build(cls, raw: Any, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}; valid keys here: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value: Any, key: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(inner, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        (inner,) = typing.get_args(tp)
+        return [_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    return value
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _choice(key: str, value: Any, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(c: Config) -> None:
+    """Semantic checks that need no model, process group or file contents beyond existence."""
+    from moe_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, loss_defaults
+    from moe_rl.rewards import REWARD_FUNCTIONS
+    from moe_rl.routing.replay import REPLAY_MODES
+
+    a, r, ro = c.algorithm, c.rollout, c.routing
+    _choice("algorithm.advantage", a.advantage, ADVANTAGE_ESTIMATORS.names())
+    _choice("algorithm.loss", a.loss, POLICY_LOSSES.names())
+    valid_params = loss_defaults(a.loss)
+    for key, value in a.loss_params.items():
+        if key not in valid_params or key in ("num_tokens", "num_seqs"):
+            raise ConfigError(f"algorithm.loss_params.{key} is not a parameter of loss {a.loss!r}; valid: "
+                              + ", ".join(k for k in valid_params if k not in ("num_tokens", "num_seqs")))
+    for key in ("eps_low", "eps_high"):
+        if key in a.loss_params:
+            v = a.loss_params[key]
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"algorithm.loss_params.{key}={v!r} is out of range; valid: 0 <= {key} <= 1")
+    if "dual_clip" in a.loss_params and a.loss_params["dual_clip"] is not None and not a.loss_params["dual_clip"] > 1:
+        raise ConfigError(f"algorithm.loss_params.dual_clip={a.loss_params['dual_clip']!r} must be > 1")
+    if "log_clip" in a.loss_params and not (isinstance(a.loss_params["log_clip"], (int, float)) and a.loss_params["log_clip"] > 0):
+        raise ConfigError(f"algorithm.loss_params.log_clip={a.loss_params['log_clip']!r} must be > 0")
+    if "agg" in a.loss_params:
+        from moe_rl.algorithms import AGG_MODES
+
+        _choice("algorithm.loss_params.agg", a.loss_params["agg"], AGG_MODES)
+    _choice("algorithm.old_logprobs", a.old_logprobs, ("recompute", "rollout"))
+    _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
+    _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
+    _positive("algorithm.entropy_coef", a.entropy_coef, allow_zero=True)
+    _positive("algorithm.updates_per_batch", a.updates_per_batch)
+    _positive("algorithm.micro_batch_size", a.micro_batch_size)
+    _choice("routing.replay", ro.replay, REPLAY_MODES)
+    _choice("rollout.engine", r.engine, ("local", "sglang"))
+    _choice("rollout.precision", r.precision, ("fp32", "bf16"))
+    if r.engine == "sglang" and not r.sglang_urls and not r.launch_server:
+        raise ConfigError("rollout.engine=sglang needs rollout.sglang_urls or rollout.launch_server=true")
+    if r.precision != "fp32" and r.engine != "local":
+        raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
+    _positive("rollout.group_size", r.group_size)
+    _positive("rollout.prompts_per_step", r.prompts_per_step)
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if a.advantage != "dr_grpo" and r.group_size < 2:
+        raise ConfigError(f"rollout.group_size={r.group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
+    names = [item.name for item in c.reward.rewards]
+    if not names:
+        raise ConfigError("reward.rewards is empty; give at least one reward")
+    for i, item in enumerate(c.reward.rewards):
+        if not item.name:
+            raise ConfigError(f"reward.rewards[{i}].name is empty")
+        if ":" not in item.fn and item.fn not in REWARD_FUNCTIONS:
+            raise ConfigError(f"reward.rewards[{i}].fn={item.fn!r} is unknown; valid: {', '.join(REWARD_FUNCTIONS.names())} or module:function")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.rewards names must be unique, got {names}")
+    for i, cond in enumerate(c.reward.conditionals):
+        for attr in ("target", "condition"):
+            if getattr(cond, attr) not in names:
+                raise ConfigError(f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}")
+    _positive("reward.timeout_s", c.reward.timeout_s)
+    for key in ("tp", "pp", "ep"):
+        _positive(f"parallel.{key}", getattr(c.parallel, key))
+    if c.parallel.etp is not None:
+        _positive("parallel.etp", c.parallel.etp)
+    _positive("optim.lr", c.optim.lr)
+    _positive("optim.clip_grad", c.optim.clip_grad, allow_zero=True)
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c.optim, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(c.optim, key)} must be in [0, 1)")
+    _positive("train.steps", c.train.steps)
+    _positive("train.save_every", c.train.save_every, allow_zero=True)
+    _positive("train.keep_last", c.train.keep_last)
+    if c.model.hf_dir is not None:
+        if not (Path(c.model.hf_dir) / "config.json").is_file():
+            raise ConfigError(f"model.hf_dir={c.model.hf_dir!r} has no config.json (a local Hugging Face model directory is needed)")
+    else:
+        _choice("model.architecture", c.model.architecture, ("qwen3_moe", "mixtral"))
+        if c.model.top_k > c.model.num_experts:
+            raise ConfigError(f"model.top_k={c.model.top_k} exceeds model.num_experts={c.model.num_experts}")
+    if c.data.task != "arithmetic" and not Path(c.data.task).is_file():
+        raise ConfigError(f"data.task={c.data.task!r} is neither 'arithmetic' nor a readable JSONL file")

@@ -1,0 +1,1 @@
+"""Prompts and answers: the built-in arithmetic task, JSONL data, the demo tokenizer."""

@@ -1,0 +1,104 @@
+"""``report.md`` and PNG plots for a set of runs, generated from their TensorBoard logs
+only (every figure names the tag it comes from)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+TAGS = {
+    "reward": "reward/total",
+    "correct": "reward/correct",
+    "expert_change": "routing/expert_change_frac/mean",
+    "any_layer": "routing/any_layer_changed_frac/mean",
+    "replayed": "routing/replayed/changed_frac/mean",
+    "train_vs_rollout": "routing/train_vs_rollout/changed_frac/mean",
+    "mismatch": "train/logp_mismatch_mean",
+    "clip_frac": "train/clip_frac",
+    "ratio_max": "train/ratio_max",
+    "log_ratio_p01": "train/log_ratio_p01",
+    "log_ratio_p99": "train/log_ratio_p99",
+    "step_time": "perf/step_time_s",
+}
+
+
+def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` from a run's ``tensorboard/`` events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _mean(series: dict[int, float], steps) -> float | None:
+    values = [series[s] for s in steps if s in series]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def summarize_run(scalars: dict[str, dict[int, float]], window: int = 5) -> dict:
+    reward = scalars.get(TAGS["reward"], {})
+    steps = sorted(reward)
+    out = {"steps": len(steps)}
+    if steps:
+        out["first"] = _mean(reward, steps[:window])
+        out["final"] = _mean(reward, steps[-window:])
+    for key in ("expert_change", "any_layer", "replayed", "train_vs_rollout", "mismatch", "clip_frac", "step_time", "correct"):
+        series = scalars.get(TAGS[key], {})
+        out[key] = _mean(series, sorted(series)) if series else None
+    return out
+
+
+def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "") -> Path:
+    data = {name: read_scalars(path) for name, path in runs.items()}
+    summary = {name: summarize_run(s, window) for name, s in data.items()}
+    plots = out_dir / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    for key, title in (("reward", "mean reward"), ("expert_change", "share of activated experts changed per update"),
+                       ("mismatch", "train-vs-rollout |log-prob difference|"), ("clip_frac", "clip fraction")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, s in data.items():
+            series = s.get(TAGS[key], {})
+            if series:
+                xs = sorted(series)
+                ax.plot(xs, [series[x] for x in xs], label=name)
+        ax.set_title(f"{title} ({TAGS[key]})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plots / f"{key}.png", dpi=90)
+        plt.close(fig)
+    lines = [
+        "# moe-rl compare report",
+        "",
+        "Generated from each run's TensorBoard events (`<run>/tensorboard`); column headers name the tag.",
+        f"Reward at fixed steps, and first/last {window}-step means of `{TAGS['reward']}`; other columns are "
+        "means over all steps.",
+        "",
+        "| run | first | final | " + " | ".join(f"step {s}" for s in fixed_steps)
+        + f" | experts changed per update (`{TAGS['expert_change']}`) | tokens changed in any layer (`{TAGS['any_layer']}`)"
+        f" | replayed-pass routing change (`{TAGS['replayed']}`) | train-vs-rollout routing (`{TAGS['train_vs_rollout']}`)"
+        f" | log-prob mismatch (`{TAGS['mismatch']}`) | clip frac (`{TAGS['clip_frac']}`) | step s (`{TAGS['step_time']}`) |",
+        "|" + "---|" * (12 + len(fixed_steps)),
+    ]
+    for name, s in summary.items():
+        reward = data[name].get(TAGS["reward"], {})
+        fixed = [_fmt(reward.get(step)) for step in fixed_steps]
+        lines.append(
+            f"| {name} | {_fmt(s.get('first'))} | {_fmt(s.get('final'))} | " + " | ".join(fixed)
+            + f" | {_fmt(s['expert_change'], 4)} | {_fmt(s['any_layer'], 4)} | {_fmt(s['replayed'], 4)}"
+            f" | {_fmt(s['train_vs_rollout'], 4)} | {_fmt(s['mismatch'], 5)} | {_fmt(s['clip_frac'], 4)} | {_fmt(s['step_time'], 2)} |"
+        )
+    lines += ["", "Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
+    if extra_sections:
+        lines += [extra_sections, ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,1 @@
+"""The RL trainer: configs in, a trained MoE policy, checkpoints and TensorBoard logs out."""

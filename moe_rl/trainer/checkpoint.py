@@ -1,0 +1,134 @@
+"""Checkpoints: saved atomically (a temporary directory renamed once complete), the last
+K kept, resumed exactly (model, optimizer, RNG states, step; the data position follows
+from the step).
+
+Layout of ``run_dir/checkpoints/step_000010/``: ``model/`` (HF safetensors in the
+training precision: any parallel layout, ``moe-rl export`` and SGLang can read it),
+``optim/rank_00000.pt`` (each rank's optimizer state), ``rng/rank_00000.pt`` and
+``meta.json`` (written last: a directory without it is incomplete and ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
+
+_STEP = re.compile(r"step_(\d+)$")
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(step, path)``, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP.match(p.name)
+            if m and (p / "meta.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1] if found else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _optimizer_state(optimizer) -> list:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    out = []
+    for opt in parts:
+        state = {"state_dict": opt.state_dict()}
+        if hasattr(opt, "get_parameter_state_dp_reshardable"):
+            state["param_state"] = opt.get_parameter_state_dp_reshardable()
+        out.append(state)
+    return out
+
+
+def _load_optimizer_state(optimizer, saved: list) -> None:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) != len(saved):
+        raise ValueError("the checkpoint's optimizer does not match this run's (parallel layout changed?)")
+    for opt, state in zip(parts, saved):
+        opt.load_state_dict(state["state_dict"])
+        if "param_state" in state:
+            opt.load_parameter_state_from_dp_reshardable(state["param_state"])
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(run_dir, step: int, model, hf_config, optimizer, extra: dict, keep_last: int, tokenizer_dir=None) -> Path:
+    """Collective. Writes ``step_<step>`` atomically and prunes to the last ``keep_last``."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "optim").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier()
+    export_hf_weights(model, hf_config, tmp / "model", dtype=next(model.parameters()).dtype, copy_files_from=tokenizer_dir)
+    torch.save(_optimizer_state(optimizer), tmp / "optim" / f"rank_{_rank():05d}.pt")
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, **extra}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, hf_config, optimizer) -> dict:
+    """Collective. Restores model, optimizer and RNG; returns ``meta.json``."""
+    meta = json.loads((path / "meta.json").read_text())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if meta["world_size"] != world:
+        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} processes, this run has {world}")
+    load_hf_weights(model, hf_config, path / "model")
+    _load_optimizer_state(optimizer, torch.load(path / "optim" / f"rank_{_rank():05d}.pt", weights_only=False))
+    _set_rng_state(torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=False))
+    return meta

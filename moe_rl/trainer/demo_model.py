@@ -1,0 +1,109 @@
+"""The built-in default model: a tiny random Qwen3-MoE (or Mixtral) with the demo
+tokenizer, given a short supervised warm start on generated solutions so that RL has a
+policy to improve, and cached (keyed by the settings that shape it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import Config
+from moe_rl.data.tasks import ArithmeticTask
+from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
+from moe_rl.models.tiny import save_tiny_checkpoint
+
+
+def demo_model_dir(cfg: Config) -> Path:
+    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__,
+                      "parallel": [cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep]}, sort_keys=True)  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
+
+
+def _raw_checkpoint(cfg: Config, path: Path) -> None:
+    m = cfg.model
+    common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
+                  eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
+    if m.architecture == "qwen3_moe":
+        extra = dict(num_experts=m.num_experts, moe_intermediate_size=m.hidden_size, intermediate_size=2 * m.hidden_size,
+                     head_dim=m.hidden_size // 4, norm_topk_prob=True)  # fmt: skip
+    else:
+        extra = dict(num_local_experts=m.num_experts, intermediate_size=m.hidden_size)
+    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **common, **extra)
+    demo_tokenizer().save_pretrained(path)
+
+
+def ensure_demo_model(cfg: Config) -> Path:
+    """The warm-started demo model directory (collective: every rank calls it)."""
+    target = demo_model_dir(cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if (target / "config.json").is_file():
+        return target
+    raw = target.with_name(target.name + ".raw")
+    if rank == 0:
+        shutil.rmtree(raw, ignore_errors=True)
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        _raw_checkpoint(cfg, raw)
+    if dist.is_initialized():
+        dist.barrier()
+    _supervised_warm_start(cfg, raw, target)
+    if rank == 0:
+        demo_tokenizer().save_pretrained(target)
+        shutil.rmtree(raw, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return target
+
+
+def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
+    from moe_rl.models.forward import MicroBatch, run_microbatches
+    from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    hf_config = load_hf_config(str(raw))
+    layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp)
+    config = make_transformer_config(hf_config, layout)
+    model = build_model(hf_config, config)
+    load_hf_weights(model, hf_config, raw)
+    settings = OptimSettings(lr=cfg.warm_start.lr, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    ddp = wrap_ddp(model, config, settings)
+    optimizer = build_optimizer([ddp], settings)
+    tokenizer = demo_tokenizer()
+    task = ArithmeticTask(cfg.data.max_operand)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    multiple = cfg.parallel.tp
+    for step in range(cfg.warm_start.steps):
+        problems = task.problems(seed=424242, step=step, count=cfg.warm_start.batch_size)
+        seqs, masks = [], []
+        for pr in problems:
+            prompt = tokenizer(pr.prompt)["input_ids"]
+            answer = tokenizer(task.solution(pr))["input_ids"] + [tokenizer.eos_token_id]
+            seqs.append(prompt + answer)
+            masks.append((len(prompt), len(answer)))
+        s = -(-max(map(len, seqs)) // multiple) * multiple
+        ids = torch.zeros(len(seqs), s, dtype=torch.long)
+        mask = torch.zeros(len(seqs), s - 1)
+        for i, (seq, (p, a)) in enumerate(zip(seqs, masks)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, p - 1 : p - 1 + a] = 1
+        total = mask.sum()
+        mine = list(range(dp_rank, len(seqs), dp_size))
+        batches = [MicroBatch(ids[mine], extras={"mask": mask[mine]})]
+
+        def loss_fn(le, mb, total=total):
+            loss = -(le[..., 0] * mb.extras["mask"]).sum() / total
+            return loss, {"nll": loss.detach()}
+
+        train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))
+    export_hf_weights(model, hf_config, target, dtype=torch.float32)
