@@ -9,28 +9,17 @@ import warnings
 import moe_rl
 
 
-def _demo(_args: argparse.Namespace) -> int:
-    """Placeholder for the built-in demo until the trainer lands.
+def _demo(args: argparse.Namespace) -> int:
+    """The built-in default: ``moe-rl compare --config configs/compare/demo.yaml``."""
+    from pathlib import Path
 
-    It checks the install and shows, on DESIGN.md's two-binary-reward example, the
-    advantage difference that GDPO exists for.
-    """
-    import torch
+    from moe_rl.commands import compare
 
-    from moe_rl.algorithms import compute_advantages
-
-    print("moe-rl demo: the RL trainer and the compare demo are not built yet (trainer issue).")
-    print("This placeholder checks the install and runs the algorithm core once.\n")
-    # two prompts, G=2, two binary rewards: summed rewards (0, 1) and (0, 2)
-    rewards = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
-    grpo = compute_advantages("grpo", rewards, group_size=2)
-    gdpo = compute_advantages("gdpo", rewards, group_size=2)
-    print(f"{'sample':>6} {'rewards':>10} {'GRPO adv':>9} {'GDPO adv':>9}")
-    for i, (r, a, b) in enumerate(zip(rewards.tolist(), grpo.tolist(), gdpo.tolist())):
-        print(f"{i:>6} {str(tuple(int(x) for x in r)):>10} {a:>9.3f} {b:>9.3f}")
-    print("\nGRPO gives both groups the same advantages; GDPO keeps them apart.")
-    print(f"torch {torch.__version__}, moe_rl {moe_rl.__version__}: install OK")
-    return 0
+    config = Path(args.config)
+    if not config.is_file():
+        print(f"moe-rl: error: {config} not found (run from the repository root, or pass --config)", file=sys.stderr)
+        return 2
+    return compare.run(argparse.Namespace(config=str(config), only=None, overrides=args.overrides))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment is used
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run the built-in demo (placeholder until the trainer lands)")
+    demo = sub.add_parser("demo", help="run the built-in demo: compare GRPO (+R2/R3), GSPO, GMPO, GDPO")
+    demo.add_argument("--config", default="configs/compare/demo.yaml")
+    demo.add_argument("overrides", nargs="*")
     demo.set_defaults(func=_demo)
     from moe_rl.commands import compare, drift, export, parity, prepare, train
 

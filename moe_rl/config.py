@@ -198,7 +198,7 @@ def _build(cls, raw: Any, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}; valid keys here: {', '.join(sorted(fields))}")
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'; valid keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in raw.items():

@@ -86,7 +86,7 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
         + f" | experts changed per update (`{TAGS['expert_change']}`) | tokens changed in any layer (`{TAGS['any_layer']}`)"
         f" | replayed-pass routing change (`{TAGS['replayed']}`) | train-vs-rollout routing (`{TAGS['train_vs_rollout']}`)"
         f" | log-prob mismatch (`{TAGS['mismatch']}`) | clip frac (`{TAGS['clip_frac']}`) | step s (`{TAGS['step_time']}`) |",
-        "|" + "---|" * (12 + len(fixed_steps)),
+        "|" + "---|" * (10 + len(fixed_steps)),
     ]
     for name, s in summary.items():
         reward = data[name].get(TAGS["reward"], {})

@@ -1,0 +1,86 @@
+"""Config loading, overrides and validation: every bad value is one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_config
+
+GOOD = Path(__file__).parents[1] / "configs" / "compare" / "demo.yaml"
+
+
+def test_defaults_and_overrides() -> None:
+    cfg = load_config(None, ["algorithm.loss=gspo", "optim.lr=1e-4", "rollout.group_size=4", "routing.replay=r2",
+                             "algorithm.loss_params={eps_low: 0.0003, eps_high: 0.0004}", "reward.timeout_s=2"])  # fmt: skip
+    assert cfg.algorithm.loss == "gspo" and cfg.optim.lr == 1e-4 and cfg.rollout.group_size == 4
+    assert cfg.routing.replay == "r2" and cfg.algorithm.loss_params == {"eps_low": 0.0003, "eps_high": 0.0004}
+    assert [r.name for r in cfg.reward.rewards] == ["correct", "format", "short"]
+
+
+def test_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm: {loss: gmpo, loss_params: {log_clip: 0.3}}\ntrain: {steps: 5}\n")
+    cfg = load_config(str(path), ["train.steps=7"])
+    assert cfg.algorithm.loss_params == {"log_clip": 0.3} and cfg.train.steps == 7
+
+
+BAD = [
+    (["algorithm.los=gspo"], "unknown key 'algorithm.los'"),
+    (["algorithm.loss=ppo2"], "algorithm.loss='ppo2' is not valid; valid: cispo, gmpo"),
+    (["algorithm.advantage=gae"], "algorithm.advantage='gae' is not valid"),
+    (["algorithm.loss_params={eps_low: 1.5}"], "algorithm.loss_params.eps_low=1.5 is out of range"),
+    (["algorithm.loss_params={eps_high: -0.1}"], "eps_high=-0.1 is out of range"),
+    (["algorithm.loss_params={dual_clip: 0.5}"], "dual_clip=0.5 must be > 1"),
+    (["algorithm.loss=gmpo", "algorithm.loss_params={log_clip: 0}"], "log_clip=0 must be > 0"),
+    (["algorithm.loss=gspo", "algorithm.loss_params={dual_clip: 3}"], "not a parameter of loss 'gspo'"),
+    (["algorithm.loss_params={agg: mean}"], "algorithm.loss_params.agg='mean' is not valid"),
+    (["algorithm.old_logprobs=cached"], "algorithm.old_logprobs='cached' is not valid"),
+    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator='k9' is not valid"),
+    (["algorithm.kl_coef=-1"], "algorithm.kl_coef=-1.0 must be >= 0"),
+    (["algorithm.updates_per_batch=0"], "algorithm.updates_per_batch=0 must be > 0"),
+    (["routing.replay=r4"], "routing.replay='r4' is not valid; valid: none, r2, r3"),
+    (["rollout.engine=vllm"], "rollout.engine='vllm' is not valid"),
+    (["rollout.engine=sglang"], "needs rollout.sglang_urls or rollout.launch_server"),
+    (["rollout.group_size=1"], "rollout.group_size=1 must be >= 2"),
+    (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+    (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
+    (["rollout.precision=fp8"], "rollout.precision='fp8' is not valid"),
+    (["reward.rewards=[{name: a, fn: nope}]", "reward.conditionals=[]"], "reward.rewards[0].fn='nope' is unknown"),
+    (["reward.rewards=[]"], "reward.rewards is empty"),
+    (["reward.conditionals=[{target: short, condition: missing}]"], "reward.conditionals[0].condition='missing' is not a reward"),
+    (["parallel.tp=0"], "parallel.tp=0 must be > 0"),
+    (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
+    (["optim.adam_beta2=1.0"], "optim.adam_beta2=1.0 must be in [0, 1)"),
+    (["train.steps=abc"], "train.steps='abc' must be an integer"),
+    (["train.progress=maybe"], "train.progress='maybe' must be true or false"),
+    (["model.hf_dir=/nonexistent"], "model.hf_dir='/nonexistent' has no config.json"),
+    (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
+    (["data.task=/no/such.jsonl"], "neither 'arithmetic' nor a readable JSONL file"),
+    (["train"], "must look like key.sub=value"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=[b[0][-1][:40] for b in BAD])
+def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "none.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_cli_reports_one_line_without_traceback() -> None:
+    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "algorithm.loss=ppo2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("moe-rl: error: algorithm.loss='ppo2' is not valid") and "Traceback" not in out.stderr
