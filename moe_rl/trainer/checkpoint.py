@@ -58,11 +58,21 @@ def _optimizer_state(optimizer) -> list:
     for opt in parts:
         state = {"state_dict": opt.state_dict()}
         if hasattr(opt, "get_parameter_state_dp_reshardable"):
-            state["param_state"] = opt.get_parameter_state_dp_reshardable()
+            param_state = opt.get_parameter_state_dp_reshardable()
+            # megatron-core 0.16.1's loader filters on a 'padding' flag its getter never sets
+            for key, by_dtype in param_state.items():
+                if isinstance(key, int):
+                    for buckets in by_dtype.values():
+                        for bucket in buckets:
+                            for elem in bucket:
+                                elem.setdefault("padding", False)
+            state["param_state"] = param_state
+        state["adam_steps"] = [_adam_step(opt, p) for p in _inner_params(opt)]
         out.append(state)
     return out
 
 
+@torch.no_grad()
 def _load_optimizer_state(optimizer, saved: list) -> None:
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(parts) != len(saved):
@@ -71,6 +81,20 @@ def _load_optimizer_state(optimizer, saved: list) -> None:
         opt.load_state_dict(state["state_dict"])
         if "param_state" in state:
             opt.load_parameter_state_from_dp_reshardable(state["param_state"])
+        # torch Adam keeps its step count per parameter, outside megatron's parameter state
+        for param, step in zip(_inner_params(opt), state.get("adam_steps", [])):
+            if step is not None:
+                opt.optimizer.state[param]["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+def _inner_params(opt) -> list:
+    inner = getattr(opt, "optimizer", None)
+    return [p for group in inner.param_groups for p in group["params"]] if inner is not None else []
+
+
+def _adam_step(opt, param):
+    step = opt.optimizer.state.get(param, {}).get("step")
+    return step.clone() if torch.is_tensor(step) else step
 
 
 def _rng_state() -> dict:
