@@ -64,7 +64,7 @@ def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:
 
 
 def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
-    out = moe_rl("compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--only", "grpo", "grpo_r2",
+    out = moe_rl("compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--only", "grpo,grpo_r2",
                  *TINY, f"warm_start.cache_dir={cache}", "train.steps=3", cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "runs/compare/report.md").read_text()

@@ -18,7 +18,7 @@ HELP = "run several algorithms on the same data and write a comparison report"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help=HELP, description=HELP)
     p.add_argument("--config", default="configs/compare/demo.yaml")
-    p.add_argument("--only", nargs="*", help="run only these runs (names from the config)")
+    p.add_argument("--only", default=None, help="comma-separated runs to do (names from the config)")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run (base config keys)")
     p.set_defaults(func=run)
 
@@ -45,11 +45,12 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"unknown key {sorted(unknown)[0]!r} in {args.config}; valid: base, runs, out_dir, parallel_runs, fixed_steps")
     out_dir = Path(spec.get("out_dir", "runs/compare"))
     runs = spec.get("runs") or {}
-    if args.only:
-        missing = set(args.only) - set(runs)
+    only = [x for x in (args.only or "").split(",") if x]
+    if only:
+        missing = set(only) - set(runs)
         if missing:
             return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
-        runs = {k: v for k, v in runs.items() if k in args.only}
+        runs = {k: v for k, v in runs.items() if k in only}
     configs = {}
     for name, extra in runs.items():
         merged = _merge(spec.get("base") or {}, extra or {})
