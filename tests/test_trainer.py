@@ -75,3 +75,14 @@ def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
     r2 = read_scalars(tmp_path / "runs/compare/grpo_r2")
     assert set(r2["routing/replayed/changed_frac/mean"].values()) == {0.0}
     assert len(r2["reward/total"]) == 3
+
+
+def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
+    out = moe_rl("train", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'k'}", "train.steps=2",
+                 "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.old_logprobs=rollout",
+                 "algorithm.loss=gmpo", "algorithm.advantage=gdpo", "routing.metrics=false")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = rows(tmp_path / "k")
+    assert metrics[1]["train/kl_ref"] >= 0.0 and metrics[2]["train/kl_ref"] > 0.0  # the policy moved off the reference
+    assert metrics[2]["train/entropy"] > 0 and metrics[2]["train/logp_mismatch_mean"] < 1e-4
+    assert not any(k.startswith("routing/") for k in metrics[2])
