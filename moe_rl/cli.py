@@ -50,6 +50,8 @@ _KNOWN_NOISE = (
     ".*full scope is deprecated.*",
     ".*all_gather_into_tensor. is deprecated.*",
     ".*reduce_scatter_tensor. is deprecated.*",
+    ".*The .grad attribute of a Tensor that is not a leaf Tensor.*",
+    ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
 )
 
 

@@ -138,6 +138,7 @@ class TrainConfig:
     resume: bool = True
     log_every: int = 1
     progress: bool = True
+    max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
 
 
 @dataclass
@@ -337,6 +338,7 @@ def validate(c: Config) -> None:
     _positive("train.steps", c.train.steps)
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)
+    _positive("train.max_skipped_updates", c.train.max_skipped_updates)
     if c.model.hf_dir is not None:
         if not (Path(c.model.hf_dir) / "config.json").is_file():
             raise ConfigError(f"model.hf_dir={c.model.hf_dir!r} has no config.json (a local Hugging Face model directory is needed)")

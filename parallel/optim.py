@@ -94,5 +94,26 @@ def train_step(
     optimizer.zero_grad()
     outputs = forward_backward()
     finalize_model_grads(chunks)
+    if not _grads_finite(chunks):
+        # NaN/Inf anywhere on any rank: skip the update everywhere (weights stay as they were)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        return StepResult(updated=False, grad_norm=float("nan"), outputs=outputs)
     updated, grad_norm, _ = optimizer.step()
     return StepResult(updated=bool(updated), grad_norm=float(grad_norm or 0.0), outputs=outputs)
+
+
+def _grads_finite(chunks: list[DistributedDataParallel]) -> bool:
+    import torch.distributed as dist
+
+    bad = torch.zeros(1)
+    for chunk in chunks:
+        for param in chunk.module.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not torch.isfinite(grad).all():
+                bad.fill_(1.0)
+                break
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0

@@ -182,3 +182,15 @@ def test_local_engine_matches_the_trainer(ckpts, temperature) -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_diff"] <= 1e-4
     assert result["routing_equal"] and result["positions"] > 0
+
+
+def test_a_slow_server_times_out_and_is_reported(servers) -> None:
+    control(servers[0], "/_test/faults", {"delay_s": 3})
+    try:
+        engine = SGLangEngine([servers[0].url], timeout_s=0.5, max_retries=1, backoff_s=0.01)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="failed after 2 attempts.*ReadTimeout"):
+            engine.generate(PROMPTS[:1], 1, PARAMS, seed=1)
+        assert time.monotonic() - start < 20
+    finally:
+        control(servers[0], "/_test/faults", {})

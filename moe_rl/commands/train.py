@@ -36,13 +36,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("megatron", "math_verify", "httpx", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from moe_rl.trainer.loop import train
+    from moe_rl.rollout.types import RolloutError
+    from moe_rl.trainer.loop import TrainingStopped, train
     from parallel.layout import LayoutError
 
     try:
         train(cfg)
     except (LayoutError, ConfigError) as e:
         return fail(str(e))
+    except (TrainingStopped, RolloutError) as e:
+        print(f"moe-rl: stopped: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt as e:
+        print(f"moe-rl: {e or 'interrupted'}", file=sys.stderr)
+        return 130
     finally:
         from parallel.distributed import destroy_distributed
 

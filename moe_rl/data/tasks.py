@@ -4,9 +4,13 @@ step deterministically from (seed, step), so a resumed run sees the same data.""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,24 +40,39 @@ class ArithmeticTask:
 
 class JsonlTask:
     """Lines of ``{"prompt": text, "answer": text}``; each step takes ``count`` lines of a
-    seeded permutation (epochs wrap around). Malformed lines are errors with file:line."""
+    seeded permutation (epochs wrap around). Malformed, empty or non-UTF-8 lines are
+    skipped, each logged with file:line and counted (``skipped``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.items: list[Problem] = []
-        with open(path, encoding="utf-8", errors="strict") as f:
-            for line_no, line in enumerate(f, 1):
+        self.skipped: list[str] = []  # "file:line: why" of every line left out
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                where = f"{path}:{line_no}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    self._skip(f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+                    self._skip(f"{where}: not valid JSON ({e.msg})")
+                    continue
                 if not isinstance(record, dict) or not str(record.get("prompt", "")).strip() or "answer" not in record:
-                    raise ValueError(f'{path}:{line_no}: needs a non-empty "prompt" and an "answer"')
+                    self._skip(f'{where}: needs a non-empty "prompt" and an "answer"')
+                    continue
                 self.items.append(Problem(str(record["prompt"]), str(record["answer"])))
         if not self.items:
-            raise ValueError(f"{path} holds no problems")
+            raise ValueError(f"{path} holds no usable problems ({len(self.skipped)} lines skipped)")
+
+    def _skip(self, why: str) -> None:
+        if len(self.skipped) < 20:
+            log.warning("skipping %s", why)
+        self.skipped.append(why)
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         n = len(self.items)

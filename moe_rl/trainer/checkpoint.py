@@ -134,6 +134,11 @@ def save_checkpoint(run_dir, step: int, model, hf_config, optimizer, extra: dict
     torch.save(_optimizer_state(optimizer), tmp / "optim" / f"rank_{_rank():05d}.pt")
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()
+    delay = float(os.environ.get("MOE_RL_FAULT_CKPT_DELAY_S", "0"))  # fault injection for tests
+    if delay:
+        import time
+
+        time.sleep(delay)
     if _rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, **extra}, indent=2))

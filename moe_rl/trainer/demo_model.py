@@ -26,6 +26,15 @@ def demo_model_dir(cfg: Config) -> Path:
     return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
 
 
+def demo_model_dims(cfg: Config):
+    """The built-in model's sizes, to validate a parallel layout before anything runs."""
+    from parallel.layout import ModelDims
+
+    m = cfg.model
+    return ModelDims(num_layers=m.num_layers, num_attention_heads=4, num_query_groups=2, num_experts=m.num_experts,
+                     vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size)  # fmt: skip
+
+
 def _raw_checkpoint(cfg: Config, path: Path) -> None:
     m = cfg.model
     common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,

@@ -11,8 +11,9 @@ step's experience; every rank trains on its data-parallel share.
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -21,11 +22,43 @@ import torch.distributed as dist
 import yaml
 
 from moe_rl.algorithms import compute_advantages, entropy_bonus, kl_penalty, policy_loss
-from moe_rl.config import Config
+from moe_rl.config import Config, ConfigError
 from moe_rl.models.forward import MicroBatch, run_microbatches
 from moe_rl.trainer.experience import Experience, build_microbatches, padded_length
 
 log = logging.getLogger("moe_rl.train")
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. too many non-finite updates); the message says why."""
+
+
+class _StopRequests:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (all ranks agree)."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self._flag:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._flag = True
+        log.warning("stop requested (signal %d): finishing this step and saving a checkpoint", signum)
+
+    def requested(self) -> bool:
+        flag = torch.tensor([1.0 if self._flag else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
 
 MEAN_KEYS = ("loss", "pg_loss", "clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "log_ratio_p01", "log_ratio_p99")
 
@@ -43,7 +76,7 @@ def train(cfg: Config) -> dict:
     from moe_rl.routing.monitor import RoutingMonitor
     from moe_rl.routing.replay import replay_config_overrides
     from moe_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from moe_rl.trainer.demo_model import ensure_demo_model
+    from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
     from moe_rl.trainer.metrics import StepLogger
     from parallel.distributed import init_distributed
     from parallel.layout import ParallelLayout
@@ -53,18 +86,19 @@ def train(cfg: Config) -> dict:
     layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp)
     run_dir = Path(cfg.train.run_dir)
     hf_dir_hint = cfg.model.hf_dir
-    dims = model_dims(load_hf_config(hf_dir_hint)) if hf_dir_hint else None
-    init_distributed(layout, dims, seed=cfg.train.seed)
+    dims = model_dims(load_hf_config(hf_dir_hint)) if hf_dir_hint else demo_model_dims(cfg)
+    init_distributed(layout, dims, seed=cfg.train.seed)  # validates the layout before any group exists
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
     hf_dir = str(hf_dir_hint or ensure_demo_model(cfg))
     hf_config = load_hf_config(hf_dir)
-    if dims is None:
-        layout.validate(dist.get_world_size(), model_dims(hf_config))
     arch = architecture_of(hf_config)
     num_experts = arch.num_experts(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    task = make_task(cfg.data.task, cfg.data.max_operand)
+    try:
+        task = make_task(cfg.data.task, cfg.data.max_operand)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.task: {e}") from None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -127,6 +161,9 @@ def train(cfg: Config) -> dict:
     if reference is not None and hasattr(reference, "logprob_config"):
         reference.logprob_config.temperature = cfg.rollout.temperature
     scalars: dict = {}
+    skipped_in_a_row = 0
+    stop = _StopRequests()
+    nan_steps = {int(x) for x in os.environ.get("MOE_RL_FAULT_NAN_STEPS", "").split(",") if x.strip()}
     try:
         for step in range(start_step, cfg.train.steps):
             t0 = time.perf_counter()
@@ -156,8 +193,8 @@ def train(cfg: Config) -> dict:
                     mb.extras["ref_logp"] = out["logprobs"]
 
             # ------------------------------------------------ policy updates
-            loss_fn = _make_loss_fn(cfg, num_tokens, num_seqs)
-            result = None
+            loss_fn = _make_loss_fn(cfg, num_tokens, num_seqs, inject_nan=step + 1 in nan_steps)
+            result, skipped = None, 0
             for _ in range(cfg.algorithm.updates_per_batch):
                 hooks = monitor.update_pass_hooks() if monitor else []
                 result = train_step(
@@ -166,6 +203,13 @@ def train(cfg: Config) -> dict:
                 )  # fmt: skip
                 if monitor:
                     monitor.end_update_pass()
+                skipped += not result.updated
+            if skipped:
+                skipped_in_a_row += 1
+                if rank == 0:
+                    log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", step + 1, skipped)
+            else:
+                skipped_in_a_row = 0
             if monitor and cfg.routing.metrics and cfg.routing.after_update_pass:
                 run_microbatches([ddp], batches, hooks=monitor.after_update_hooks())
                 monitor.end_after_update()
@@ -184,7 +228,7 @@ def train(cfg: Config) -> dict:
                 **rollout_scalars,
                 **{f"train/{k}": v for k, v in train_scalars.items()},
                 "train/grad_norm": result.grad_norm,
-                "train/update_skipped": float(not result.updated),
+                "train/update_skipped": float(skipped),
                 "perf/step_time_s": step_time,
                 "perf/rollout_time_s": t_rollout,
                 "perf/train_time_s": t_train,
@@ -193,11 +237,21 @@ def train(cfg: Config) -> dict:
             logger.log(step + 1, scalars, routing)
 
             # ------------------------------------------------ checkpoint
+            too_many_skips = skipped_in_a_row >= cfg.train.max_skipped_updates
+            stopping = stop.requested()
             last = step + 1 == cfg.train.steps
-            if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            if last or too_many_skips or stopping or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                 save_checkpoint(run_dir, step + 1, model, hf_config, optimizer, {"scalars": scalars},
                                 cfg.train.keep_last, tokenizer_dir=hf_dir)  # fmt: skip
+            if too_many_skips:
+                raise TrainingStopped(
+                    f"{skipped_in_a_row} consecutive steps had NaN/Inf in the loss or gradients (train.max_skipped_updates="
+                    f"{cfg.train.max_skipped_updates}); stopped at step {step + 1}, the checkpoint holds the last good weights"
+                )
+            if stopping:
+                raise KeyboardInterrupt(f"stopped on request after step {step + 1}; checkpoint saved")
     finally:
+        stop.restore()
         logger.close()
         if engine is not None:
             engine.close()
@@ -269,6 +323,7 @@ def _collect(cfg: Config, step: int, task, tokenizer, engine, scorer, sampling, 
         "response/length_max": float(max(len(s.output_ids) for s in samples)),
         "response/finished_frac": float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),
         "data/truncated_prompts": float(truncated),
+        "data/skipped_lines": float(len(getattr(task, "skipped", []))),
     }
     return exp, scalars
 
@@ -318,7 +373,7 @@ def _attach_old_logprobs(cfg: Config, batches: list[MicroBatch], old: list[dict]
     return out
 
 
-def _make_loss_fn(cfg: Config, num_tokens: float, num_seqs: float):
+def _make_loss_fn(cfg: Config, num_tokens: float, num_seqs: float, inject_nan: bool = False):
     a = cfg.algorithm
     agg = a.loss_params.get("agg")
 
@@ -341,6 +396,8 @@ def _make_loss_fn(cfg: Config, num_tokens: float, num_seqs: float):
         if log_ratio.numel():
             metrics["log_ratio_p01"] = torch.quantile(log_ratio.float(), 0.01)
             metrics["log_ratio_p99"] = torch.quantile(log_ratio.float(), 0.99)
+        if inject_nan:  # fault injection for tests (MOE_RL_FAULT_NAN_STEPS)
+            loss = loss * float("nan")
         metrics["loss"] = loss.detach()
         metrics["_tokens"] = mask.sum()
         return loss, metrics

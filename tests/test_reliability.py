@@ -1,0 +1,152 @@
+"""Faults a long run must survive: NaN updates, kill -9 during a step and during a
+checkpoint write, Ctrl-C, bad data lines, bad layouts (subprocess runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "warm_start.steps=20",
+        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=8", "routing.after_update_pass=false"]  # fmt: skip
+
+
+def cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moe_rl.cli", *args]
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def rows(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    cache = tmp_path_factory.mktemp("cache")
+    args = [*TINY, f"warm_start.cache_dir={cache}"]
+    out = run("prepare", *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return args
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base, tmp_path_factory) -> dict[int, dict]:
+    run_dir = tmp_path_factory.mktemp("straight")
+    out = run("train", *base, f"train.run_dir={run_dir}", "train.steps=5", "train.save_every=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return rows(run_dir)
+
+
+COMPARED = ("train/loss", "train/grad_norm", "reward/total", "train/clip_frac")
+
+
+def test_nan_updates_are_skipped_then_the_run_stops(base, tmp_path: Path) -> None:
+    out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=8", env={"MOE_RL_FAULT_NAN_STEPS": "2,4,5,6"})
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "3 consecutive steps had NaN/Inf" in out.stderr and "stopped at step 6" in out.stderr
+    metrics = rows(tmp_path)
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    assert metrics[2]["train/update_skipped"] == 2 and metrics[3]["train/update_skipped"] == 0
+    assert (tmp_path / "checkpoints" / "step_000006" / "meta.json").is_file()
+
+
+def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, uninterrupted, tmp_path: Path) -> None:
+    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    metrics = tmp_path / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file()
+    out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
+    assert out.returncode == 0 and "resumed from" in out.stderr, out.stderr[-2000:]
+    resumed = rows(tmp_path)
+    for step in (3, 4, 5):
+        for key in COMPARED:
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
+
+
+def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, uninterrupted, tmp_path: Path) -> None:
+    first = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MOE_RL_FAULT_CKPT_DELAY_S": "60"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    partial = tmp_path / "checkpoints" / ".tmp_step_000004"
+    wait_for(lambda: (partial / "optim").is_dir() and any((partial / "optim").iterdir()))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "checkpoints" / "step_000004").exists()
+    out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2")
+    assert out.returncode == 0 and "step_000002" in out.stderr, out.stderr[-2000:]
+    resumed = rows(tmp_path)
+    for step in (3, 4):
+        for key in COMPARED:
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits(base, tmp_path: Path) -> None:
+    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=50")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    metrics = tmp_path / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "stopped on request after step" in err
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("step_") and int(saved[0][5:]) < 50
+
+
+def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(
+        b'{"prompt": "1+2=", "answer": "3"}\n'
+        b'{"prompt": "2+2=", "answer": \n'
+        b'{"prompt": "", "answer": "0"}\n'
+        b'{"prompt": "3+\xff=", "answer": "3"}\n'
+        b'{"prompt": "4+4=", "answer": "8"}\n'
+    )
+    out = run("train", *base, f"train.run_dir={tmp_path / 'r'}", "train.steps=1", f"data.task={data}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in (2, 3, 4):
+        assert f"{data}:{line}" in out.stderr
+    assert "not UTF-8" in out.stderr and "not valid JSON" in out.stderr
+    assert rows(tmp_path / "r")[1]["data/skipped_lines"] == 3
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    bad = run("train", *base, f"train.run_dir={tmp_path / 'e'}", "train.steps=1", f"data.task={empty}")
+    assert bad.returncode == 2 and "holds no usable problems" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.ep=3"], "world size / pp = 1 is not divisible by ep*etp = 3*1 = 3"),
+        (["parallel.tp=2"], "world size 1 is not divisible by tp*pp = 2*1 = 2"),
+    ],
+)
+def test_bad_layout_fails_fast_with_one_line(base, tmp_path: Path, overrides, message) -> None:
+    start = time.monotonic()
+    out = run("train", *base, f"train.run_dir={tmp_path}", *overrides)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - start < 60
