@@ -194,3 +194,14 @@ def test_a_slow_server_times_out_and_is_reported(servers) -> None:
         assert time.monotonic() - start < 20
     finally:
         control(servers[0], "/_test/faults", {})
+
+
+def test_r3_needs_servers_that_return_routing(servers, ckpts, tmp_path) -> None:
+    engine_for(servers).check_returns_routed_experts()  # started with the flag
+    plain = SGLangServer(ServerSettings(model_path=ckpts["v0"], port=free_port(), launch_command=SERVER), tmp_path)
+    try:
+        plain.wait_healthy(timeout_s=120)
+        with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+            SGLangEngine([plain.url]).check_returns_routed_experts()
+    finally:
+        plain.stop()

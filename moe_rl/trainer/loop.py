@@ -285,6 +285,8 @@ def _make_engine(cfg: Config, hf_dir: str, hf_config, run_dir: Path):
         urls = [server.url]
     engine = SGLangEngine(urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok)
     engine.wait_healthy()
+    if cfg.routing.replay == "r3":
+        engine.check_returns_routed_experts()
     return engine, server
 
 
