@@ -90,6 +90,9 @@ def train(cfg: Config) -> dict:
     init_distributed(layout, dims, seed=cfg.train.seed)  # validates the layout before any group exists
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
+    # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
+    # generation with trained weights ran ~3x slower without this
+    torch.set_flush_denormal(True)
     hf_dir = str(hf_dir_hint or ensure_demo_model(cfg))
     hf_config = load_hf_config(hf_dir)
     arch = architecture_of(hf_config)
@@ -170,7 +173,8 @@ def train(cfg: Config) -> dict:
             # ------------------------------------------------ rollout, rewards, advantages (rank 0)
             exp, rollout_scalars = None, {}
             if rank == 0:
-                exp, rollout_scalars = _collect(cfg, step, task, tokenizer, engine, scorer, sampling, want_routing, layout.tp)
+                with cpu_bridge_paused():
+                    exp, rollout_scalars = _collect(cfg, step, task, tokenizer, engine, scorer, sampling, want_routing, layout.tp)
             exp, rollout_scalars = _broadcast((exp, rollout_scalars))
             t_rollout = time.perf_counter() - t0
 
@@ -183,11 +187,16 @@ def train(cfg: Config) -> dict:
 
             # ------------------------------------------------ old (and reference) log-probs
             engine_routing = [mb.extras["routed"] for mb in batches] if want_routing else None
-            hooks = monitor.old_pass_hooks(batches, engine_routing) if monitor else []
-            old = run_microbatches([ddp], batches, hooks=hooks)
-            if monitor:
-                monitor.end_old_pass()
-            mismatch = _attach_old_logprobs(cfg, batches, old)
+            # strictly on-policy (one update, nothing to record or measure): the update
+            # pass's own log-probs are the old ones, so the extra forward pass is skipped
+            on_policy = cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and monitor is None
+            mismatch = []
+            if not on_policy:
+                hooks = monitor.old_pass_hooks(batches, engine_routing) if monitor else []
+                old = run_microbatches([ddp], batches, hooks=hooks)
+                if monitor:
+                    monitor.end_old_pass()
+                mismatch = _attach_old_logprobs(cfg, batches, old)
             if reference is not None:
                 for mb, out in zip(batches, run_microbatches(reference, batches)):
                     mb.extras["ref_logp"] = out["logprobs"]
@@ -220,6 +229,8 @@ def train(cfg: Config) -> dict:
 
             # ------------------------------------------------ logging
             train_scalars = _reduce_outputs(result.outputs, ps)
+            if on_policy and ps.is_pipeline_last_stage():
+                mismatch = [mb.extras["mismatch"] for mb in batches if "mismatch" in mb.extras]
             train_scalars.update(_reduce_mismatch(mismatch))
             routing = monitor.reduce() if (monitor and cfg.routing.metrics) else {}
             step_time = time.perf_counter() - t0
@@ -330,6 +341,17 @@ def _collect(cfg: Config, step: int, task, tokenizer, engine, scorer, sampling, 
     return exp, scalars
 
 
+def cpu_bridge_paused():
+    """The CPU bridge's mode is not needed (and slow) outside megatron code."""
+    import contextlib
+
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from parallel import cpu_bridge
+
+    return cpu_bridge.paused()
+
+
 def _broadcast(obj):
     if dist.get_world_size() == 1:
         return obj
@@ -381,7 +403,12 @@ def _make_loss_fn(cfg: Config, num_tokens: float, num_seqs: float, inject_nan: b
 
     def loss_fn(logp_entropy: torch.Tensor, mb: MicroBatch):
         logp, entropy = logp_entropy[..., 0], logp_entropy[..., 1]
-        mask, adv, old = mb.extras["mask"], mb.extras["advantages"], mb.extras["old_logp"]
+        mask, adv = mb.extras["mask"], mb.extras["advantages"]
+        old = mb.extras.get("old_logp")
+        if old is None:  # on-policy: the old policy is this one
+            old = logp.detach()
+            diff = (old - mb.extras["rollout_logp"]).abs() * mask
+            mb.extras["mismatch"] = (float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, float(mask.sum()))
         loss, metrics = policy_loss(a.loss, logp, old, adv, mask, **a.loss_params, num_tokens=num_tokens, num_seqs=num_seqs)
         metrics = {k: v for k, v in metrics.items() if k != "dual_clip_frac"}
         metrics["pg_loss"] = loss.detach()
