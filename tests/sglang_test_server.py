@@ -54,6 +54,7 @@ class State:
 
 class Handler(BaseHTTPRequestHandler):
     state: State
+    wbufsize = 1 << 16  # one write per reply: header and body in separate packets hit delayed ACKs (~40 ms)
 
     def log_message(self, fmt, *a):  # quiet
         pass

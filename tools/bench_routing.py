@@ -116,8 +116,19 @@ def main() -> None:
         rows[name] = {"ms": med * 1e3, "ratio": med / base}
         print(f"{name:<28}{med * 1e3:>10.1f}{med / base:>9.3f}")
     if args.json:
+        from moe_rl.models.hf_weights import SafetensorsDir
+
+        reader = SafetensorsDir(hf_dir)
+        total = expert = 0
+        for key in reader.keys():
+            n = reader.get(key).numel()
+            total += n
+            expert += n if ".experts." in key else 0
+        active = total - expert + expert * hf_config.num_experts_per_tok / hf_config.num_experts
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"variants": rows, "tokens": tokens, "active_params": active, "total_params": total,
+                       "seq_len": batches[0].input_ids.shape[1], "layers": hf_config.num_hidden_layers,
+                       "attn_dim": hf_config.num_attention_heads * hf_config.head_dim}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

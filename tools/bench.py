@@ -1,0 +1,208 @@
+"""moe-rl benchmarks, every figure measured side by side in one run on this machine.
+
+    .venv/bin/python tools/bench.py [--quick] [--json bench.json]
+
+Sections: the machine's fp32 matmul peak; an RL training step of a small MoE under
+megatron-core (tokens/s, MFU against that peak); routing-replay and drift-metric
+overhead; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
+local-engine throughput and the SGLang client's overhead per request; TRL's
+GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE; the policy losses;
+and a GPU section when a GPU is present. ``--quick`` keeps it under 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+TOOLS = Path(__file__).parent
+PY = sys.executable
+
+
+def sub_json(args: list[str], timeout: int = 1200) -> dict:
+    """Run a tool script; return the JSON it printed after BENCH_JSON."""
+    out = subprocess.run([PY, "-W", "ignore", *args], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    m = re.search(r"^BENCH_JSON (.*)$", out.stdout, re.M)
+    if out.returncode != 0 or not m:
+        raise RuntimeError(f"{args[0]} failed ({out.returncode}): {out.stderr[-1500:]}")
+    return json.loads(m.group(1))
+
+
+def matmul_peak(n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best / 1e9
+
+
+def client_overhead(requests: int) -> dict:
+    """The SGLang client's own cost per /generate against a server that answers at once."""
+    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.types import SamplingParams
+    from parallel.launch import free_port
+
+    body = json.dumps({"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+                       "finish_reason": {"type": "length", "length": 2}, "weight_version": "0"}}).encode()  # fmt: skip
+
+    class Canned(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        wbufsize = 1 << 16  # one write per reply: header and body in separate packets hit delayed ACKs (~40 ms)
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    port = free_port()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Canned)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = {}
+    try:
+        for concurrency in (1,):  # the server shares this process: concurrency would measure its threads
+            engine = SGLangEngine([f"http://127.0.0.1:{port}"], max_concurrency=concurrency)
+            engine.generate([[1, 2, 3]], 4, SamplingParams(max_new_tokens=2), seed=0)
+            start = time.perf_counter()
+            engine.generate([[1, 2, 3]] * (requests // 8), 8, SamplingParams(max_new_tokens=2), seed=1)
+            out[f"ms_per_request_concurrency_{concurrency}"] = (time.perf_counter() - start) / requests * 1e3
+    finally:
+        server.shutdown()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default="bench.json")
+    args = p.parse_args()
+    q = args.quick
+    results: dict = {"threads": torch.get_num_threads(), "quick": q}
+    t0 = time.perf_counter()
+
+    print("== machine: fp32 matmul peak", flush=True)
+    peak = matmul_peak(1024 if q else 2048, 3 if q else 5)
+    results["matmul_peak_gflops"] = peak
+
+    print("== RL training step under megatron-core; replay and drift overhead", flush=True)
+    routing_json = tempfile.mktemp(suffix=".json")
+    subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_routing.py"), "--repeats", "3" if q else "5", "--json", routing_json],
+                   check=True, capture_output=True, timeout=1200)  # fmt: skip
+    routing = json.loads(Path(routing_json).read_text())
+    plain_s = routing["variants"]["plain"]["ms"] / 1e3
+    # one RL step = old-log-prob forward (2N) + update forward and backward (6N) per token
+    flops = 8 * routing["active_params"] * routing["tokens"] + 4 * 3 * routing["layers"] * routing["seq_len"] * routing["attn_dim"] * routing["tokens"]
+    results["train_step"] = {
+        "tokens": routing["tokens"], "seconds": plain_s, "tokens_per_s": routing["tokens"] / plain_s,
+        "mfu": flops / plain_s / (peak * 1e9), "active_params": routing["active_params"],
+    }  # fmt: skip
+    results["routing_overhead"] = {k: v["ratio"] for k, v in routing["variants"].items()}
+
+    print("== log-prob memory and time: chunked vs full-vocabulary logits", flush=True)
+    seq = "1024" if q else "4096"
+    lp = {v: sub_json([str(TOOLS / "bench_logprob.py"), "--variant", v, "--seq", seq]) for v in ("chunked", "naive")}
+    results["logprob"] = {
+        "vocab": 151936, "seq": int(seq), **{f"{v}_growth_mib": lp[v]["growth_mib"] for v in lp},
+        **{f"{v}_seconds": lp[v]["seconds"] for v in lp},
+        "memory_ratio_chunked_over_naive": lp["chunked"]["growth_mib"] / lp["naive"]["growth_mib"],
+        "time_ratio_chunked_over_naive": lp["chunked"]["seconds"] / lp["naive"]["seconds"],
+    }  # fmt: skip
+
+    print("== rollout: local engine, SGLang client overhead", flush=True)
+    out = subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_rollout.py"), "--new-tokens", "32" if q else "64"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    m = re.search(r"= (\d+) tokens/s", out.stdout)
+    results["rollout"] = {"local_tokens_per_s": float(m.group(1)) if m else None, **client_overhead(64 if q else 256)}
+
+    print("== peer: TRL GRPOTrainer vs moe-rl, one GRPO step of the same tiny Qwen3-MoE", flush=True)
+    try:
+        import trl  # noqa: F401
+
+        model_dir = _demo_model()
+        steps = "4" if q else "8"
+        ours = sub_json([str(TOOLS / "bench_peer.py"), "--side", "moe-rl", "--model", model_dir, "--steps", steps])
+        theirs = sub_json([str(TOOLS / "bench_peer.py"), "--side", "trl", "--model", model_dir, "--steps", steps])
+        results["peer"] = {
+            "moe_rl_step_s": ours["median_step_s"], "trl_step_s": theirs["median_step_s"],
+            "time_ratio_moe_rl_over_trl": ours["median_step_s"] / theirs["median_step_s"],
+            "moe_rl_peak_rss_mib": ours["peak_rss_mib"], "trl_peak_rss_mib": theirs["peak_rss_mib"],
+            "memory_ratio_moe_rl_over_trl": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
+        }  # fmt: skip
+    except ImportError:
+        results["peer"] = "skipped: TRL is not installed (.venv/bin/pip install trl)"
+
+    print("== policy losses", flush=True)
+    loss_json = tempfile.mktemp(suffix=".json")
+    shape = ["--batch", "64", "--seq", "1024"] if q else []
+    subprocess.run([PY, str(TOOLS / "bench_losses.py"), *shape, "--json", loss_json], check=True, capture_output=True, timeout=600)
+    results["losses"] = json.loads(Path(loss_json).read_text())
+
+    results["gpu"] = (
+        f"GPU present ({torch.cuda.get_device_name(0)}): not measured by this version"
+        if torch.cuda.is_available()
+        else "no GPU on this machine: the GPU section (throughput, MFU vs bf16 peak, memory) did not run"
+    )
+    results["wall_s"] = time.perf_counter() - t0
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    _print_table(results)
+
+
+def _demo_model() -> str:
+    from moe_rl.config import load_config
+    from moe_rl.trainer.demo_model import demo_model_dir
+
+    path = demo_model_dir(load_config(None))
+    if not (path / "config.json").is_file():
+        subprocess.run([PY, "-m", "moe_rl.cli", "prepare"], check=True, capture_output=True, timeout=900)
+    return str(path)
+
+
+def _print_table(r: dict) -> None:
+    t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
+    rows = [
+        ("fp32 matmul peak (this machine)", f"{r['matmul_peak_gflops']:.1f} GFLOP/s"),
+        ("RL step, megatron-core, small MoE", f"{t['tokens_per_s']:.0f} tokens/s, MFU {100 * t['mfu']:.2f}%"),
+        ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
+        ("drift metrics on / + after-update pass", f"{r['routing_overhead']['drift metrics']:.3f}x / {r['routing_overhead']['drift + after-update pass']:.3f}x"),
+        (f"log-probs vocab 151,936 x seq {lp['seq']}: memory", f"chunked {lp['chunked_growth_mib']:.0f} MiB vs full logits {lp['naive_growth_mib']:.0f} MiB = {lp['memory_ratio_chunked_over_naive']:.3f}x"),
+        ("  time", f"{lp['chunked_seconds']:.1f}s vs {lp['naive_seconds']:.1f}s = {lp['time_ratio_chunked_over_naive']:.2f}x"),
+        ("local engine (tiny Qwen3-MoE)", f"{ro['local_tokens_per_s']:.0f} tokens/s"),
+        ("SGLang client overhead per request", f"{ro['ms_per_request_concurrency_1']:.2f} ms (HTTP round trip on loopback incl. JSON, 1 at a time)"),
+    ]  # fmt: skip
+    if isinstance(r["peer"], dict):
+        pe = r["peer"]
+        rows.append(("GRPO step vs TRL (same model, batch)", f"moe-rl {pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x time"))
+        rows.append(("  peak RSS", f"{pe['moe_rl_peak_rss_mib']:.0f} vs {pe['trl_peak_rss_mib']:.0f} MiB = {pe['memory_ratio_moe_rl_over_trl']:.2f}x"))
+    else:
+        rows.append(("GRPO step vs TRL", r["peer"]))
+    losses = r["losses"]["losses"]
+    rows.append((f"losses fwd+bwd {r['losses']['shape']}", ", ".join(f"{k} {v['ms']:.0f}ms" for k, v in losses.items())))
+    rows.append(("GPU", r["gpu"]))
+    width = max(len(a) for a, _ in rows)
+    print(f"\nmoe-rl benchmarks ({r['threads']} threads, {'quick' if r['quick'] else 'full'}, {r['wall_s']:.0f}s)")
+    for a, b in rows:
+        print(f"  {a:<{width}}  {b}")
+
+
+if __name__ == "__main__":
+    main()
