@@ -20,10 +20,20 @@ def _f(x: float | None, d: int = 4) -> str:
     return "n/a" if x is None else f"{x:.{d}f}"
 
 
-def claims_section(runs: dict[str, Path]) -> str:
+def claims_section(runs: dict[str, Path], seeds: list[int] | None = None) -> str:
     data = {name: read_scalars(path) for name, path in runs.items()}
+    if seeds:  # pool each run's seeds: one series per step, averaged over seeds
+        pooled: dict[str, dict[str, dict[int, float]]] = {}
+        for name, scalars in data.items():
+            base = name.rsplit("_s", 1)[0]
+            for t, series in scalars.items():
+                for step, v in series.items():
+                    pooled.setdefault(base, {}).setdefault(t, {}).setdefault(step, []).append(v)
+        data = {b: {t: {st: sum(v) / len(v) for st, v in ser.items()} for t, ser in tags.items()} for b, tags in pooled.items()}
     tag = lambda run, t: data.get(run, {}).get(t, {})  # noqa: E731
     lines = ["## The papers' claims at small scale", ""]
+    if seeds:
+        lines += [f"Figures are averaged over seeds {', '.join(map(str, seeds))} (see the seed table for the spread).", ""]
 
     # 1. GMPO keeps importance ratios in a narrower range than GRPO
     def spread(run):

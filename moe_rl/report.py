@@ -56,7 +56,31 @@ def summarize_run(scalars: dict[str, dict[int, float]], window: int = 5) -> dict
     return out
 
 
-def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "") -> Path:
+def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
+    """Mean and spread (min..max) over seeds of each run's headline figures."""
+    import statistics
+
+    base_names = sorted({name.rsplit("_s", 1)[0] for name in summary}, key=lambda n: list(summary).index(f"{n}_s{seeds[0]}") if f"{n}_s{seeds[0]}" in summary else 0)
+    keys = [("final", "final reward"), ("expert_change", "experts changed per update"), ("train_vs_rollout", "train-vs-rollout routing"),
+            ("mismatch", "log-prob mismatch"), ("clip_frac", "clip frac")]  # fmt: skip
+    lines = [f"### Over seeds {', '.join(map(str, seeds))}: mean ± std (min..max)", "",
+             "| run | " + " | ".join(label for _, label in keys) + " |", "|" + "---|" * (len(keys) + 1)]  # fmt: skip
+    for base in base_names:
+        cells = []
+        for key, _ in keys:
+            values = [summary[f"{base}_s{sd}"].get(key) for sd in seeds if f"{base}_s{sd}" in summary]
+            values = [v for v in values if v is not None]
+            if not values:
+                cells.append("—")
+                continue
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            cells.append(f"{statistics.fmean(values):.4f} ± {sd:.4f} ({min(values):.4f}..{max(values):.4f})")
+        lines.append(f"| {base} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "",
+                 seeds: list[int] | None = None) -> Path:  # fmt: skip
     data = {name: read_scalars(path) for name, path in runs.items()}
     summary = {name: summarize_run(s, window) for name, s in data.items()}
     plots = out_dir / "plots"
@@ -96,6 +120,8 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
             + f" | {_fmt(s['expert_change'], 4)} | {_fmt(s['any_layer'], 4)} | {_fmt(s['replayed'], 4)}"
             f" | {_fmt(s['train_vs_rollout'], 4)} | {_fmt(s['mismatch'], 5)} | {_fmt(s['clip_frac'], 4)} | {_fmt(s['step_time'], 2)} |"
         )
+    if seeds and len(seeds) > 1:
+        lines += [""] + seed_table(summary, seeds)
     lines += ["", "Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
     if extra_sections:
         lines += [extra_sections, ""]

@@ -166,3 +166,15 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
     assert out.returncode == 2 and f"{bad}:2: not valid JSON" in out.stderr and "Traceback" not in out.stderr
     missing = moe_rl("drift", "--a", a, "--b", a, "--out", str(tmp_path / "y"))
     assert missing.returncode == 2 and "--prompts is needed" in missing.stderr
+
+
+def test_seed_table_mean_and_spread() -> None:
+    from moe_rl.report import seed_table
+
+    summary = {"grpo_s1": {"final": 1.0, "clip_frac": 0.1}, "grpo_s2": {"final": 2.0, "clip_frac": 0.3},
+               "gmpo_s1": {"final": 1.5}, "gmpo_s2": {"final": 1.5}}  # fmt: skip
+    lines = seed_table(summary, [1, 2])
+    grpo = next(l for l in lines if l.startswith("| grpo |"))
+    assert "1.5000 ± 0.7071 (1.0000..2.0000)" in grpo and "0.2000 ± 0.1414" in grpo
+    gmpo = next(l for l in lines if l.startswith("| gmpo |"))
+    assert "1.5000 ± 0.0000" in gmpo and "—" in gmpo

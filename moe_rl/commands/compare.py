@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help=HELP, description=HELP)
     p.add_argument("--config", default="configs/compare/demo.yaml")
     p.add_argument("--only", default=None, help="comma-separated runs to do (names from the config)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds: every run once per seed, reported as mean and spread")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run (base config keys)")
     p.set_defaults(func=run)
 
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
         runs = {k: v for k, v in runs.items() if k in only}
+    seeds = [int(x) for x in (args.seeds or "").split(",") if x.strip()]
+    if seeds:
+        runs = {f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}}) for name, extra in runs.items() for seed in seeds}
     configs = {}
     for name, extra in runs.items():
         merged = _merge(spec.get("base") or {}, extra or {})
@@ -97,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from moe_rl.claims import claims_section
 
     done = {name: Path(cfg.train.run_dir) for name, (_, cfg) in configs.items() if name not in failed}
-    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(done))
+    extra = claims_section(done, seeds=seeds)
+    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=extra, seeds=seeds)
     print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; report: {report}")
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0

@@ -245,7 +245,8 @@ def train(cfg: Config) -> dict:
                 "perf/train_time_s": t_train,
                 "perf/tokens_per_s": total_tokens / step_time,
             }
-            logger.log(step + 1, scalars, routing)
+            log_ratios = [mb.extras["log_ratio"] for mb in batches if "log_ratio" in mb.extras]
+            logger.log(step + 1, scalars, routing, {"train/log_ratio": torch.cat(log_ratios)} if log_ratios else {})
 
             # ------------------------------------------------ checkpoint
             too_many_skips = skipped_in_a_row >= cfg.train.max_skipped_updates
@@ -422,6 +423,7 @@ def _make_loss_fn(cfg: Config, num_tokens: float, num_seqs: float, inject_nan: b
         tokens = mask.sum().clamp(min=1)
         metrics["entropy"] = (entropy.detach() * mask).sum() / tokens
         log_ratio = (logp.detach() - old)[mask.bool()]
+        mb.extras["log_ratio"] = log_ratio  # the last update's, for the histogram
         if log_ratio.numel():
             metrics["log_ratio_p01"] = torch.quantile(log_ratio.float(), 0.01)
             metrics["log_ratio_p99"] = torch.quantile(log_ratio.float(), 0.99)

@@ -24,13 +24,17 @@ class StepLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]]) -> None:
+    def log(self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]], histograms: dict[str, Tensor] | None = None) -> None:
+        """``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch."""
         if not self.enabled:
             return
         from moe_rl.routing.tensorboard import log_routing
 
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+        for tag, values in (histograms or {}).items():
+            if values.numel():
+                self.writer.add_histogram(tag, values.float(), step)
         written = {}
         prefixes = {"old_vs_new": "routing", "train_vs_rollout": "routing/train_vs_rollout", "replayed": "routing/replayed"}
         for group, prefix in prefixes.items():
