@@ -25,6 +25,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+import warnings
+
+warnings.filterwarnings("ignore", category=UserWarning)
 
 TOOLS = Path(__file__).parent
 PY = sys.executable
