@@ -136,7 +136,6 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = True
-    log_every: int = 1
     progress: bool = True
     max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
 

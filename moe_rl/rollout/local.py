@@ -184,9 +184,6 @@ class LocalEngine(RolloutEngine):
             result[:, :, layer] = logits.float().view(n, positions, -1).topk(self.top_k, dim=-1).indices
         return result
 
-    def tokens_per_second(self) -> float:
-        return self.tokens_generated / self.seconds_generating if self.seconds_generating else 0.0
-
 
 def _filtered_probs(logits: Tensor, top_p: float, top_k: int) -> Tensor:
     """Sampling distribution after top-k and top-p (nucleus) truncation."""

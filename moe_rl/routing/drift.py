@@ -8,14 +8,8 @@ All are vectorised and cheap enough to run every training step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
-
-METRICS = ("changed_frac", "expert_change_frac", "any_layer_changed_frac", "router_kl")
-LOAD_METRICS = ("expert_load_cv", "expert_load_entropy")
-
 
 def _token_weights(a: Tensor, mask: Tensor | None) -> Tensor:
     w = torch.ones(a.shape[0], dtype=torch.float64, device=a.device) if mask is None else mask.to(torch.float64)
@@ -131,7 +125,3 @@ def summarize(metrics: dict[str, Tensor]) -> dict[str, dict]:
         else:
             out[name] = {"layers": [float(x) for x in value], "mean": float(value.mean())}
     return out
-
-
-def max_load_entropy(num_experts: int) -> float:
-    return math.log(num_experts)
