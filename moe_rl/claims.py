@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_rl import tags
 from moe_rl.report import read_scalars
 
 
@@ -37,64 +38,64 @@ def claims_section(runs: dict[str, Path], seeds: list[int] | None = None) -> str
 
     # 1. GMPO keeps importance ratios in a narrower range than GRPO
     def spread(run):
-        lo, hi = _mean(tag(run, "train/log_ratio_p01")), _mean(tag(run, "train/log_ratio_p99"))
+        lo, hi = _mean(tag(run, tags.TRAIN_LOG_RATIO_P01)), _mean(tag(run, tags.TRAIN_LOG_RATIO_P99))
         return None if lo is None or hi is None else hi - lo
 
     g, m = spread("grpo"), spread("gmpo")
     verdict = "agrees" if g is not None and m is not None and m < g else "does not agree" if g is not None and m is not None else "cannot be checked (runs missing)"
     lines.append(
         f"- **GMPO keeps token log-ratios in a narrower range than GRPO** (GMPO paper; it reports +4.1% Pass@1 on math "
-        f"over GRPO at 7B). Mean 1st-99th percentile spread of `train/log_ratio_p01..p99`: GRPO {_f(g)}, GMPO {_f(m)}: "
+        f"over GRPO at 7B). Mean 1st-99th percentile spread of `{tags.TRAIN_LOG_RATIO_P01}..p99`: GRPO {_f(g)}, GMPO {_f(m)}: "
         f"the small run {verdict}. (Pass@1 gains need real math benchmarks and models; not measurable here.)"
     )
 
     # 2. routing replay removes the routing change inside the update
-    r2, plain = _mean(tag("grpo_r2", "routing/replayed/changed_frac/mean")), _mean(tag("grpo", "routing/replayed/changed_frac/mean"))
+    r2, plain = _mean(tag("grpo_r2", tags.ROUTING_REPLAYED_CHANGED)), _mean(tag("grpo", tags.ROUTING_REPLAYED_CHANGED))
     verdict = "agrees" if r2 == 0.0 and (plain or 0) > 0 else "agrees for R2 (GRPO's own update pass changed no routing)" if r2 == 0.0 else "does not agree" if r2 is not None else "cannot be checked"
     lines.append(
         f"- **Routing replay removes the routing change an update causes.** Share of tokens whose experts in the update "
-        f"pass differ from the old policy's (`routing/replayed/changed_frac/mean`): GRPO {_f(plain)}, GRPO+R2 {_f(r2)}: {verdict}."
+        f"pass differ from the old policy's (`{tags.ROUTING_REPLAYED_CHANGED}`): GRPO {_f(plain)}, GRPO+R2 {_f(r2)}: {verdict}."
     )
-    upd = {run: _mean(tag(run, "routing/expert_change_frac/mean")) for run in ("grpo", "gspo", "gmpo")}
+    upd = {run: _mean(tag(run, tags.ROUTING_EXPERT_CHANGE)) for run in ("grpo", "gspo", "gmpo")}
     lines.append(
         f"- **An update changes a share of activated experts** (GSPO paper: ~10% per update, 48-layer Qwen3-30B-A3B). "
-        f"`routing/expert_change_frac/mean`: " + ", ".join(f"{k} {_f(v)}" for k, v in upd.items())
+        f"`{tags.ROUTING_EXPERT_CHANGE}`: " + ", ".join(f"{k} {_f(v)}" for k, v in upd.items())
         + ". The tiny 2-layer model's learning rate is set for visible learning in minutes, so its per-update change is "
         "not comparable in size; what carries over is that it is non-zero without replay."
     )
 
     # 3. R3: engine numerics differ; replaying the engine's routing removes the disagreement
-    r3 = _mean(tag("grpo_r3", "routing/train_vs_rollout/changed_frac/mean"))
-    twin = _mean(tag("grpo_bf16", "routing/train_vs_rollout/changed_frac/mean"))
-    any_twin = _mean(tag("grpo_bf16", "routing/train_vs_rollout/any_layer_changed_frac/mean"))
-    mm_r3, mm_twin = _mean(tag("grpo_r3", "train/logp_mismatch_mean")), _mean(tag("grpo_bf16", "train/logp_mismatch_mean"))
+    r3 = _mean(tag("grpo_r3", tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED))
+    twin = _mean(tag("grpo_bf16", tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED))
+    any_twin = _mean(tag("grpo_bf16", tags.ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER))
+    mm_r3, mm_twin = _mean(tag("grpo_r3", tags.TRAIN_LOGP_MISMATCH_MEAN)), _mean(tag("grpo_bf16", tags.TRAIN_LOGP_MISMATCH_MEAN))
     verdict = "agrees" if r3 is not None and twin is not None and r3 < twin else "does not agree" if r3 is not None and twin is not None else "cannot be checked"
     lines.append(
         f"- **The engine's numerics change routing; R3 removes that disagreement** (R3 paper, Qwen3-30B-A3B: ~10% of router "
         f"choices differ, 94% of tokens differ in at least one layer). With bf16-rounded rollout weights: router choices "
-        f"that differ (`routing/train_vs_rollout/changed_frac/mean`) no replay {_f(twin)}, R3 {_f(r3)}; tokens differing in "
-        f"any layer without replay {_f(any_twin)}; log-prob mismatch (`train/logp_mismatch_mean`) {_f(mm_twin, 5)} vs "
+        f"that differ (`{tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED}`) no replay {_f(twin)}, R3 {_f(r3)}; tokens differing in "
+        f"any layer without replay {_f(any_twin)}; log-prob mismatch (`{tags.TRAIN_LOGP_MISMATCH_MEAN}`) {_f(mm_twin, 5)} vs "
         f"{_f(mm_r3, 5)}: {verdict}. A 2-layer model has fewer chances per token to differ than 48 layers."
     )
 
     # 4. GDPO keeps reward combinations apart
-    dg, dr = _mean(tag("gdpo", "advantage/distinct_per_group")), _mean(tag("grpo", "advantage/distinct_per_group"))
+    dg, dr = _mean(tag("gdpo", tags.ADVANTAGE_DISTINCT_PER_GROUP)), _mean(tag("grpo", tags.ADVANTAGE_DISTINCT_PER_GROUP))
     verdict = "agrees" if dg is not None and dr is not None and dg >= dr else "does not agree" if dg is not None and dr is not None else "cannot be checked"
     lines.append(
         f"- **GDPO keeps reward combinations apart that GRPO collapses.** Distinct advantage values per group "
-        f"(`advantage/distinct_per_group`): GRPO {_f(dr, 2)}, GDPO {_f(dg, 2)}: {verdict}."
+        f"(`{tags.ADVANTAGE_DISTINCT_PER_GROUP}`): GRPO {_f(dr, 2)}, GDPO {_f(dg, 2)}: {verdict}."
     )
 
     # 5. stability without replay
     finals = {}
     for run in ("grpo", "gspo", "gmpo"):
-        series = tag(run, "reward/total")
+        series = tag(run, tags.REWARD_TOTAL)
         if series:
             steps = sorted(series)
             k = max(1, len(steps) // 6)
             finals[run] = (sum(series[s] for s in steps[:k]) / k, sum(series[s] for s in steps[-k:]) / k)
     lines.append(
-        "- **GSPO and GMPO train stably on MoE without routing replay.** First vs last reward (`reward/total`): "
+        f"- **GSPO and GMPO train stably on MoE without routing replay.** First vs last reward (`{tags.REWARD_TOTAL}`): "
         + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in finals.items())
         + ". At this scale no run collapses, so the claim's contrast (GRPO collapsing without replay) cannot show."
     )

@@ -13,6 +13,9 @@ from typing import Any
 
 import yaml
 
+from parallel.layout import ParallelLayout
+from parallel.optim import OptimSettings
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
@@ -26,14 +29,6 @@ class ModelConfig:
     num_layers: int = 2
     num_experts: int = 8
     top_k: int = 2
-
-
-@dataclass
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
 
 
 @dataclass
@@ -111,16 +106,6 @@ class RoutingConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    use_distributed_optimizer: bool = True
-
-
-@dataclass
 class WarmStartConfig:
     steps: int = 100
     lr: float = 3e-3
@@ -143,13 +128,13 @@ class TrainConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)  # tp, pp, ep, etp, sequence_parallel
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimSettings = field(default_factory=OptimSettings)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -264,31 +249,18 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 def validate(c: Config) -> None:
     """Semantic checks that need no model, process group or file contents beyond existence."""
-    from moe_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, loss_defaults
+    from moe_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+    from moe_rl.algorithms.losses import check_loss_params
     from moe_rl.rewards import REWARD_FUNCTIONS
     from moe_rl.routing.replay import REPLAY_MODES
 
     a, r, ro = c.algorithm, c.rollout, c.routing
     _choice("algorithm.advantage", a.advantage, ADVANTAGE_ESTIMATORS.names())
     _choice("algorithm.loss", a.loss, POLICY_LOSSES.names())
-    valid_params = loss_defaults(a.loss)
-    for key, value in a.loss_params.items():
-        if key not in valid_params or key in ("num_tokens", "num_seqs"):
-            raise ConfigError(f"algorithm.loss_params.{key} is not a parameter of loss {a.loss!r}; valid: "
-                              + ", ".join(k for k in valid_params if k not in ("num_tokens", "num_seqs")))
-    for key in ("eps_low", "eps_high"):
-        if key in a.loss_params:
-            v = a.loss_params[key]
-            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ConfigError(f"algorithm.loss_params.{key}={v!r} is out of range; valid: 0 <= {key} <= 1")
-    if "dual_clip" in a.loss_params and a.loss_params["dual_clip"] is not None and not a.loss_params["dual_clip"] > 1:
-        raise ConfigError(f"algorithm.loss_params.dual_clip={a.loss_params['dual_clip']!r} must be > 1")
-    if "log_clip" in a.loss_params and not (isinstance(a.loss_params["log_clip"], (int, float)) and a.loss_params["log_clip"] > 0):
-        raise ConfigError(f"algorithm.loss_params.log_clip={a.loss_params['log_clip']!r} must be > 0")
-    if "agg" in a.loss_params:
-        from moe_rl.algorithms import AGG_MODES
-
-        _choice("algorithm.loss_params.agg", a.loss_params["agg"], AGG_MODES)
+    try:
+        check_loss_params(a.loss, a.loss_params, configurable_only=True)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.loss_params.{e}") from None
     _choice("algorithm.old_logprobs", a.old_logprobs, ("recompute", "rollout"))
     _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
     _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
@@ -329,11 +301,10 @@ def validate(c: Config) -> None:
         _positive(f"parallel.{key}", getattr(c.parallel, key))
     if c.parallel.etp is not None:
         _positive("parallel.etp", c.parallel.etp)
-    _positive("optim.lr", c.optim.lr)
-    _positive("optim.clip_grad", c.optim.clip_grad, allow_zero=True)
-    for key in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(c.optim, key) < 1:
-            raise ConfigError(f"optim.{key}={getattr(c.optim, key)} must be in [0, 1)")
+    try:
+        c.optim.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _positive("train.steps", c.train.steps)
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)

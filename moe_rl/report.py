@@ -10,19 +10,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from moe_rl import tags  # noqa: E402
+
 TAGS = {
-    "reward": "reward/total",
-    "correct": "reward/correct",
-    "expert_change": "routing/expert_change_frac/mean",
-    "any_layer": "routing/any_layer_changed_frac/mean",
-    "replayed": "routing/replayed/changed_frac/mean",
-    "train_vs_rollout": "routing/train_vs_rollout/changed_frac/mean",
-    "mismatch": "train/logp_mismatch_mean",
-    "clip_frac": "train/clip_frac",
-    "ratio_max": "train/ratio_max",
-    "log_ratio_p01": "train/log_ratio_p01",
-    "log_ratio_p99": "train/log_ratio_p99",
-    "step_time": "perf/step_time_s",
+    "reward": tags.REWARD_TOTAL,
+    "correct": tags.reward("correct"),
+    "expert_change": tags.ROUTING_EXPERT_CHANGE,
+    "any_layer": tags.ROUTING_ANY_LAYER_CHANGED,
+    "replayed": tags.ROUTING_REPLAYED_CHANGED,
+    "train_vs_rollout": tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED,
+    "mismatch": tags.TRAIN_LOGP_MISMATCH_MEAN,
+    "clip_frac": tags.TRAIN_CLIP_FRAC,
+    "ratio_max": tags.TRAIN_RATIO_MAX,
+    "log_ratio_p01": tags.TRAIN_LOG_RATIO_P01,
+    "log_ratio_p99": tags.TRAIN_LOG_RATIO_P99,
+    "step_time": tags.PERF_STEP_TIME,
 }
 
 

@@ -42,6 +42,12 @@ class ParallelLayout:
     def use_sequence_parallel(self) -> bool:
         return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
 
+    @property
+    def seq_len_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this: sequence parallelism splits every
+        micro-batch's sequence evenly over the tensor-parallel ranks."""
+        return self.tp if self.use_sequence_parallel else 1
+
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
 

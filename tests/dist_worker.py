@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,16 +29,21 @@ from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 SEQ, NUM_SEQS, TRAIN_STEPS = 12, 4, 3
 
 
-def fixed_batch(vocab: int) -> list[MicroBatch]:
+@dataclass(kw_only=True)
+class WeightedBatch(MicroBatch):
+    w: torch.Tensor  # [b, s-1] per-token loss weights
+
+
+def fixed_batch(vocab: int) -> list[WeightedBatch]:
     gen = torch.Generator().manual_seed(123)
     ids = torch.randint(0, vocab, (NUM_SEQS, SEQ), generator=gen)
     weights = torch.rand(NUM_SEQS, SEQ - 1, generator=gen)
-    return [MicroBatch(ids[i : i + 1], extras={"w": weights[i : i + 1]}) for i in range(NUM_SEQS)]
+    return [WeightedBatch(input_ids=ids[i : i + 1], w=weights[i : i + 1]) for i in range(NUM_SEQS)]
 
 
-def loss_fn(logp_entropy: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
+def loss_fn(logp_entropy: torch.Tensor, mb: WeightedBatch) -> tuple[torch.Tensor, dict]:
     # log-probs and entropy both carry gradient (the entropy through the vocab-parallel path)
-    per_token = logp_entropy[..., 0] * mb.extras["w"] + 0.1 * logp_entropy[..., 1]
+    per_token = logp_entropy[..., 0] * mb.w + 0.1 * logp_entropy[..., 1]
     loss = -per_token.sum() / (NUM_SEQS * (SEQ - 1))
     return loss, {"loss": loss.detach()}
 

@@ -24,12 +24,12 @@ hf_config = load_hf_config(hf_dir)
 layout = ParallelLayout()
 init_distributed(layout, model_dims(hf_config), seed=0)
 gen = torch.Generator().manual_seed(0)
-batches = [MicroBatch(torch.randint(0, 64, (2, 10), generator=gen), extras={"lengths": torch.tensor([10, 7])}) for _ in range(2)]
+batches = [MicroBatch(torch.randint(0, 64, (2, 10), generator=gen), lengths=torch.tensor([10, 7])) for _ in range(2)]
 engine = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
 engine_routing = []
 for mb in batches:
     idx, _ = transformers_routing(engine, mb.input_ids)
-    engine_routing.append([idx[j, : int(mb.extras["lengths"][j]) - 1] for j in range(2)])
+    engine_routing.append([idx[j, : int(mb.lengths[j]) - 1] for j in range(2)])
 
 
 def loss_fn(le, mb):
@@ -47,12 +47,11 @@ for mode in ("none", "r2", "r3"):
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     monitor = RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts)
-    run_microbatches([ddp], batches, hooks=monitor.old_pass_hooks(batches, engine_routing))
-    monitor.end_old_pass()
-    hooks = monitor.update_pass_hooks()
-    train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
-    monitor.end_update_pass()
-    run_microbatches([ddp], batches, hooks=monitor.after_update_hooks())
-    monitor.end_after_update()
+    with monitor.old_pass(batches, engine_routing) as hooks:
+        run_microbatches([ddp], batches, hooks=hooks)
+    with monitor.update_pass() as hooks:
+        train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
+    with monitor.after_update_pass() as hooks:
+        run_microbatches([ddp], batches, hooks=hooks)
     metrics = monitor.reduce()
     print(json.dumps({"mode": mode, **{g: {k: v.tolist() for k, v in m.items()} for g, m in metrics.items()}}), flush=True)

@@ -277,13 +277,15 @@ def test_defaults_are_the_documented_ones() -> None:
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("grpo", dict(eps=0.2), "unknown parameter"),
-        ("gspo", dict(dual_clip=3.0), "unknown parameter"),
+        ("grpo", dict(eps=0.2), "eps is not a parameter of loss 'grpo'"),
+        ("gspo", dict(dual_clip=3.0), "dual_clip is not a parameter of loss 'gspo'"),
         ("grpo", dict(eps_low=1.5), "eps_low"),
         ("grpo", dict(eps_high=-0.1), "eps_high"),
         ("grpo", dict(dual_clip=0.5), "dual_clip"),
         ("gmpo", dict(log_clip=0.0), "log_clip"),
-        ("grpo", dict(agg="mean"), "aggregation"),
+        ("grpo", dict(agg="mean"), "agg='mean' is not valid"),
+        ("grpo", dict(eps_low="0.2"), "eps_low='0.2' must be a finite number"),
+        ("gmpo", dict(log_clip=float("nan")), "log_clip=nan must be a finite number"),
         ("ppo2", dict(), "unknown policy loss"),
     ],
 )

@@ -17,13 +17,18 @@ TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_t
         "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=8", "routing.after_update_pass=false"]  # fmt: skip
 
 
-def cmd(*args: str) -> list[str]:
+FAULTY = str(Path(__file__).with_name("faulty_run.py"))  # moe-rl with faults injected through test seams
+
+
+def cmd(*args: str, faults: tuple[str, ...] = ()) -> list[str]:
+    if faults:
+        return [sys.executable, FAULTY, *faults, "--", *args]
     return [sys.executable, "-m", "moe_rl.cli", *args]
 
 
-def run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, env=full_env)
+def run(*args: str, faults: tuple[str, ...] = (), timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd(*args, faults=faults), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -59,7 +64,7 @@ COMPARED = ("train/loss", "train/grad_norm", "reward/total", "train/clip_frac")
 
 
 def test_nan_updates_are_skipped_then_the_run_stops(base, tmp_path: Path) -> None:
-    out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=8", env={"MOE_RL_FAULT_NAN_STEPS": "2,4,5,6"})
+    out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=8", faults=("--nan-steps", "2,4,5,6"))
     assert out.returncode == 3, out.stderr[-2000:]
     assert "3 consecutive steps had NaN/Inf" in out.stderr and "stopped at step 6" in out.stderr
     metrics = rows(tmp_path)
@@ -87,8 +92,8 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, uninterrup
 def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, uninterrupted, tmp_path: Path) -> None:
     first = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=2")
     assert first.returncode == 0, first.stderr[-2000:]
-    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MOE_RL_FAULT_CKPT_DELAY_S": "60"}
+    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2", faults=("--checkpoint-delay-s", "60"))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     partial = tmp_path / "checkpoints" / ".tmp_step_000004"
     wait_for(lambda: (partial / "optim").is_dir() and any((partial / "optim").iterdir()))

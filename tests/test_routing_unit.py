@@ -82,7 +82,7 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
     metrics = {**drift_metrics(a, b), **load_metrics(a, 4), "drift_layers": torch.tensor([1, 3]), "load_layers": torch.tensor([1, 3])}
     with SummaryWriter(str(tmp_path)) as writer:
         written = log_routing(writer, 7, metrics)
-        log_routing(writer, 7, drift_metrics(a, b), prefix="routing/train_vs_rollout", images=False)
+        log_routing(writer, 7, drift_metrics(a, b), group="train_vs_rollout", images=False)
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "histograms": 0}).Reload()
     scalars = set(events.Tags()["scalars"])
     for tag in (

@@ -11,6 +11,7 @@ step time and the ratio to the plain step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -20,6 +21,22 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
+
+
+class _NoMonitor:
+    """The plain step's stand-in for a RoutingMonitor: passes without hooks."""
+
+    def old_pass(self, batches, engine_routing=None):
+        return contextlib.nullcontext([])
+
+    def update_pass(self):
+        return contextlib.nullcontext([])
+
+    def after_update_pass(self):
+        return contextlib.nullcontext([])
+
+    def reduce(self) -> dict:
+        return {}
 
 
 def main() -> None:
@@ -75,28 +92,22 @@ def main() -> None:
         settings = OptimSettings(lr=1e-5)
         ddp = wrap_ddp(model, config, settings)
         optimizer = build_optimizer([ddp], settings)
-        monitor = RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts) if (mode != "none" or drift) else None
+        monitor = (
+            RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts, measure=drift)
+            if (mode != "none" or drift) else None
+        )  # fmt: skip
+        passes = monitor or _NoMonitor()
 
-        def step(ddp=ddp, optimizer=optimizer, monitor=monitor, drift=drift, after=after):
-            hooks = monitor.old_pass_hooks(batches, engine_routing) if monitor else []
-            if monitor and not drift:
-                hooks = [h for h in hooks if h is not monitor.probe]
-                monitor.probe.enabled = False
-            run_microbatches([ddp], batches, hooks=hooks)
-            if monitor:
-                monitor.end_old_pass()
-                hooks = monitor.update_pass_hooks()
-                if not drift:
-                    hooks = [h for h in hooks if h is not monitor.probe]
-                    monitor.probe.enabled = False
-            train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
-            if monitor:
-                monitor.end_update_pass()
-                if after:
-                    run_microbatches([ddp], batches, hooks=monitor.after_update_hooks())
-                    monitor.end_after_update()
-                if drift:
-                    monitor.reduce()
+        def step(ddp=ddp, optimizer=optimizer, passes=passes, drift=drift, after=after):
+            with passes.old_pass(batches, engine_routing) as hooks:
+                run_microbatches([ddp], batches, hooks=hooks)
+            with passes.update_pass() as hooks:
+                train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
+            if after:
+                with passes.after_update_pass() as hooks:
+                    run_microbatches([ddp], batches, hooks=hooks)
+            if drift:
+                passes.reduce()
 
         step()  # warm-up
         steps[name] = step

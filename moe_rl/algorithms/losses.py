@@ -16,6 +16,7 @@ KL(old || new) per token).
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable
 
 import torch
@@ -53,7 +54,7 @@ def policy_loss(
     (see :func:`loss_defaults`). Unknown params raise ``ValueError``.
     """
     fn = POLICY_LOSSES.get(name)
-    _check_params(name, fn, params)
+    check_loss_params(name, params)
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, old_logp and mask must share one [B, T] shape; got {tuple(logp.shape)}, "
@@ -70,27 +71,41 @@ def policy_loss(
 
 
 def loss_defaults(name: str) -> dict[str, object]:
-    """The parameters loss ``name`` accepts, with their defaults."""
+    """The parameters loss ``name`` accepts, with their defaults (``num_tokens`` and
+    ``num_seqs`` included: the trainer passes those, a user does not)."""
     sig = inspect.signature(POLICY_LOSSES.get(name))
     return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
 
 
-def _check_params(name: str, fn: LossFn, params: dict) -> None:
+# set per batch by the caller, never by a user's config
+RUNTIME_PARAMS = ("num_tokens", "num_seqs")
+
+
+def check_loss_params(name: str, params: dict, *, configurable_only: bool = False) -> None:
+    """The one validator of loss parameters (the config's checks call it too). Raises
+    ``ValueError`` whose message starts with the parameter's name, e.g.
+    ``eps_low=1.5 is out of range; valid: 0 <= eps_low <= 1``."""
     valid = loss_defaults(name)
-    unknown = sorted(set(params) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for policy loss {name!r}; valid: {sorted(valid)}")
+    settable = [k for k in valid if not (configurable_only and k in RUNTIME_PARAMS)]
+    for key in params:
+        if key not in settable:
+            raise ValueError(f"{key} is not a parameter of loss {name!r}; valid: {', '.join(settable)}")
+    for key, value in params.items():
+        if key in ("agg", "num_tokens", "num_seqs") or (key == "dual_clip" and value is None):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{key}={value!r} must be a finite number")
     agg = params.get("agg", valid["agg"])
     if agg not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation agg={agg!r}; valid: {', '.join(AGG_MODES)}")
-    if "eps_low" in params and not 0.0 <= float(params["eps_low"]) <= 1.0:
-        raise ValueError(f"{name}: eps_low={params['eps_low']} is out of range; valid: 0 <= eps_low <= 1")
-    if "eps_high" in params and not float(params["eps_high"]) >= 0.0:
-        raise ValueError(f"{name}: eps_high={params['eps_high']} is out of range; valid: eps_high >= 0")
-    if params.get("dual_clip") is not None and float(params["dual_clip"]) <= 1.0:
-        raise ValueError(f"{name}: dual_clip={params['dual_clip']} must be > 1 (or None to disable)")
-    if "log_clip" in params and float(params["log_clip"]) <= 0.0:
-        raise ValueError(f"{name}: log_clip={params['log_clip']} must be > 0")
+        raise ValueError(f"agg={agg!r} is not valid; valid: {', '.join(AGG_MODES)}")
+    if "eps_low" in params and not 0.0 <= params["eps_low"] <= 1.0:
+        raise ValueError(f"eps_low={params['eps_low']!r} is out of range; valid: 0 <= eps_low <= 1")
+    if "eps_high" in params and not params["eps_high"] >= 0.0:
+        raise ValueError(f"eps_high={params['eps_high']!r} is out of range; valid: eps_high >= 0")
+    if params.get("dual_clip") is not None and params["dual_clip"] <= 1.0:
+        raise ValueError(f"dual_clip={params['dual_clip']!r} must be > 1 (or null to disable)")
+    if "log_clip" in params and params["log_clip"] <= 0.0:
+        raise ValueError(f"log_clip={params['log_clip']!r} must be > 0")
 
 
 # ---------------------------------------------------------------- shared pieces

@@ -28,12 +28,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from moe_rl.trainer.demo_model import demo_model_dir, ensure_demo_model
     from parallel.distributed import destroy_distributed, init_distributed
-    from parallel.layout import ParallelLayout
 
     if (demo_model_dir(cfg) / "config.json").is_file():
         print(f"model: {demo_model_dir(cfg)} (cached)")
         return 0
-    init_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp))
+    init_distributed(cfg.parallel)
     try:
         print(f"model: {ensure_demo_model(cfg)} (warm-started)")
     finally:

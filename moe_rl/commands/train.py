@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     for noisy in ("megatron", "math_verify", "httpx", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from moe_rl.rollout.types import RolloutError
-    from moe_rl.trainer.loop import TrainingStopped, train
+    from moe_rl.trainer.trainer import TrainingStopped, train
     from parallel.layout import LayoutError
 
     try:

@@ -8,6 +8,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,12 @@ log = logging.getLogger(__name__)
 class Problem:
     prompt: str
     answer: str
+
+
+class Task(Protocol):
+    """A prompt source: the same ``count`` problems for the same (seed, step)."""
+
+    def problems(self, seed: int, step: int, count: int) -> list[Problem]: ...
 
 
 class ArithmeticTask:

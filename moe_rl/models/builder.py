@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from moe_rl.models.architectures import rope_theta, transformer_config_kwargs
 from moe_rl.models.layers import decoder_block_spec
-from moe_rl.models.logprob_head import LogProbHead
+from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
 from parallel.layout import ParallelLayout
 
 
@@ -61,11 +61,12 @@ def make_transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def build_model(hf_config: PretrainedConfig, config: TransformerConfig) -> GPTModel:
+def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_config: LogProbConfig | None = None) -> GPTModel:
     """This rank's pipeline stage of the model (initialised randomly: load weights next).
 
     The output layer is a :class:`LogProbHead`: the model returns per-token log-probs
-    and entropies of given targets instead of full-vocabulary logits.
+    and entropies of given targets (at ``logprob_config.temperature``) instead of
+    full-vocabulary logits.
     """
     pre = parallel_state.is_pipeline_first_stage()
     post = parallel_state.is_pipeline_last_stage()
@@ -82,7 +83,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig) -> GPTMo
         rotary_base=rope_theta(hf_config),
     )
     if post:
-        LogProbHead.attach(model)
+        LogProbHead.attach(model, logprob_config)
     # megatron-core 0.16.1 marks expert weights allreduce=True when EP == 1, so DDP never
     # sums their gradients across the tensor-parallel ranks that see other tokens
     # (ETP < TP) and the replicas diverge silently (DESIGN.md §3.10; upstream PR #5916).

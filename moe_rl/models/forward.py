@@ -12,9 +12,10 @@ gradients are summed, not averaged: the result is the full batch's gradient.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -24,10 +25,13 @@ from torch import Tensor
 
 @dataclass
 class MicroBatch:
-    """Right-padded token ids ``[b, s]``; log-probs are of ``input_ids[:, 1:]``."""
+    """Right-padded token ids ``[b, s]``; log-probs are of ``input_ids[:, 1:]``.
+
+    ``lengths`` ``[b]``: each sequence's real length (``None``: no padding). A loss
+    function that needs more (masks, advantages) gets a subclass with those fields."""
 
     input_ids: Tensor
-    extras: dict | None = None  # anything the loss function needs (mask, advantages, ...)
+    lengths: Tensor | None = None
 
     @property
     def targets(self) -> Tensor:
@@ -35,7 +39,7 @@ class MicroBatch:
         return torch.cat([self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])], dim=1)
 
 
-LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict]]
+LossFn = Callable[[Tensor, Any], tuple[Tensor, dict]]  # (logp_entropy, the MicroBatch (subclass)) -> (loss, metrics)
 
 
 class ForwardHooks(Protocol):
@@ -89,15 +93,16 @@ def run_microbatches(
             hook.after_forward(index)
         return out, partial(_loss_wrapper, loss_fn, mb)
 
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=batches,
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=shape[1],
-        micro_batch_size=shape[0],
-        forward_only=forward_only,
-    )
+    with torch.no_grad() if forward_only else contextlib.nullcontext():  # forward-only: no autograd graph
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
     return list(results) if ps.is_pipeline_last_stage() else []
 
 
@@ -109,7 +114,7 @@ def _loss_wrapper(loss_fn: LossFn | None, mb: MicroBatch, output: Tensor):
     else:
         loss, metrics = loss_fn(logp_entropy, mb)
         report.update(metrics)
-    return loss, torch.tensor(1, dtype=torch.int), report
+    return loss, torch.tensor(1, dtype=torch.int, device=output.device), report
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:

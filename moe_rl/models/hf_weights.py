@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
+from parallel.collectives import all_gather_objects, barrier, broadcast_object, gather_objects
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -212,7 +213,7 @@ def load_hf_weights(model: GPTModel, hf_config: PretrainedConfig, hf_dir: str | 
             raise ValueError(f"{name}: checkpoint gives shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
         param.copy_(shard.to(param.dtype))
         used.update(recipe.hf_keys)
-    all_used = _all_gather_objects(used)
+    all_used = all_gather_objects(used)
     unused = reader.keys() - set().union(*all_used)
     if mapper.tied:
         unused.discard("lm_head.weight")
@@ -249,6 +250,22 @@ def gather_hf_tensors(
     return tensors
 
 
+@dataclass(frozen=True)
+class HFWeights:
+    """A (sharded) megatron model's weights under HF names: the
+    :class:`moe_rl.rollout.weight_sync.WeightSource` the rollout engine is synced from."""
+
+    model: GPTModel
+    hf_config: PretrainedConfig
+
+    def gather(self) -> dict[str, torch.Tensor] | None:
+        parts = gather_objects(gather_hf_tensors(self.model, self.hf_config))
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
+    def export(self, path: str | os.PathLike) -> Path:
+        return export_hf_weights(self.model, self.hf_config, path)
+
+
 @torch.no_grad()
 def export_hf_weights(
     model: GPTModel,
@@ -265,9 +282,9 @@ def export_hf_weights(
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(_broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
+    tmp = Path(broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
     tensors = gather_hf_tensors(model, hf_config, dtype=dtype)
-    writers = _all_gather_objects(sorted(tensors))
+    writers = all_gather_objects(sorted(tensors))
     files = [i for i, keys in enumerate(writers) if keys]
     weight_map: dict[str, str] = {}
     for n, writer in enumerate(files):
@@ -286,12 +303,12 @@ def export_hf_weights(
                 src = Path(copy_files_from) / name
                 if src.exists():
                     shutil.copy2(src, tmp / name)
-    _barrier()
+    barrier()
     if rank == 0:
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    _barrier()
+    barrier()
     return out
 
 
@@ -312,24 +329,3 @@ def _is_writer(recipe: Recipe) -> bool:
     if recipe.expert:
         return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
     return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-
-
-def _all_gather_objects(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast_object(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 
@@ -84,7 +84,12 @@ class RolloutEngine(ABC):
         (derived from ``seed``), so a GRPO group never repeats one sampling stream."""
 
     @abstractmethod
-    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None: ...
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Load the HF directory ``model_path`` (on a file system the engine sees)."""
+
+    def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
+        """Take full weights by HF checkpoint names from this process (engines that can)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take weights in process; sync them through disk")
 
     def close(self) -> None:
         """Stop in-flight work and release resources."""

@@ -1,21 +1,25 @@
 """Routing in one RL training step: replay (none / r2 / r3) and the drift measured
-wherever the data exists. The trainer calls, per step:
+wherever the data exists. Each pass of a step is a context that yields the pass's
+forward hooks, so a pass can never be left open:
 
-1. :meth:`old_pass_hooks` for the old-policy log-prob pass (r2 records there; r3 replays
-   the engine's routing there too), then :meth:`end_old_pass`;
-2. :meth:`update_pass_hooks` for each policy-update pass (r2/r3 replay), then
-   :meth:`end_update_pass` after its backward;
-3. after the optimizer step, optionally :meth:`after_update_hooks` on a forward-only
-   pass over the same batch (the routing an update changed), then :meth:`end_after_update`;
-4. :meth:`reduce` for the metrics to log with :func:`moe_rl.routing.tensorboard.log_routing`:
-   ``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer ->
-   engine, when the engine returned routing), ``replayed`` (old -> what the replayed
-   update pass dispatched: zero under r2), and ``load`` (expert load, old pass).
+    with monitor.old_pass(batches, engine_routing) as hooks:   # r2 records, r3 replays
+        old = run_microbatches(model, batches, hooks=hooks)
+    with monitor.update_pass() as hooks:                      # r2/r3 replay; once per update
+        train_step(..., run_microbatches(..., hooks=hooks))
+    with monitor.after_update_pass() as hooks:                # optional: what an update changed
+        run_microbatches(model, batches, hooks=hooks)
+    metrics = monitor.reduce()                                 # collective
+
+:meth:`reduce` gives the groups to log with :func:`moe_rl.routing.tensorboard.log_routing`:
+``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer -> engine,
+when the engine returned routing), ``replayed`` (old -> what the replayed update pass
+dispatched: zero under r2) and ``load`` (expert load, old pass).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -26,13 +30,21 @@ from moe_rl.routing.probe import ProbedRouting, RouterProbe
 from moe_rl.routing.replay import REPLAY_MODES, RoutingReplay, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
+STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load")
+
 
 class RoutingMonitor:
-    def __init__(self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False) -> None:
+    """Replay (``mode``) and, when ``measure``, the drift metrics (``measure=False``: replay
+    only, no router probe and no statistics)."""
+
+    def __init__(
+        self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False, measure: bool = True
+    ) -> None:
         if mode not in REPLAY_MODES:
             raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
         self.mode = mode
         self.probe = RouterProbe(model)
+        self.measure = measure
         self.replay = RoutingReplay(model, recompute=recompute) if mode != "none" else None
         self.num_layers, self.num_experts = num_layers, num_experts
         self._replay_indices: list[list[Tensor]] = []
@@ -44,11 +56,40 @@ class RoutingMonitor:
 
     # ------------------------------------------------------------ step phases
 
-    def old_pass_hooks(
+    @contextlib.contextmanager
+    def old_pass(
         self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None = None
-    ) -> list:
-        """``engine_routing[i][j]``: micro-batch i, sequence j, ``[n, num_layers, k]``."""
-        self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in ("old_vs_new", "train_vs_rollout", "replayed", "load")}
+    ) -> Iterator[list]:
+        """The old-policy pass over ``batches``; ``engine_routing[i][j]`` is micro-batch i,
+        sequence j's engine routing ``[n, num_layers, k]`` (required for r3)."""
+        hooks = self._begin_old_pass(batches, engine_routing)
+        with self._cleanup_on_error():
+            yield hooks
+        self._end_old_pass()
+
+    @contextlib.contextmanager
+    def update_pass(self) -> Iterator[list]:
+        """One policy-update pass (forward and backward) over the old pass's batches."""
+        if self.replay is not None:
+            self.replay.start_replay(self._replay_indices)
+        with self._cleanup_on_error():
+            yield self._start_probe() + ([self.replay] if self.replay else [])
+        if self.replay is not None:
+            self.replay.finish()
+        for i, new in enumerate(self.probe.stop()):
+            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].natural, new.used, self._masks[i])
+
+    @contextlib.contextmanager
+    def after_update_pass(self) -> Iterator[list]:
+        """A forward-only pass after the optimizer step: old -> updated routing."""
+        with self._cleanup_on_error():
+            yield self._start_probe()
+        for i, new in enumerate(self.probe.stop()):
+            old = self._old[i]
+            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
+
+    def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
+        self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in STAT_GROUPS}
         self._masks = [self._local(_routing_mask(mb)) for mb in batches]
         self._engine = None
         if engine_routing is not None:
@@ -60,10 +101,9 @@ class RoutingMonitor:
             self.replay.start_replay(self._engine, forward_only=True)
         elif self.mode == "r2":
             self.replay.start_record()
-        self.probe.start()
-        return [self.probe] + ([self.replay] if self.replay else [])
+        return self._start_probe() + ([self.replay] if self.replay else [])
 
-    def end_old_pass(self) -> None:
+    def _end_old_pass(self) -> None:
         self._old = self.probe.stop()
         if self.mode == "r2":
             self._replay_indices = self.replay.recorded()
@@ -77,27 +117,23 @@ class RoutingMonitor:
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
 
-    def update_pass_hooks(self) -> list:
-        self.probe.start()
-        if self.replay is None:
-            return [self.probe]
-        self.replay.start_replay(self._replay_indices)
-        return [self.probe, self.replay]
-
-    def end_update_pass(self) -> None:
-        if self.replay is not None:
-            self.replay.finish()
-        for i, new in enumerate(self.probe.stop()):
-            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].natural, new.used, self._masks[i])
-
-    def after_update_hooks(self) -> list:
+    def _start_probe(self) -> list:
+        """The probe's hooks for a pass (none when not measuring: it then captures nothing)."""
+        if not self.measure:
+            return []
         self.probe.start()
         return [self.probe]
 
-    def end_after_update(self) -> None:
-        for i, new in enumerate(self.probe.stop()):
-            old = self._old[i]
-            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
+    @contextlib.contextmanager
+    def _cleanup_on_error(self) -> Iterator[None]:
+        """A pass that raised leaves the probe off and replay idle (no stats recorded)."""
+        try:
+            yield
+        except BaseException:
+            self.probe.stop()
+            if self.replay is not None:
+                self.replay.abort()
+            raise
 
     def reduce(self) -> dict[str, dict[str, Tensor]]:
         """Collective: every rank calls it. Groups without data are left out."""
@@ -131,10 +167,9 @@ class RoutingMonitor:
 
 def _routing_mask(mb: MicroBatch) -> Tensor:
     """Positions whose routing matters: real tokens except each sequence's last one
-    (``extras["lengths"]``; all positions but the last when absent)."""
+    (``mb.lengths``; all positions but the last when absent), on the batch's device."""
     b, s = mb.input_ids.shape
-    lengths = (mb.extras or {}).get("lengths")
-    if lengths is None:
-        lengths = torch.full((b,), s)
-    positions = torch.arange(s).unsqueeze(0)
-    return (positions < torch.as_tensor(lengths).unsqueeze(1) - 1).to(torch.float32)
+    device = mb.input_ids.device
+    lengths = mb.lengths if mb.lengths is not None else torch.full((b,), s, device=device)
+    positions = torch.arange(s, device=device).unsqueeze(0)
+    return (positions < lengths.to(device).unsqueeze(1) - 1).to(torch.float32)

@@ -120,6 +120,10 @@ class RoutingReplay:
         else:
             self._reset()
 
+    def abort(self) -> None:
+        """Drop all state after a pass that failed (no checks)."""
+        self._reset()
+
     # ---------------------------------------------------------------- hooks
 
     def before_forward(self, index: int, num_tokens: int) -> None:
@@ -186,8 +190,9 @@ def engine_routing_to_replay(
     is kept; the result is in megatron's ``[s, b]`` token order.
     """
     b = len(routed)
-    layers = torch.as_tensor(list(layer_numbers), dtype=torch.long)
-    full = torch.arange(top_k, dtype=torch.int64).expand(seq_len, b, len(layers), top_k).clone()
+    device = routed[0].device if b else torch.device("cpu")
+    layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=device)
+    full = torch.arange(top_k, dtype=torch.int64, device=device).expand(seq_len, b, len(layers), top_k).clone()
     for j, r in enumerate(routed):
         n = min(r.shape[0], seq_len)
         if r.shape[-1] != top_k:

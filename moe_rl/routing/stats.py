@@ -5,6 +5,10 @@ sequence-parallel slice, its pipeline stage's layers). Within a pipeline stage t
 token sets are disjoint, so per-layer sums all-reduced over the world are exact; the
 "changed in any layer" flag of a token is OR-ed over the pipeline stages that hold its
 other layers (they route the same tokens) before counting.
+
+Inputs may live on the rank's device; each micro-batch's per-layer sums are moved to the
+CPU accumulators (a few numbers per layer), and the reductions run on the process group's
+device (:func:`parallel.collectives.all_reduce`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.routing.drift import load_cv, load_entropy, overlap
+from parallel.collectives import all_reduce
 
 
 class RoutingStats:
@@ -40,30 +45,31 @@ class RoutingStats:
     ) -> None:
         """Routings ``a``, ``b`` ``[T, L_local, k]`` of this rank's tokens (``mask`` ``[T]``)."""
         layers = torch.as_tensor(list(layer_numbers), dtype=torch.long)
-        w = mask.to(torch.float64)
+        w = mask.to(device=a.device, dtype=torch.float64)
         k = a.shape[-1]
         same = overlap(a, b)  # [T, L]
         changed = (same < k).to(torch.float64)
-        self.changed.index_add_(0, layers, (changed * w[:, None]).sum(0))
-        self.expert_change.index_add_(0, layers, ((1 - same.to(torch.float64) / k) * w[:, None]).sum(0))
-        self.tokens.index_add_(0, layers, w.sum().expand(len(layers)))
-        self._flags.append(changed.amax(-1) if changed.numel() else torch.zeros(a.shape[0], dtype=torch.float64))
-        self._flag_masks.append(w)
+        self.changed.index_add_(0, layers, (changed * w[:, None]).sum(0).cpu())
+        self.expert_change.index_add_(0, layers, ((1 - same.to(torch.float64) / k) * w[:, None]).sum(0).cpu())
+        self.tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
+        flags = changed.amax(-1) if changed.numel() else torch.zeros(a.shape[0], dtype=torch.float64)
+        self._flags.append(flags.cpu())
+        self._flag_masks.append(w.cpu())
         if probs_a is not None and probs_b is not None:
             pa, pb = probs_a.to(torch.float64).clamp(min=1e-12), probs_b.to(torch.float64).clamp(min=1e-12)
             kl = (pa * (pa.log() - pb.log())).sum(-1)  # [T, L]
-            self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0))
-            self.kl_tokens.index_add_(0, layers, w.sum().expand(len(layers)))
+            self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0).cpu())
+            self.kl_tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
 
     def add_load(self, layer_numbers: Sequence[int], indices: Tensor, mask: Tensor) -> None:
         """Expert load of this rank's tokens ``[T, L_local, k]``."""
-        w = mask.to(torch.float64)
+        w = mask.to(device=indices.device, dtype=torch.float64)
         for i, layer in enumerate(layer_numbers):
             self.load[layer] += torch.bincount(
                 indices[:, i].reshape(-1).long(),
                 weights=w[:, None].expand(-1, indices.shape[-1]).reshape(-1),
                 minlength=self.num_experts,
-            )
+            ).cpu()
 
     def reduce(self, pipeline_group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
         """Global metrics (collective when distributed). Per-layer tensors are indexed by
@@ -72,13 +78,10 @@ class RoutingStats:
         load = self.load.clone()
         flags = torch.cat(self._flags) if self._flags else torch.zeros(0, dtype=torch.float64)
         flag_mask = torch.cat(self._flag_masks) if self._flag_masks else torch.zeros(0, dtype=torch.float64)
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        if distributed and pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pipeline_group)
+        if pipeline_group is not None:
+            flags = all_reduce(flags, "max", group=pipeline_group)
         any_counts = torch.stack([(flags * flag_mask).sum(), flag_mask.sum()])
-        if distributed:
-            for t in (sums, load, any_counts):
-                dist.all_reduce(t)
+        sums, load, any_counts = (all_reduce(t) for t in (sums, load, any_counts))
         changed, expert_change, kl, tokens, kl_tokens = sums
         out: dict[str, Tensor] = {}
         drift_layers = (tokens > 0).nonzero().flatten()

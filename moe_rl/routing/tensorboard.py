@@ -1,4 +1,5 @@
-"""Routing metrics to TensorBoard under tags users and dashboards can rely on:
+"""Routing metrics to TensorBoard under tags users and dashboards can rely on
+(:mod:`moe_rl.tags` names them):
 
 - ``routing/<metric>/layer_<l>`` and ``routing/<metric>/mean`` for ``changed_frac``,
   ``expert_change_frac``, ``router_kl``, ``expert_load_cv``, ``expert_load_entropy``
@@ -17,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from moe_rl import tags  # noqa: E402
+
 PER_LAYER = {
     "changed_frac": "drift_layers",
     "expert_change_frac": "drift_layers",
@@ -26,9 +29,10 @@ PER_LAYER = {
 }
 
 
-def log_routing(writer, step: int, metrics: dict[str, Tensor], prefix: str = "routing", images: bool = True) -> dict[str, float]:
-    """Write ``metrics`` (from :class:`RoutingStats.reduce` or ``drift_metrics``) and
-    return the scalars written, by tag."""
+def log_routing(writer, step: int, metrics: dict[str, Tensor], group: str = "old_vs_new", images: bool = True) -> dict[str, float]:
+    """Write ``metrics`` (from :class:`RoutingStats.reduce` or ``drift_metrics``) under
+    ``group``'s tags (:data:`moe_rl.tags.ROUTING_PREFIXES`) and return the scalars
+    written, by tag."""
     written: dict[str, float] = {}
     for name, layers_key in PER_LAYER.items():
         if name not in metrics:
@@ -36,20 +40,20 @@ def log_routing(writer, step: int, metrics: dict[str, Tensor], prefix: str = "ro
         values = metrics[name]
         layers = metrics.get(layers_key, torch.arange(len(values)))
         for layer, value in zip(layers.tolist(), values.tolist()):
-            written[f"{prefix}/{name}/layer_{layer}"] = value
-        written[f"{prefix}/{name}/mean"] = float(values.mean())
+            written[tags.routing(name, group, layer)] = value
+        written[tags.routing(name, group)] = float(values.mean())
     if "any_layer_changed_frac" in metrics:
-        written[f"{prefix}/any_layer_changed_frac/mean"] = float(metrics["any_layer_changed_frac"])
+        written[tags.routing("any_layer_changed_frac", group)] = float(metrics["any_layer_changed_frac"])
     for tag, value in written.items():
         writer.add_scalar(tag, value, step)
     if "expert_load" in metrics:
         load = metrics["expert_load"]
         layers = metrics.get("load_layers", torch.arange(load.shape[0])).tolist()
         for layer, row in zip(layers, load):
-            _load_histogram(writer, f"routing/expert_load/layer_{layer}", row, step)
+            _load_histogram(writer, tags.routing_load_histogram(layer), row, step)
         if images:
             fig = heatmap_figure(load, layers)
-            writer.add_figure("routing/expert_load_heatmap", fig, step, close=True)
+            writer.add_figure(tags.ROUTING_HEATMAP, fig, step, close=True)
     return written
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
+from parallel.collectives import barrier, rank, world_size
 
 _STEP = re.compile(r"step_(\d+)$")
 
@@ -41,15 +41,6 @@ def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _optimizer_state(optimizer) -> list:
@@ -125,39 +116,38 @@ def save_checkpoint(run_dir, step: int, model, hf_config, optimizer, extra: dict
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "optim").mkdir(parents=True)
         (tmp / "rng").mkdir()
-    _barrier()
+    barrier()
     export_hf_weights(model, hf_config, tmp / "model", dtype=next(model.parameters()).dtype, copy_files_from=tokenizer_dir)
-    torch.save(_optimizer_state(optimizer), tmp / "optim" / f"rank_{_rank():05d}.pt")
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
-    _barrier()
-    delay = float(os.environ.get("MOE_RL_FAULT_CKPT_DELAY_S", "0"))  # fault injection for tests
-    if delay:
-        import time
-
-        time.sleep(delay)
-    if _rank() == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, **extra}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+    torch.save(_optimizer_state(optimizer), tmp / "optim" / f"rank_{rank():05d}.pt")
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
+    barrier()
+    if rank() == 0:
+        commit_checkpoint(tmp, final, {"step": step, "world_size": world_size(), **extra})
         for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
+
+
+def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:
+    """Make the complete temporary directory ``tmp`` the checkpoint ``final``:
+    ``meta.json`` last, then one rename (a crash before it leaves only ``tmp``)."""
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def load_checkpoint(path: Path, model, hf_config, optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG; returns ``meta.json``."""
     meta = json.loads((path / "meta.json").read_text())
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if meta["world_size"] != world:
-        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} processes, this run has {world}")
+    if meta["world_size"] != world_size():
+        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} processes, this run has {world_size()}")
     load_hf_weights(model, hf_config, path / "model")
-    _load_optimizer_state(optimizer, torch.load(path / "optim" / f"rank_{_rank():05d}.pt", weights_only=False))
-    _set_rng_state(torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=False))
+    _load_optimizer_state(optimizer, torch.load(path / "optim" / f"rank_{rank():05d}.pt", weights_only=False))
+    _set_rng_state(torch.load(path / "rng" / f"rank_{rank():05d}.pt", weights_only=False))
     return meta

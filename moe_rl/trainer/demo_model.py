@@ -77,12 +77,10 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
     from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
-    from parallel.layout import ParallelLayout
     from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
     hf_config = load_hf_config(str(raw))
-    layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp)
-    config = make_transformer_config(hf_config, layout)
+    config = make_transformer_config(hf_config, cfg.parallel)
     model = build_model(hf_config, config)
     load_hf_weights(model, hf_config, raw)
     settings = OptimSettings(lr=cfg.warm_start.lr, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
@@ -91,7 +89,7 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
     tokenizer = demo_tokenizer()
     task = ArithmeticTask(cfg.data.max_operand)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    multiple = cfg.parallel.tp
+    multiple = cfg.parallel.seq_len_multiple
     for step in range(cfg.warm_start.steps):
         problems = task.problems(seed=424242, step=step, count=cfg.warm_start.batch_size)
         seqs, masks = [], []
@@ -108,10 +106,10 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
             mask[i, p - 1 : p - 1 + a] = 1
         total = mask.sum()
         mine = list(range(dp_rank, len(seqs), dp_size))
-        batches = [MicroBatch(ids[mine], extras={"mask": mask[mine]})]
+        batches = [MicroBatch(ids[mine])]
 
-        def loss_fn(le, mb, total=total):
-            loss = -(le[..., 0] * mb.extras["mask"]).sum() / total
+        def loss_fn(le, mb, total=total, mask=mask[mine]):
+            loss = -(le[..., 0] * mask).sum() / total
             return loss, {"nll": loss.detach()}
 
         train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))

@@ -1,66 +1,88 @@
-"""One step's experience: rollout samples + rewards + advantages, laid out as padded
-micro-batches for the megatron schedule (log-prob index t predicts token t+1)."""
+"""The first rank's half of a step: prompts -> rollout -> rewards -> advantages.
+
+Advantages are computed over the whole batch here (so GDPO's batch statistics span
+every data-parallel rank) before the :class:`Experience` is broadcast.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
-from moe_rl.models.forward import MicroBatch
-from moe_rl.rollout.types import Sample
+from moe_rl import tags
+from moe_rl.algorithms import compute_advantages
+from moe_rl.config import Config
+from moe_rl.data.tasks import Problem, Task
+from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+from moe_rl.trainer.batch import Experience
 
 
 @dataclass
-class Experience:
-    """Everything rank 0 collected for a step, broadcast to every rank as is."""
+class ExperienceCollector:
+    """Everything the first rank needs to produce a step's :class:`Experience`."""
 
-    samples: list[Sample]  # flat, prompt-major (group members contiguous)
-    rewards: Tensor  # [B, n_rewards]
-    reward_names: list[str]
-    advantages: Tensor  # [B]
-    seq_len: int  # padded length of every micro-batch
+    cfg: Config
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    engine: RolloutEngine
+    scorer: RewardScorer
+    sampling: SamplingParams
+    return_routing: bool  # ask the engine for routed experts (R3, or routing metrics)
 
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.samples)
+    def collect(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """The step's experience and its rollout-side scalars (rewards, advantages, lengths)."""
+        problems = self.task.problems(self.cfg.train.seed, step, self.cfg.rollout.prompts_per_step)
+        prompts, truncated = self._tokenize(problems)
+        groups = self.engine.generate(
+            prompts,
+            self.cfg.rollout.group_size,
+            self.sampling,
+            seed=self.cfg.train.seed * 100_003 + step,
+            return_routed_experts=self.return_routing,
+        )
+        samples = [s for g in groups for s in g]
+        rewards = self.scorer.score(self._reward_inputs(problems, samples))
+        advantages = compute_advantages(
+            self.cfg.algorithm.advantage, rewards.values, self.cfg.rollout.group_size, weights=rewards.weights
+        )
+        exp = Experience(samples, rewards.values, rewards.names, advantages)
+        return exp, self._scalars(exp, rewards, truncated)
 
+    def _tokenize(self, problems: list[Problem]) -> tuple[list[list[int]], int]:
+        """Prompt ids, long ones left-truncated to ``data.max_prompt_tokens`` (counted)."""
+        limit = self.cfg.data.max_prompt_tokens
+        prompts, truncated = [], 0
+        for p in problems:
+            ids = self.tokenizer(p.prompt)["input_ids"]
+            if len(ids) > limit:
+                ids, truncated = ids[-limit:], truncated + 1
+            prompts.append(ids)
+        return prompts, truncated
 
-def padded_length(samples: list[Sample], multiple: int) -> int:
-    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-    return -(-longest // multiple) * multiple
+    def _reward_inputs(self, problems: list[Problem], samples: list[Sample]) -> list[RewardInput]:
+        eos = self.tokenizer.eos_token_id
+        inputs = []
+        for i, s in enumerate(samples):
+            problem = problems[i // self.cfg.rollout.group_size]
+            out = s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids
+            inputs.append(RewardInput(problem.prompt, self.tokenizer.decode(out), problem.answer, len(s.output_ids)))
+        return inputs
 
-
-def build_microbatches(exp: Experience, indices: list[int], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
-    """Micro-batches of the samples ``indices`` (this data-parallel rank's share).
-
-    ``extras``: ``mask`` / ``rollout_logp`` ``[b, s-1]`` (response positions),
-    ``advantages`` ``[b]``, ``lengths`` ``[b]`` and ``routed`` (engine routing per sequence).
-    """
-    out = []
-    s = exp.seq_len
-    for start in range(0, len(indices), micro_batch_size):
-        chunk = indices[start : start + micro_batch_size]
-        ids = torch.full((len(chunk), s), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(chunk), s - 1)
-        rollout_logp = torch.zeros(len(chunk), s - 1)
-        lengths = torch.zeros(len(chunk), dtype=torch.long)
-        for row, i in enumerate(chunk):
-            smp = exp.samples[i]
-            seq = smp.prompt_ids + smp.output_ids
-            p, o = len(smp.prompt_ids), len(smp.output_ids)
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, p - 1 : p - 1 + o] = 1.0
-            rollout_logp[row, p - 1 : p - 1 + o] = torch.tensor(smp.output_logprobs)
-            lengths[row] = len(seq)
-        extras = {
-            "mask": mask,
-            "rollout_logp": rollout_logp,
-            "advantages": exp.advantages[chunk].float(),
-            "lengths": lengths,
-            "routed": [exp.samples[i].routed_experts for i in chunk],
-            "sample_indices": chunk,
+    def _scalars(self, exp: Experience, rewards: RewardBatch, truncated: int) -> dict[str, float]:
+        samples, advantages = exp.samples, exp.advantages
+        grouped = advantages.view(-1, self.cfg.rollout.group_size)
+        return {
+            tags.REWARD_TOTAL: float(rewards.total().mean()),
+            **{tags.reward(n): float(rewards.values[:, j].mean()) for j, n in enumerate(rewards.names)},
+            **{tags.reward_failures(n): float(sum(c.values())) for n, c in rewards.failures.items()},
+            tags.ADVANTAGE_MEAN: float(advantages.mean()),
+            tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
+            tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),
+            tags.RESPONSE_LENGTH_MEAN: float(sum(len(s.output_ids) for s in samples) / len(samples)),
+            tags.RESPONSE_LENGTH_MAX: float(max(len(s.output_ids) for s in samples)),
+            tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),
+            tags.DATA_TRUNCATED_PROMPTS: float(truncated),
+            tags.DATA_SKIPPED_LINES: float(len(getattr(self.task, "skipped", []))),
         }
-        out.append(MicroBatch(ids, extras=extras))
-    return out

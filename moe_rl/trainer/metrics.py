@@ -1,12 +1,59 @@
-"""Per-step logging on rank 0: TensorBoard scalars (and the routing tags), a
-``metrics.jsonl`` copy, and a progress bar with step, reward and ETA."""
+"""A step's figures: the update's per-micro-batch metrics reduced over micro-batches and
+ranks (collective), and the first rank's logging of them — TensorBoard scalars (and the
+routing tags), a ``metrics.jsonl`` copy, and a progress bar with step, reward and ETA."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
 from torch import Tensor
+
+from moe_rl import tags
+from moe_rl.trainer.objective import MEAN_METRICS, SUM_METRICS
+from parallel.collectives import all_reduce, reports_loss
+
+
+def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
+    """Collective. Token-weighted means of the objective's metrics over micro-batches and
+    data-parallel ranks (sums for the loss terms, min/max for the ratio); the reporting
+    rank of each replica (:func:`parallel.collectives.reports_loss`) contributes."""
+    keys = SUM_METRICS + MEAN_METRICS
+    sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # min ratio, -max ratio
+    if reports_loss():
+        for out in outputs:
+            w = float(out.get("tokens", 1.0))
+            for i, key in enumerate(keys):
+                if key in out:
+                    sums[i] += float(out[key]) * (1.0 if key in SUM_METRICS else w)
+            sums[-1] += w
+            extremes[0] = min(extremes[0], float(out["ratio_min"]))
+            extremes[1] = min(extremes[1], -float(out["ratio_max"]))
+    sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
+    tokens = max(float(sums[-1]), 1.0)
+    result = {key: float(sums[i]) / (1.0 if key in SUM_METRICS else tokens) for i, key in enumerate(keys)}
+    result["ratio_min"], result["ratio_max"] = float(extremes[0]), float(-extremes[1])
+    return result
+
+
+def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
+    """Collective. Mean and max ``|trainer - rollout|`` log-prob over every response token,
+    from the ``mismatch_*`` metrics of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
+    parts = [out for out in outputs if "mismatch_sum" in out] if reports_loss() else []
+    total = torch.tensor(
+        [sum(float(p["mismatch_sum"]) for p in parts), sum(float(p["mismatch_tokens"]) for p in parts)], dtype=torch.float64
+    )
+    worst = torch.tensor([max((float(p["mismatch_max"]) for p in parts), default=0.0)], dtype=torch.float64)
+    total, worst = all_reduce(total), all_reduce(worst, "max")
+    return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
+
+
+def log_ratio_values(outputs: list[dict]) -> Tensor | None:
+    """This rank's masked token log-ratios of an update pass (for the histogram)."""
+    values = [out["log_ratio"] for out in outputs if "log_ratio" in out]
+    return torch.cat(values).cpu() if values else None
 
 
 class StepLogger:
@@ -25,32 +72,38 @@ class StepLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]], histograms: dict[str, Tensor] | None = None) -> None:
-        """``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch."""
+        """``routing``: :meth:`moe_rl.routing.monitor.RoutingMonitor.reduce`'s groups;
+        ``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch."""
         if not self.enabled:
             return
-        from moe_rl.routing.tensorboard import log_routing
-
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         for tag, values in (histograms or {}).items():
             if values.numel():
                 self.writer.add_histogram(tag, values.float(), step)
-        written = {}
-        prefixes = {"old_vs_new": "routing", "train_vs_rollout": "routing/train_vs_rollout", "replayed": "routing/replayed"}
-        for group, prefix in prefixes.items():
-            if group in routing:
-                metrics = dict(routing[group])
-                if group == "old_vs_new" and "load" in routing:
-                    metrics.update(routing["load"])
-                written.update(log_routing(self.writer, step, metrics, prefix=prefix, images=step % 10 == 0))
-        if "load" in routing and "old_vs_new" not in routing:
-            written.update(log_routing(self.writer, step, routing["load"], images=step % 10 == 0))
+        written = self._log_routing(step, routing)
         self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars, **written}) + "\n")
         self.jsonl.flush()
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{scalars.get('reward/total', 0.0):.3f}", loss=f"{scalars.get('train/loss', 0.0):.3f}")
+            self.bar.set_postfix(reward=f"{scalars.get(tags.REWARD_TOTAL, 0.0):.3f}", loss=f"{scalars.get(tags.TRAIN_LOSS, 0.0):.3f}")
+
+    def _log_routing(self, step: int, routing: dict[str, dict[str, Tensor]]) -> dict[str, float]:
+        """Each group under its tags; expert load goes with old->new (same prefix)."""
+        from moe_rl.routing.tensorboard import log_routing
+
+        written: dict[str, float] = {}
+        images = step % 10 == 0
+        for group in ("old_vs_new", "train_vs_rollout", "replayed"):
+            if group in routing:
+                metrics = dict(routing[group])
+                if group == "old_vs_new" and "load" in routing:
+                    metrics.update(routing["load"])
+                written.update(log_routing(self.writer, step, metrics, group=group, images=images))
+        if "load" in routing and "old_vs_new" not in routing:
+            written.update(log_routing(self.writer, step, routing["load"], group="load", images=images))
+        return written
 
     def close(self) -> None:
         if not self.enabled:

@@ -1,0 +1,76 @@
+"""TensorBoard tag names, defined once: the trainer writes them, the compare report and
+its claims read them (and so can users' dashboards)."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- rollout side
+REWARD_TOTAL = "reward/total"
+ADVANTAGE_MEAN = "advantage/mean"
+ADVANTAGE_STD = "advantage/std"
+ADVANTAGE_DISTINCT_PER_GROUP = "advantage/distinct_per_group"
+RESPONSE_LENGTH_MEAN = "response/length_mean"
+RESPONSE_LENGTH_MAX = "response/length_max"
+RESPONSE_FINISHED_FRAC = "response/finished_frac"
+DATA_TRUNCATED_PROMPTS = "data/truncated_prompts"
+DATA_SKIPPED_LINES = "data/skipped_lines"
+
+
+def reward(name: str) -> str:
+    """One named reward's batch mean."""
+    return f"reward/{name}"
+
+
+def reward_failures(name: str) -> str:
+    """How many samples a named reward failed to score (raised, timed out, NaN)."""
+    return f"reward/failures/{name}"
+
+
+# ---------------------------------------------------------------- policy update
+
+
+def train(name: str) -> str:
+    """``train/<name>`` for a loss metric (``loss``, ``clip_frac``, ``ratio_max``, ...)."""
+    return f"train/{name}"
+
+
+TRAIN_LOSS = train("loss")
+TRAIN_CLIP_FRAC = train("clip_frac")
+TRAIN_RATIO_MAX = train("ratio_max")
+TRAIN_LOG_RATIO_P01 = train("log_ratio_p01")
+TRAIN_LOG_RATIO_P99 = train("log_ratio_p99")
+TRAIN_LOG_RATIO_HISTOGRAM = train("log_ratio")
+TRAIN_LOGP_MISMATCH_MEAN = train("logp_mismatch_mean")
+TRAIN_LOGP_MISMATCH_MAX = train("logp_mismatch_max")
+TRAIN_GRAD_NORM = train("grad_norm")
+TRAIN_UPDATE_SKIPPED = train("update_skipped")
+
+PERF_STEP_TIME = "perf/step_time_s"
+PERF_ROLLOUT_TIME = "perf/rollout_time_s"
+PERF_TRAIN_TIME = "perf/train_time_s"
+PERF_TOKENS_PER_S = "perf/tokens_per_s"
+
+# ---------------------------------------------------------------- routing
+# the RoutingMonitor's groups and where each is logged
+ROUTING_PREFIXES = {
+    "old_vs_new": "routing",  # old policy -> updated policy
+    "train_vs_rollout": "routing/train_vs_rollout",  # rollout engine -> trainer
+    "replayed": "routing/replayed",  # old policy -> the replayed update pass
+    "load": "routing",  # expert load of the old-policy pass
+}
+ROUTING_HEATMAP = "routing/expert_load_heatmap"
+
+
+def routing(metric: str, group: str = "old_vs_new", layer: int | None = None) -> str:
+    """``routing[/<group>]/<metric>/layer_<l>`` or ``.../mean`` (``layer=None``)."""
+    return f"{ROUTING_PREFIXES[group]}/{metric}/" + ("mean" if layer is None else f"layer_{layer}")
+
+
+def routing_load_histogram(layer: int) -> str:
+    return f"routing/expert_load/layer_{layer}"
+
+
+ROUTING_EXPERT_CHANGE = routing("expert_change_frac")
+ROUTING_ANY_LAYER_CHANGED = routing("any_layer_changed_frac")
+ROUTING_REPLAYED_CHANGED = routing("changed_frac", "replayed")
+ROUTING_TRAIN_VS_ROLLOUT_CHANGED = routing("changed_frac", "train_vs_rollout")
+ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER = routing("any_layer_changed_frac", "train_vs_rollout")

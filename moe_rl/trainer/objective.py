@@ -1,0 +1,79 @@
+"""The policy objective of one step: the configured policy loss, the optional KL to a
+reference and entropy bonus, and what the update measures — all returned as metrics
+(nothing is written into the batch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moe_rl.algorithms import entropy_bonus, kl_penalty, policy_loss
+from moe_rl.config import AlgorithmConfig
+from moe_rl.trainer.batch import PolicyMicroBatch
+
+# token-weighted means over micro-batches and ranks (loss terms are already global sums)
+MEAN_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "log_ratio_p01", "log_ratio_p99")
+SUM_METRICS = ("loss", "pg_loss")
+
+
+def logprob_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``|trainer log-prob - rollout log-prob|`` over response tokens: its sum, max and
+    token count (reduced over micro-batches and ranks into a mean and a max)."""
+    diff = (logp.detach() - rollout_logp).abs() * mask
+    return {
+        "mismatch_sum": diff.sum(),
+        "mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
+        "mismatch_tokens": mask.sum(),
+    }
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """``loss_fn`` of :func:`moe_rl.models.forward.run_microbatches` for one step.
+
+    ``num_tokens`` / ``num_seqs`` are the whole step's counts, so micro-batch losses (and
+    data-parallel ranks') sum to the full batch's loss. Metrics per micro-batch: the
+    loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``, ``entropy``,
+    ``kl_ref`` (with a reference), ``log_ratio`` (the masked token log-ratios, for the
+    histogram) with its 1st/99th percentiles, ``tokens``, and — when the old policy is this
+    pass's own (on-policy) — the rollout log-prob mismatch of :func:`logprob_mismatch`.
+    """
+
+    algorithm: AlgorithmConfig
+    num_tokens: float
+    num_seqs: float
+
+    def __call__(self, logp_entropy: Tensor, mb: PolicyMicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        a = self.algorithm
+        logp, entropy = logp_entropy[..., 0], logp_entropy[..., 1]
+        mask = mb.mask
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()  # on-policy: the old policy is this one
+        params = {**a.loss_params, "num_tokens": self.num_tokens, "num_seqs": self.num_seqs}
+        loss, metrics = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
+        metrics = {k: v for k, v in metrics.items() if k != "dual_clip_frac"}
+        metrics["pg_loss"] = loss.detach()
+        common = dict(agg=a.loss_params.get("agg") or "token-mean", num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        if a.kl_coef > 0:
+            kl = kl_penalty(logp, mb.ref_logp, mask, a.kl_estimator, **common)
+            loss = loss + a.kl_coef * kl
+            metrics["kl_ref"] = kl.detach() * self.num_tokens / max(float(mask.sum()), 1.0)
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, **common)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        metrics.update(_log_ratio_metrics(logp.detach() - old, mask))
+        if mb.old_logp is None:
+            metrics.update(logprob_mismatch(logp, mb.rollout_logp, mask))
+        metrics["loss"] = loss.detach()
+        metrics["tokens"] = mask.sum()
+        return loss, metrics
+
+
+def _log_ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    values = log_ratio[mask.bool()]
+    out = {"log_ratio": values}
+    if values.numel():
+        out["log_ratio_p01"] = torch.quantile(values.float(), 0.01)
+        out["log_ratio_p99"] = torch.quantile(values.float(), 0.99)
+    return out

@@ -1,0 +1,73 @@
+"""The models a run trains and consults: this rank's stage of the policy (with its DDP
+wrapper and optimizer) and of the frozen reference policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer
+from transformers import PretrainedConfig
+
+from moe_rl.models.builder import build_model, make_transformer_config
+from moe_rl.models.forward import ForwardHooks, LossFn, MicroBatch, run_microbatches
+from moe_rl.models.hf_weights import HFWeights, load_hf_weights
+from moe_rl.models.logprob_head import LogProbConfig
+from moe_rl.routing.replay import replay_config_overrides
+from parallel.layout import ParallelLayout
+from parallel.optim import OptimSettings, StepResult, build_optimizer, train_step, wrap_ddp
+
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@dataclass
+class Policy:
+    """This rank's pipeline stage of the trained model."""
+
+    model: GPTModel
+    ddp: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    hf_config: PretrainedConfig
+
+    @property
+    def weights(self) -> HFWeights:
+        return HFWeights(self.model, self.hf_config)
+
+    def logprobs(self, batches: Sequence[MicroBatch], hooks: Sequence[ForwardHooks] = ()) -> list[dict]:
+        """Forward only: per micro-batch ``logprobs`` / ``entropy`` (last stage)."""
+        return run_microbatches([self.ddp], list(batches), hooks=hooks)
+
+    def update(self, batches: Sequence[MicroBatch], loss_fn: LossFn, hooks: Sequence[ForwardHooks] = ()) -> StepResult:
+        """One optimizer step on the summed loss of ``batches`` (skipped on NaN/Inf)."""
+        return train_step(
+            [self.ddp], self.optimizer,
+            lambda: run_microbatches([self.ddp], list(batches), loss_fn=loss_fn, forward_only=False, hooks=hooks),
+        )  # fmt: skip
+
+
+def build_policy(
+    hf_config: PretrainedConfig,
+    hf_dir: str,
+    layout: ParallelLayout,
+    optim: OptimSettings,
+    *,
+    replay: str,
+    recompute_activations: bool,
+    logprob_config: LogProbConfig,
+) -> Policy:
+    """The policy's stage with ``hf_dir``'s weights, megatron DDP and the optimizer."""
+    overrides = {**replay_config_overrides(replay), **(FULL_RECOMPUTE if recompute_activations else {})}
+    config = make_transformer_config(hf_config, layout, **overrides)
+    model = build_model(hf_config, config, logprob_config)
+    load_hf_weights(model, hf_config, hf_dir)
+    ddp = wrap_ddp(model, config, optim)
+    return Policy(model, ddp, build_optimizer([ddp], optim), hf_config)
+
+
+def build_reference(hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> GPTModel:
+    """A frozen copy of the starting policy's stage (for the KL penalty)."""
+    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config)
+    load_hf_weights(model, hf_config, hf_dir)
+    return model.eval()

@@ -1,0 +1,97 @@
+"""The rollout side of a run, built once from the config: the engine (and any SGLang
+server the run starts), the first rank's :class:`ExperienceCollector`, and every rank's
+:class:`WeightSync`. The engine kind is looked at here and nowhere else."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from moe_rl.config import Config
+from moe_rl.data.tasks import Task
+from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
+from moe_rl.rollout.types import RolloutEngine, SamplingParams
+from moe_rl.rollout.weight_sync import DiskSync, InProcessSync, WeightSync
+from moe_rl.trainer.experience import ExperienceCollector
+
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def build_collector(
+    cfg: Config,
+    hf_dir: str,
+    hf_config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    engine_routing: bool,
+    closing: contextlib.ExitStack,
+) -> ExperienceCollector:
+    """The first rank's collector; what it starts is registered on ``closing``."""
+    return ExperienceCollector(
+        cfg=cfg,
+        task=task,
+        tokenizer=tokenizer,
+        engine=build_engine(cfg, hf_dir, hf_config, closing),
+        scorer=build_scorer(cfg),
+        sampling=SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
+        ),  # fmt: skip
+        return_routing=engine_routing,
+    )
+
+
+def build_scorer(cfg: Config) -> RewardScorer:
+    return RewardScorer(
+        [RewardSpec(r.name, r.fn, r.weight, dict(r.kwargs)) for r in cfg.reward.rewards],
+        [ConditionalSpec(c.target, c.condition, c.threshold) for c in cfg.reward.conditionals],
+        timeout_s=cfg.reward.timeout_s,
+    )
+
+
+def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing: contextlib.ExitStack) -> RolloutEngine:
+    """``rollout.engine``: the local engine, or SGLang servers (started here when
+    ``rollout.launch_server``, else attached by URL)."""
+    r = cfg.rollout
+    if r.engine == "local":
+        from moe_rl.rollout.local import LocalEngine
+
+        engine = LocalEngine(hf_dir, weight_precision=_PRECISIONS[r.precision])
+        closing.callback(engine.close)
+        return engine
+    from moe_rl.rollout.sglang import SGLangEngine
+
+    urls = [_start_server(cfg, hf_dir, closing)] if r.launch_server else list(r.sglang_urls)
+    engine = SGLangEngine(urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok)
+    closing.callback(engine.close)
+    engine.wait_healthy()
+    if cfg.routing.replay == "r3":
+        engine.check_returns_routed_experts()
+    return engine
+
+
+def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> str:
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
+
+    r = cfg.rollout
+    settings = ServerSettings(
+        model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
+        mem_fraction_static=r.mem_fraction_static, return_routed_experts=cfg.routing.replay == "r3",
+        deterministic=True, seed=cfg.train.seed,
+    )  # fmt: skip
+    server = SGLangServer(settings, Path(cfg.train.run_dir) / "logs")
+    closing.callback(server.stop)
+    server.wait_healthy()
+    return server.url
+
+
+def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path) -> WeightSync:
+    """Every rank's half of the weight sync (``engine`` is ``None`` off the first rank):
+    in process for the local engine, through ``run_dir/weights/current`` for SGLang."""
+    if cfg.rollout.engine == "local":
+        return InProcessSync(engine)
+    return DiskSync(engine, run_dir / "weights" / "current")

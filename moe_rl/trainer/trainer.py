@@ -1,0 +1,286 @@
+"""The RL trainer. Built once, then every step reads top to bottom:
+
+prompts -> rollout -> rewards -> advantages (first rank; broadcast) -> this rank's
+micro-batches -> old (and reference) log-probs -> policy updates through the pipeline
+schedule -> optimizer step -> weight sync -> logging -> checkpoint.
+
+The first rank drives the rollout engine, scores rewards and computes advantages over
+the whole batch (so GDPO's batch statistics span every data-parallel rank), then
+broadcasts the step's :class:`Experience`; every rank trains on its data-parallel share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from moe_rl import tags
+from moe_rl.config import Config, ConfigError
+from moe_rl.data.tasks import make_task
+from moe_rl.models.architectures import architecture_of, model_dims
+from moe_rl.models.builder import load_hf_config
+from moe_rl.models.forward import run_microbatches
+from moe_rl.models.logprob_head import LogProbConfig
+from moe_rl.routing.monitor import RoutingMonitor
+from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
+from moe_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
+from moe_rl.trainer.experience import ExperienceCollector
+from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics
+from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
+from moe_rl.trainer.policy import Policy, build_policy, build_reference
+from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync
+from moe_rl.trainer.stop import StopRequests
+from parallel.collectives import bridge_paused, broadcast_object, data_parallel_share, is_first_rank, rank_device
+from parallel.distributed import init_distributed
+
+log = logging.getLogger("moe_rl.train")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. too many non-finite updates); the message says why."""
+
+
+@dataclass
+class UpdateResult:
+    """The policy updates of one step."""
+
+    outputs: list[dict]  # the last update pass's per-micro-batch metrics (last pipeline stage)
+    grad_norm: float  # of the last update
+    skipped: int  # updates skipped for NaN/Inf gradients
+
+
+class Trainer:
+    """One RL run: ``Trainer(cfg)`` builds every part once, :meth:`train` runs the steps,
+    :meth:`close` releases the engine, servers and logs (or use it as a context manager)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._closing = contextlib.ExitStack()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.run_dir = Path(cfg.train.run_dir)
+        dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
+        init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
+        torch.manual_seed(cfg.train.seed)
+        # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
+        # generation with trained weights ran ~3x slower without this
+        torch.set_flush_denormal(True)
+        self.device = rank_device()
+        self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
+        self.hf_config = load_hf_config(self.hf_dir)
+        self.tokenizer = _load_tokenizer(self.hf_dir)
+        task = _make_task(cfg)
+        self._write_config()
+        logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
+        self.policy: Policy = build_policy(
+            self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, replay=cfg.routing.replay,
+            recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
+        )  # fmt: skip
+        self.reference = build_reference(self.hf_config, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
+        self.monitor = self._build_monitor()
+        self.start_step = self._resume()
+        # the engine returns routed experts for R3, and for routing metrics where it always can
+        self.engine_routing = cfg.routing.replay == "r3" or (cfg.routing.metrics and cfg.rollout.engine == "local")
+        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, self.tokenizer, task, self.engine_routing, self._closing) if is_first_rank() else None
+        self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
+        if self.start_step > 0:  # the engine loaded the starting weights, not the checkpoint's
+            self.weight_sync.push(self.policy.weights, str(self.start_step))
+        self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
+        self._closing.callback(self.logger.close)
+        # strictly on-policy (one update, nothing to record or measure): the update pass's
+        # own log-probs are the old ones, so the extra forward pass is skipped
+        self.on_policy = cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
+
+    def _write_config(self) -> None:
+        if is_first_rank():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
+    def _build_monitor(self) -> RoutingMonitor | None:
+        routing = self.cfg.routing
+        if routing.replay == "none" and not routing.metrics:
+            return None
+        num_experts = architecture_of(self.hf_config).num_experts(self.hf_config)
+        return RoutingMonitor(
+            self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
+            recompute=routing.recompute_activations, measure=routing.metrics,
+        )  # fmt: skip
+
+    def _resume(self) -> int:
+        """The step to start from: the newest complete checkpoint's (restored), or 0."""
+        found = latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
+        if found is None:
+            return 0
+        meta = load_checkpoint(found[1], self.policy.model, self.hf_config, self.policy.optimizer)
+        if is_first_rank():
+            log.info("resumed from %s (step %d)", found[1], meta["step"])
+        return int(meta["step"])
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> dict[str, float]:
+        """Run to ``train.steps``; returns the last step's scalars."""
+        scalars: dict[str, float] = {}
+        skipped_in_a_row = 0
+        with StopRequests() as stop:
+            for step in range(self.start_step, self.cfg.train.steps):
+                scalars = self.train_step(step)
+                skipped_in_a_row = skipped_in_a_row + 1 if scalars[tags.TRAIN_UPDATE_SKIPPED] else 0
+                self._end_of_step(step + 1, scalars, skipped_in_a_row, stop.requested())
+        return scalars
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step (0-based); returns its scalars, as logged."""
+        start = time.perf_counter()
+        exp, rollout_scalars = self.collect_experience(step)
+        rollout_time = time.perf_counter() - start
+        batch = self.make_batch(exp, step)
+        mismatch = self.compute_old_logprobs(batch)
+        self.compute_reference_logprobs(batch)
+        update = self.update_policy(batch)
+        self.measure_routing_after_update(batch)
+        train_time = time.perf_counter() - start - rollout_time
+        self.weight_sync.push(self.policy.weights, version=str(step + 1))
+        train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(update.outputs if self.on_policy else mismatch)}
+        routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
+        step_time = time.perf_counter() - start
+        scalars = {
+            **rollout_scalars,
+            **{tags.train(k): v for k, v in train_scalars.items()},
+            tags.TRAIN_GRAD_NORM: update.grad_norm,
+            tags.TRAIN_UPDATE_SKIPPED: float(update.skipped),
+            tags.PERF_STEP_TIME: step_time,
+            tags.PERF_ROLLOUT_TIME: rollout_time,
+            tags.PERF_TRAIN_TIME: train_time,
+            tags.PERF_TOKENS_PER_S: exp.num_tokens / step_time,
+        }
+        log_ratios = log_ratio_values(update.outputs)
+        self.logger.log(step + 1, scalars, routing, {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {})
+        return scalars
+
+    # ------------------------------------------------------------------ the stages of a step
+
+    def collect_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """Prompts -> rollout -> rewards -> advantages on the first rank, broadcast to all."""
+        exp = scalars = None
+        if self.collector is not None:
+            with bridge_paused():
+                exp, scalars = self.collector.collect(step)
+        return broadcast_object((exp, scalars))
+
+    def make_batch(self, exp: Experience, step: int) -> TrainBatch:
+        """This data-parallel rank's share as micro-batches on its device."""
+        return build_train_batch(
+            exp, step, data_parallel_share(len(exp.samples)),
+            micro_batch_size=self.cfg.algorithm.micro_batch_size, seq_len_multiple=self.cfg.parallel.seq_len_multiple,
+            pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
+        )  # fmt: skip
+
+    def compute_old_logprobs(self, batch: TrainBatch) -> list[dict]:
+        """Sets each micro-batch's ``old_logp`` (recomputed, or the rollout's), recording
+        (R2) or replaying (R3) routing; returns the rollout log-prob mismatch per
+        micro-batch (empty when on-policy: the update pass measures it)."""
+        if self.on_policy:
+            return []
+        mbs = batch.micro_batches
+        routed = [mb.routed_experts for mb in mbs] if self.engine_routing else None
+        with self.monitor.old_pass(mbs, routed) if self.monitor else contextlib.nullcontext([]) as hooks:
+            outputs = self.policy.logprobs(mbs, hooks)
+        recompute = self.cfg.algorithm.old_logprobs == "recompute"
+        for mb, out in zip(mbs, outputs):
+            mb.old_logp = out["logprobs"] if recompute else mb.rollout_logp
+        return [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for mb, out in zip(mbs, outputs)]
+
+    def compute_reference_logprobs(self, batch: TrainBatch) -> None:
+        """Sets each micro-batch's ``ref_logp`` when there is a KL penalty."""
+        if self.reference is None:
+            return
+        for mb, out in zip(batch.micro_batches, run_microbatches(self.reference, batch.micro_batches)):
+            mb.ref_logp = out["logprobs"]
+
+    def objective_for(self, batch: TrainBatch) -> PolicyObjective:
+        """The loss of this step's updates (normalised by the whole step's counts)."""
+        return PolicyObjective(self.cfg.algorithm, batch.num_tokens, batch.num_seqs)
+
+    def update_policy(self, batch: TrainBatch) -> UpdateResult:
+        """``algorithm.updates_per_batch`` optimizer steps over the batch (routing replayed
+        under R2/R3); an update with NaN/Inf gradients is skipped on every rank."""
+        objective = self.objective_for(batch)
+        result, skipped = None, 0
+        for _ in range(self.cfg.algorithm.updates_per_batch):
+            with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:
+                result = self.policy.update(batch.micro_batches, objective, hooks)
+            skipped += not result.updated
+        if skipped and is_first_rank():
+            log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
+        return UpdateResult(result.outputs, result.grad_norm, skipped)
+
+    def measure_routing_after_update(self, batch: TrainBatch) -> None:
+        """One more forward pass: how the updates changed routing (old -> new)."""
+        if self.monitor and self.cfg.routing.metrics and self.cfg.routing.after_update_pass:
+            with self.monitor.after_update_pass() as hooks:
+                self.policy.logprobs(batch.micro_batches, hooks)
+
+    # ------------------------------------------------------------------ checkpoints, stopping
+
+    def _end_of_step(self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool) -> None:
+        """Checkpoint when due (or when stopping), then stop if asked to or if updates keep failing."""
+        train = self.cfg.train
+        too_many_skips = skipped_in_a_row >= train.max_skipped_updates
+        due = step == train.steps or bool(train.save_every and step % train.save_every == 0)
+        if due or too_many_skips or stop_requested:
+            self.save_checkpoint(step, scalars)
+        if too_many_skips:
+            raise TrainingStopped(
+                f"{skipped_in_a_row} consecutive steps had NaN/Inf in the loss or gradients (train.max_skipped_updates="
+                f"{train.max_skipped_updates}); stopped at step {step}, the checkpoint holds the last good weights"
+            )
+        if stop_requested:
+            raise KeyboardInterrupt(f"stopped on request after step {step}; checkpoint saved")
+
+    def save_checkpoint(self, step: int, scalars: dict[str, float]) -> Path:
+        """Collective: weights, optimizer and RNG state after ``step`` steps."""
+        return save_checkpoint(self.run_dir, step, self.policy.model, self.hf_config, self.policy.optimizer,
+                               {"scalars": scalars}, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the engine and any server this run started; close the logs (idempotent)."""
+        self._closing.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Build a :class:`Trainer` for ``cfg``, run it, release it; the last step's scalars."""
+    with Trainer(cfg) as trainer:
+        return trainer.train()
+
+
+def _load_tokenizer(hf_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+
+
+def _make_task(cfg: Config):
+    try:
+        return make_task(cfg.data.task, cfg.data.max_operand)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.task: {e}") from None

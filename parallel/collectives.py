@@ -1,0 +1,112 @@
+"""Small collectives the trainer needs, on the process group's device (``cuda:<local
+rank>`` under NCCL, CPU under gloo), and the rank facts it asks about. Every function
+works in a one-process world without a process group."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_first_rank() -> bool:
+    return rank() == 0
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` from rank ``src`` on every rank (pickled)."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=rank_device())
+    return box[0]
+
+
+def gather_objects(obj: T, dst: int = 0) -> list[T] | None:
+    """Every rank's ``obj`` on rank ``dst`` (in rank order); ``None`` elsewhere."""
+    if not _distributed():
+        return [obj]
+    out = [None] * world_size() if rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def all_gather_objects(obj: T) -> list[T]:
+    if not _distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce(values: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """``values`` reduced over ``group`` (default: every rank) with ``op`` in sum | max | min;
+    the collective runs on the group's device, the result comes back where ``values`` was."""
+    if not _distributed() or (group is not None and dist.get_world_size(group) == 1):
+        return values
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    work = values.to(rank_device())
+    dist.all_reduce(work, op=reduce_op, group=group)
+    return work.to(values.device)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank."""
+    return bool(all_reduce(torch.tensor([float(flag)]), op="max").item())
+
+
+def barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+# ------------------------------------------------------------------ megatron's groups
+
+
+def data_parallel_share(count: int) -> list[int]:
+    """The indices of ``count`` items this data-parallel rank handles (round robin)."""
+    from megatron.core import parallel_state as ps
+
+    return list(range(ps.get_data_parallel_rank(), count, ps.get_data_parallel_world_size()))
+
+
+def reports_loss() -> bool:
+    """Exactly one rank per data-parallel replica holds the loss outputs: the last pipeline
+    stage's tensor-parallel rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
+
+
+def bridge_paused():
+    """A context in which the CPU bridge's per-op dispatch is off (code outside megatron,
+    e.g. generation); a no-op where the bridge is not installed (CUDA machines)."""
+    from parallel import cpu_bridge
+
+    return cpu_bridge.paused()
