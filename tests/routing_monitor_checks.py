@@ -47,6 +47,11 @@ for mode in ("none", "r2", "r3"):
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     monitor = RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts)
+    try:  # a pass that fails leaves the monitor idle, ready for the next step
+        with monitor.old_pass(batches, engine_routing) as hooks:
+            raise RuntimeError("a failed forward")
+    except RuntimeError:
+        pass
     with monitor.old_pass(batches, engine_routing) as hooks:
         run_microbatches([ddp], batches, hooks=hooks)
     with monitor.update_pass() as hooks:

@@ -1,0 +1,169 @@
+"""The trainer's parts on their own (one process, no process group): typed micro-batches,
+the policy objective, weight sync, the local engine's weight precision, config types."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.algorithms import policy_loss
+from moe_rl.config import AlgorithmConfig, load_config
+from moe_rl.rollout.types import RolloutEngine, Sample
+from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
+from moe_rl.trainer.batch import Experience, build_train_batch
+from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
+from parallel.layout import ParallelLayout
+from parallel.optim import OptimSettings
+
+
+def sample(prompt: list[int], output: list[int], seed: int = 0) -> Sample:
+    logps = [-0.1 * (i + 1) - seed for i in range(len(output))]
+    routed = torch.full((len(prompt) + len(output) - 1, 2, 2), seed, dtype=torch.int32)
+    return Sample(prompt, output, logps, "stop", "0", seed, routed_experts=routed)
+
+
+def experience() -> Experience:
+    samples = [sample([5, 6], [7, 8, 9], 0), sample([5, 6], [7], 1), sample([4, 4, 4], [3, 2], 2), sample([4, 4, 4], [], 3)]
+    return Experience(samples, torch.zeros(4, 1), ["r"], torch.tensor([1.0, -1.0, 0.5, -0.5]))
+
+
+def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
+    exp = experience()
+    batch = build_train_batch(exp, 7, [0, 2, 3], micro_batch_size=2, seq_len_multiple=4, pad_id=0,
+                              device=torch.device("cpu"), with_routing=True)  # fmt: skip
+    assert batch.step == 7 and batch.num_tokens == 6.0 and batch.num_seqs == 3.0
+    assert [mb.sample_indices for mb in batch.micro_batches] == [[0, 2], [3]]
+    first, second = batch.micro_batches
+    # every micro-batch is padded to the step's longest sample (5 tokens), rounded up to 4's multiple
+    assert first.input_ids.shape == (2, 8) and second.input_ids.shape == (1, 8)
+    assert first.input_ids[0].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert first.lengths.tolist() == [5, 5] and second.lengths.tolist() == [3]
+    # position t scores token t+1: the response of sample 0 starts at position len(prompt) - 1
+    assert first.mask[0].tolist() == [0, 1, 1, 1, 0, 0, 0]
+    assert first.rollout_logp[0, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert first.mask[1].tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert second.mask.sum() == 0  # an empty response trains nothing
+    assert first.advantages.tolist() == [1.0, 0.5]
+    assert [r.shape[0] for r in first.routed_experts] == [4, 4]
+    assert first.old_logp is None and first.ref_logp is None
+    without = build_train_batch(exp, 0, [0], micro_batch_size=2, seq_len_multiple=1, pad_id=0,
+                                device=torch.device("cpu"), with_routing=False)  # fmt: skip
+    assert without.micro_batches[0].routed_experts is None and without.micro_batches[0].input_ids.shape[1] == 5
+
+
+def objective_inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    exp = experience()
+    batch = build_train_batch(exp, 0, [0, 1, 2], micro_batch_size=3, seq_len_multiple=1, pad_id=0,
+                              device=torch.device("cpu"), with_routing=False)  # fmt: skip
+    mb = batch.micro_batches[0]
+    logp = (-torch.rand(mb.mask.shape, generator=gen)).requires_grad_()
+    entropy = torch.rand(mb.mask.shape, generator=gen)
+    return batch, mb, logp, entropy
+
+
+def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None:
+    batch, mb, logp, entropy = objective_inputs()
+    mb.old_logp = logp.detach() + 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+    algo = AlgorithmConfig(loss="grpo", loss_params={"eps_high": 0.28})
+    loss, metrics = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
+    ref, _ = policy_loss("grpo", logp, mb.old_logp, mb.advantages, mb.mask, eps_high=0.28, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+    torch.testing.assert_close(loss, ref)
+    masked = mb.mask.bool()
+    torch.testing.assert_close(metrics["log_ratio"], (logp.detach() - mb.old_logp)[masked])
+    assert metrics["tokens"] == mb.mask.sum() and "mismatch_sum" not in metrics  # old log-probs came from a pass
+    torch.testing.assert_close(metrics["entropy"], entropy[masked].mean())
+    assert mb.old_logp is not None and mb.ref_logp is None  # the objective writes nothing into the batch
+
+
+def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
+    batch, mb, logp, entropy = objective_inputs(1)
+    loss, metrics = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
+    diff = [(float(logp.detach()[i, t]) - float(mb.rollout_logp[i, t])) for i, t in mb.mask.nonzero().tolist()]
+    assert float(metrics["mismatch_sum"]) == pytest.approx(sum(abs(d) for d in diff), rel=1e-6)
+    assert float(metrics["mismatch_max"]) == pytest.approx(max(abs(d) for d in diff), rel=1e-6)
+    assert float(metrics["mismatch_tokens"]) == len(diff)
+    assert metrics["log_ratio"].abs().max() == 0  # on-policy: the ratio is exactly 1
+    loss.backward()
+    assert logp.grad is not None and logp.grad.abs().sum() > 0
+    same = logprob_mismatch(logp, mb.rollout_logp, mb.mask)
+    assert {k: float(v) for k, v in same.items()} == {k: float(metrics[k]) for k in same}
+
+
+def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
+    batch, mb, logp, entropy = objective_inputs(2)
+    mb.old_logp = logp.detach()
+    mb.ref_logp = logp.detach() - 0.1
+    le = torch.stack([logp, entropy], -1)
+    plain, _ = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(le, mb)
+    kl, metrics = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(le, mb)
+    # k1 = logp - ref = 0.1 on every response token, token-mean over the step's 6 tokens
+    tokens = float(mb.mask.sum())
+    assert float(kl - plain) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
+    assert float(metrics["kl_ref"]) == pytest.approx(0.1, rel=1e-5)
+    bonus, _ = PolicyObjective(AlgorithmConfig(entropy_coef=0.2), batch.num_tokens, batch.num_seqs)(le, mb)
+    assert float(plain - bonus) == pytest.approx(0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5)
+
+
+class RecordingEngine(RolloutEngine):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    @property
+    def weight_version(self) -> str:
+        return "0"
+
+    def generate(self, prompts, n, params, *, seed, return_routed_experts=False):
+        raise AssertionError("not used")
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        self.calls.append(("disk", model_path, weight_version))
+
+
+class FakeWeights:
+    def __init__(self) -> None:
+        self.exported: list[Path] = []
+
+    def gather(self):
+        return {"w": torch.ones(2)}
+
+    def export(self, path: Path) -> Path:
+        self.exported.append(path)
+        return path
+
+
+def test_weight_syncs(tmp_path: Path) -> None:
+    engine, weights = RecordingEngine(), FakeWeights()
+    DiskSync(engine, tmp_path / "w").push(weights, "3")
+    assert weights.exported == [tmp_path / "w"] and engine.calls == [("disk", str((tmp_path / "w").resolve()), "3")]
+    DiskSync(None, tmp_path / "w").push(weights, "4")  # another rank: exports its part, talks to no engine
+    assert len(weights.exported) == 2 and len(engine.calls) == 1
+    with pytest.raises(NotImplementedError, match="does not take weights in process"):
+        InProcessSync(engine).push(weights, "5")
+
+
+def test_local_engine_rounds_weights_to_its_precision(tmp_path: Path) -> None:
+    from moe_rl.models.hf_weights import SafetensorsDir
+    from moe_rl.models.tiny import save_tiny_checkpoint
+    from moe_rl.rollout.local import LocalEngine
+
+    path = save_tiny_checkpoint(tmp_path / "m", "qwen3_moe", seed=4)
+    exact, rounded = LocalEngine(path), LocalEngine(path, weight_precision=torch.bfloat16)
+    for name, value in exact.model.state_dict().items():
+        torch.testing.assert_close(rounded.model.state_dict()[name], value.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert any((v != v.to(torch.bfloat16).float()).any() for v in exact.model.state_dict().values())
+    reader = SafetensorsDir(path)
+    update = {k: reader.get(k) + 1e-3 for k in reader.keys()}  # HF checkpoint names, as the trainer sends them
+    rounded.update_weights(update, "1")
+    norm = "model.norm.weight"
+    torch.testing.assert_close(rounded.model.state_dict()[norm], update[norm].to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert rounded.weight_version == "1"
+
+
+def test_config_sections_are_the_layout_and_optimizer_types() -> None:
+    cfg = load_config(None, ["parallel.tp=2", "parallel.ep=2", "optim.lr=1e-5", "optim.extra={decoupled_weight_decay: false}"])
+    assert isinstance(cfg.parallel, ParallelLayout) and isinstance(cfg.optim, OptimSettings)
+    assert cfg.parallel.seq_len_multiple == 2 and ParallelLayout().seq_len_multiple == 1
+    assert cfg.optim.lr == 1e-5 and cfg.optim.extra == {"decoupled_weight_decay": False}
