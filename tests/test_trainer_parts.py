@@ -101,10 +101,10 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     kl, metrics = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(le, mb)
     # k1 = logp - ref = 0.1 on every response token, token-mean over the step's 6 tokens
     tokens = float(mb.mask.sum())
-    assert float(kl - plain) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
+    assert float((kl - plain).detach()) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
     assert float(metrics["kl_ref"]) == pytest.approx(0.1, rel=1e-5)
     bonus, _ = PolicyObjective(AlgorithmConfig(entropy_coef=0.2), batch.num_tokens, batch.num_seqs)(le, mb)
-    assert float(plain - bonus) == pytest.approx(0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5)
+    assert float((plain - bonus).detach()) == pytest.approx(0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5)
 
 
 class RecordingEngine(RolloutEngine):

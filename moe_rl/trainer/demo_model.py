@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.config import Config
 from moe_rl.data.tasks import ArithmeticTask
 from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
 from moe_rl.models.tiny import save_tiny_checkpoint
+from parallel.collectives import barrier, data_parallel_share, is_first_rank
 
 
 def demo_model_dir(cfg: Config) -> Path:
@@ -52,28 +52,23 @@ def _raw_checkpoint(cfg: Config, path: Path) -> None:
 def ensure_demo_model(cfg: Config) -> Path:
     """The warm-started demo model directory (collective: every rank calls it)."""
     target = demo_model_dir(cfg)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if (target / "config.json").is_file():
         return target
     raw = target.with_name(target.name + ".raw")
-    if rank == 0:
+    if is_first_rank():
         shutil.rmtree(raw, ignore_errors=True)
         raw.parent.mkdir(parents=True, exist_ok=True)
         _raw_checkpoint(cfg, raw)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     _supervised_warm_start(cfg, raw, target)
-    if rank == 0:
+    if is_first_rank():
         demo_tokenizer().save_pretrained(target)
         shutil.rmtree(raw, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return target
 
 
 def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
-    from megatron.core import parallel_state as ps
-
     from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
@@ -88,7 +83,6 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
     optimizer = build_optimizer([ddp], settings)
     tokenizer = demo_tokenizer()
     task = ArithmeticTask(cfg.data.max_operand)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     multiple = cfg.parallel.seq_len_multiple
     for step in range(cfg.warm_start.steps):
         problems = task.problems(seed=424242, step=step, count=cfg.warm_start.batch_size)
@@ -105,7 +99,7 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, p - 1 : p - 1 + a] = 1
         total = mask.sum()
-        mine = list(range(dp_rank, len(seqs), dp_size))
+        mine = data_parallel_share(len(seqs))
         batches = [MicroBatch(ids[mine])]
 
         def loss_fn(le, mb, total=total, mask=mask[mine]):
