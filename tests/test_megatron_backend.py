@@ -3,7 +3,6 @@ parallel layout (TP, EP, PP, ETP, PP x EP) against the single-process run."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest

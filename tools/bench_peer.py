@@ -12,8 +12,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.commands._distributed import LayoutError, fail, layout_from, maybe_spawn
+    from moe_rl.commands._distributed import LayoutError, fail, maybe_spawn
 
     try:
         spawned = maybe_spawn(args, "parity")

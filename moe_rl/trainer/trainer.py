@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from megatron.core.models.gpt import GPTModel
 
 from moe_rl import tags
 from moe_rl.config import Config, ConfigError
@@ -27,6 +28,7 @@ from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
 from moe_rl.models.forward import run_microbatches
 from moe_rl.models.logprob_head import LogProbConfig
+from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -60,6 +62,20 @@ class Trainer:
     """One RL run: ``Trainer(cfg)`` builds every part once, :meth:`train` runs the steps,
     :meth:`close` releases the engine, servers and logs (or use it as a context manager)."""
 
+    cfg: Config
+    run_dir: Path
+    device: torch.device  # this rank's: batches are built on it
+    hf_dir: str  # the starting weights (a HF directory)
+    policy: Policy  # this rank's stage of the trained model, its DDP wrapper and optimizer
+    reference: GPTModel | None  # frozen starting policy, for the KL penalty
+    monitor: RoutingMonitor | None  # routing replay and drift
+    start_step: int  # steps already done (resumed from a checkpoint)
+    engine_routing: bool  # the engine returns routed experts
+    collector: ExperienceCollector | None  # prompts -> rollout -> rewards -> advantages (first rank only)
+    weight_sync: WeightSync  # trainer weights -> rollout engine (every rank)
+    logger: StepLogger
+    on_policy: bool  # one update on fresh samples: no separate old-log-prob pass
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self._closing = contextlib.ExitStack()
@@ -85,7 +101,7 @@ class Trainer:
         task = _make_task(cfg)
         self._write_config()
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
-        self.policy: Policy = build_policy(
+        self.policy = build_policy(
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
         )  # fmt: skip
