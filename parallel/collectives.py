@@ -83,11 +83,13 @@ def barrier() -> None:
 # ------------------------------------------------------------------ megatron's groups
 
 
-def data_parallel_share(count: int) -> list[int]:
-    """The indices of ``count`` items this data-parallel rank handles (round robin)."""
+def data_parallel_share(count: int) -> tuple[list[int], int]:
+    """The indices of ``count`` items this data-parallel rank handles (round robin), and
+    the largest share any rank has (``ceil(count / dp)``)."""
     from megatron.core import parallel_state as ps
 
-    return list(range(ps.get_data_parallel_rank(), count, ps.get_data_parallel_world_size()))
+    size = ps.get_data_parallel_world_size()
+    return list(range(ps.get_data_parallel_rank(), count, size)), -(-count // size)
 
 
 def reports_loss() -> bool:

@@ -147,10 +147,6 @@ def _patch_megatron() -> None:
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
     )
 
-    # undefined without Transformer Engine; None selects the torch.mm path
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
     # split sizes must be host lists for all_to_all_single: the original returns CPU
     # tensors untouched even when numpy was asked for
     original = moe_utils.maybe_move_tensor_to_cpu

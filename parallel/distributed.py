@@ -66,6 +66,9 @@ def init_distributed(
         cpu_bridge.install()
     else:
         torch.cuda.set_device(env.local_rank)
+    from parallel import megatron_compat
+
+    megatron_compat.install()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))

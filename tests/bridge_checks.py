@@ -55,7 +55,11 @@ model_parallel_cuda_manual_seed(7)
 with get_cuda_rng_tracker().fork():
     assert torch.equal(torch.rand(3), a), "reseeding the tracker must reproduce its stream"
 
-# 5. the Transformer-Engine symbol and host split sizes
+# 5. host split sizes; the Transformer-Engine symbol is not the bridge's (parallel.megatron_compat)
+assert not hasattr(moe_utils, "te_general_gemm")
+from parallel import megatron_compat
+
+megatron_compat.install()
 assert moe_utils.te_general_gemm is None
 splits = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
 assert not torch.is_tensor(splits) and list(splits) == [1, 2]

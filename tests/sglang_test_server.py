@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--weight-version", default="0")
+    p.add_argument("--weight-version", default="default")  # SGLang's own default
     args, _unknown = p.parse_known_args(argv)
     Handler.state = State(args)
     server = ThreadingHTTPServer((args.host, args.port), Handler)

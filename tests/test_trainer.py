@@ -78,7 +78,9 @@ def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
 
 
 def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
+    # 4 prompts x 5 samples = 20 in micro-batches of at most 8: 3 micro-batches of 7 rows, one row empty
     out = moe_rl("train", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'k'}", "train.steps=2",
+                 "rollout.group_size=5",
                  "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.old_logprobs=rollout",
                  "algorithm.loss=gmpo", "algorithm.advantage=gdpo", "routing.metrics=false")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -86,3 +88,36 @@ def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
     assert metrics[1]["train/kl_ref"] >= 0.0 and metrics[2]["train/kl_ref"] > 0.0  # the policy moved off the reference
     assert metrics[2]["train/entropy"] > 0 and metrics[2]["train/logp_mismatch_mean"] < 1e-4
     assert not any(k.startswith("routing/") for k in metrics[2])
+
+
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: str) -> None:
+    """The trainer's SGLang path end to end: a server that starts at weight_version
+    "default" (as SGLang does), a disk sync before the first rollout and after every step."""
+    import httpx
+
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from parallel.launch import free_port
+
+    prepared = moe_rl("prepare", *TINY, f"warm_start.cache_dir={cache}")
+    model_dir = prepared.stdout.split("model: ", 1)[1].split(" (")[0].strip()
+    server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    settings = ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
+                              launch_command=server_cmd)  # fmt: skip
+    server = SGLangServer(settings, tmp_path / "logs")
+    try:
+        server.wait_healthy(timeout_s=120)
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "default"
+        out = moe_rl("train", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
+                     "rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", f"routing.replay={replay}")  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
+    finally:
+        server.stop()
+    metrics = rows(tmp_path / "run")
+    assert sorted(metrics) == [1, 2] and metrics[2]["train/grad_norm"] > 0
+    for step in (1, 2):
+        # the server generated with the trainer's current weights: its log-probs are the trainer's
+        assert metrics[step]["train/logp_mismatch_max"] < 1e-4, metrics[step]["train/logp_mismatch_max"]
+    if replay == "r3":
+        assert metrics[2]["routing/train_vs_rollout/changed_frac/mean"] == 0.0  # R3 computed with the server's routing

@@ -31,32 +31,76 @@ def experience() -> Experience:
 
 def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     exp = experience()
-    batch = build_train_batch(exp, 7, [0, 2, 3], micro_batch_size=2, seq_len_multiple=4, pad_id=0,
+    batch = build_train_batch(exp, 7, [0, 2, 3], rows_per_rank=4, micro_batch_size=2, seq_len_multiple=4, pad_id=0,
                               device=torch.device("cpu"), with_routing=True)  # fmt: skip
     assert batch.step == 7 and batch.num_tokens == 6.0 and batch.num_seqs == 3.0
-    assert [mb.sample_indices for mb in batch.micro_batches] == [[0, 2], [3]]
+    # another rank has 4 samples: this one gets as many micro-batches, topped up with an empty row
+    assert [mb.sample_indices for mb in batch.micro_batches] == [[0, 2], [3, -1]]
     first, second = batch.micro_batches
     # every micro-batch is padded to the step's longest sample (5 tokens), rounded up to 4's multiple
-    assert first.input_ids.shape == (2, 8) and second.input_ids.shape == (1, 8)
+    assert first.input_ids.shape == second.input_ids.shape == (2, 8)
     assert first.input_ids[0].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
-    assert first.lengths.tolist() == [5, 5] and second.lengths.tolist() == [3]
+    assert first.lengths.tolist() == [5, 5] and second.lengths.tolist() == [3, 0]
     # position t scores token t+1: the response of sample 0 starts at position len(prompt) - 1
     assert first.mask[0].tolist() == [0, 1, 1, 1, 0, 0, 0]
     assert first.rollout_logp[0, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert first.mask[1].tolist() == [0, 0, 1, 1, 0, 0, 0]
-    assert second.mask.sum() == 0  # an empty response trains nothing
-    assert first.advantages.tolist() == [1.0, 0.5]
+    assert second.mask.sum() == 0  # an empty response (and the empty row) trains nothing
+    assert first.advantages.tolist() == [1.0, 0.5] and second.advantages.tolist() == [-0.5, 0.0]
     assert [r.shape[0] for r in first.routed_experts] == [4, 4]
+    assert second.routed_experts[1].shape == (0, 2, 2) and (second.input_ids[1] == 0).all()
     assert first.old_logp is None and first.ref_logp is None
-    without = build_train_batch(exp, 0, [0], micro_batch_size=2, seq_len_multiple=1, pad_id=0,
+    without = build_train_batch(exp, 0, [0], rows_per_rank=1, micro_batch_size=2, seq_len_multiple=1, pad_id=0,
                                 device=torch.device("cpu"), with_routing=False)  # fmt: skip
-    assert without.micro_batches[0].routed_experts is None and without.micro_batches[0].input_ids.shape[1] == 5
+    assert without.micro_batches[0].routed_experts is None and without.micro_batches[0].input_ids.shape == (1, 5)
+
+
+@pytest.mark.parametrize("rows, micro_batch_size, shape", [(20, 8, (3, 7)), (40, 32, (2, 20)), (16, 8, (2, 8)), (5, 32, (1, 5))])
+def test_any_batch_splits_into_equal_micro_batches(rows: int, micro_batch_size: int, shape: tuple[int, int]) -> None:
+    samples = [sample([1, 2], [3] * (1 + i % 3), i) for i in range(rows)]
+    exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 1, rows))
+    for indices in (list(range(rows)), list(range(rows - 1))):  # this rank's share, or one fewer
+        batch = build_train_batch(exp, 0, indices, rows_per_rank=rows, micro_batch_size=micro_batch_size,
+                                  seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
+        assert (len(batch.micro_batches), batch.micro_batches[0].input_ids.shape[0]) == shape
+        assert all(mb.input_ids.shape == batch.micro_batches[0].input_ids.shape for mb in batch.micro_batches)
+        assert sorted(i for mb in batch.micro_batches for i in mb.sample_indices if i >= 0) == indices
+
+
+@pytest.mark.parametrize("loss, params", [("grpo", {}), ("gspo", {}), ("gmpo", {}), ("grpo", {"agg": "seq-mean-token-sum"})])
+def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) -> None:
+    """Ragged micro-batches with empty rows give exactly the loss (and gradient) of one batch."""
+    rows = 7
+    samples = [sample([1, 2], [3] * (1 + i % 3), i) for i in range(rows)]
+    exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 2, rows))
+    algo = AlgorithmConfig(loss=loss, loss_params=params)
+
+    def total(micro_batch_size: int) -> tuple[float, torch.Tensor]:
+        batch = build_train_batch(exp, 0, list(range(rows)), rows_per_rank=rows, micro_batch_size=micro_batch_size,
+                                  seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
+        objective = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)
+        weights = torch.zeros(rows, batch.micro_batches[0].mask.shape[1], requires_grad=True)
+        value = 0.0
+        for mb in batch.micro_batches:
+            real = [i for i in mb.sample_indices if i >= 0]
+            logp = torch.zeros(mb.mask.shape)
+            logp[: len(real)] = weights[real] - 0.5
+            mb.old_logp = -0.45 + 0.05 * torch.arange(mb.mask.shape[1]).expand(mb.mask.shape)  # ratios vary by token
+            loss, _ = objective(torch.stack([logp, torch.zeros_like(logp)], -1), mb)
+            loss.backward()
+            value += float(loss.detach())
+        return value, weights.grad
+
+    whole, grad_whole = total(rows)
+    split, grad_split = total(3)  # 3 micro-batches of 3 rows, 2 of them empty
+    assert split == pytest.approx(whole, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad_split, grad_whole)
 
 
 def objective_inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     exp = experience()
-    batch = build_train_batch(exp, 0, [0, 1, 2], micro_batch_size=3, seq_len_multiple=1, pad_id=0,
+    batch = build_train_batch(exp, 0, [0, 1, 2], rows_per_rank=3, micro_batch_size=3, seq_len_multiple=1, pad_id=0,
                               device=torch.device("cpu"), with_routing=False)  # fmt: skip
     mb = batch.micro_batches[0]
     logp = (-torch.rand(mb.mask.shape, generator=gen)).requires_grad_()

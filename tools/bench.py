@@ -84,7 +84,7 @@ def client_overhead(requests: int) -> dict:
     out = {}
     try:
         for concurrency in (1,):  # the server shares this process: concurrency would measure its threads
-            engine = SGLangEngine([f"http://127.0.0.1:{port}"], max_concurrency=concurrency)
+            engine = SGLangEngine([f"http://127.0.0.1:{port}"], max_concurrency=concurrency, weight_version="0")
             engine.generate([[1, 2, 3]], 4, SamplingParams(max_new_tokens=2), seed=0)
             start = time.perf_counter()
             engine.generate([[1, 2, 3]] * (requests // 8), 8, SamplingParams(max_new_tokens=2), seed=1)

@@ -39,7 +39,7 @@ class SGLangEngine(RolloutEngine):
         *,
         num_layers: int | None = None,
         top_k: int | None = None,
-        weight_version: str = "0",
+        weight_version: str | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
@@ -61,7 +61,18 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def weight_version(self) -> str:
+        """The version every sample must carry: given, or the servers' own (SGLang starts
+        at ``"default"``), read from ``/get_model_info`` when first needed."""
+        if self._version is None:
+            self._version = self.read_weight_version()
         return self._version
+
+    def read_weight_version(self) -> str:
+        """The servers' current ``weight_version``; they must all serve the same one."""
+        versions = {url: str(body.get("weight_version")) for url, body in zip(self.urls, self._get_all("/get_model_info"))}
+        if len(set(versions.values())) > 1:
+            raise RolloutError(f"the SGLang servers serve different weight versions {versions}: sync their weights first")
+        return next(iter(versions.values()))
 
     # ------------------------------------------------------------ generation
 
@@ -77,9 +88,10 @@ class SGLangEngine(RolloutEngine):
         params.validate()
         if return_routed_experts and (self.num_layers is None or self.top_k is None):
             raise ValueError("routed experts need num_layers and top_k of the served model")
-        return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts))
+        expected = self.weight_version
+        return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts, expected))
 
-    async def _generate(self, prompts, n, params, seed, routed) -> list[list[Sample]]:
+    async def _generate(self, prompts, n, params, seed, routed, expected_version: str) -> list[list[Sample]]:
         semaphore = asyncio.Semaphore(self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.timeout) as client:
 
@@ -96,7 +108,7 @@ class SGLangEngine(RolloutEngine):
                     payload["return_routed_experts"] = True
                 async with semaphore:
                     reply = await self._post_with_retries(client, "/generate", payload)
-                return self._parse(list(prompts[i]), s, reply, routed)
+                return self._parse(list(prompts[i]), s, reply, routed, expected_version)
 
             tasks = [[asyncio.create_task(one(i, j)) for j in range(n)] for i in range(len(prompts))]
             try:
@@ -131,7 +143,7 @@ class SGLangEngine(RolloutEngine):
                     await asyncio.sleep(delay)
         raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
 
-    def _parse(self, prompt: list[int], seed: int, reply: dict, routed: bool) -> Sample:
+    def _parse(self, prompt: list[int], seed: int, reply: dict, routed: bool, expected_version: str) -> Sample:
         try:
             meta = reply["meta_info"]
             output_ids = [int(t) for t in reply["output_ids"]]
@@ -150,9 +162,9 @@ class SGLangEngine(RolloutEngine):
                 routed_experts = decode_routed_experts(meta["routed_experts"], self.num_layers, self.top_k)
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RolloutError(f"malformed /generate reply ({type(e).__name__}: {e})") from None
-        if self.check_weight_version and version != self._version:
+        if self.check_weight_version and version != expected_version:
             raise StaleWeightsError(
-                f"a sample was generated with weight_version {version!r}, expected {self._version!r}: "
+                f"a sample was generated with weight_version {version!r}, expected {expected_version!r}: "
                 "the batch would train on the wrong weights"
             )
         if routed_experts is not None and routed_experts.shape[0] != len(prompt) + len(output_ids) - 1:
@@ -171,6 +183,16 @@ class SGLangEngine(RolloutEngine):
         )
 
     # ------------------------------------------------------------ control
+
+    def _get_all(self, path: str) -> list[dict]:
+        replies = []
+        with httpx.Client(timeout=self.timeout) as client:
+            for url in self.urls:
+                try:
+                    replies.append(client.get(url + path).raise_for_status().json())
+                except (httpx.HTTPError, ValueError) as e:
+                    raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
+        return replies
 
     def _post_all(self, path: str, payload: dict | None = None, *, check_success: bool = True) -> list[dict]:
         replies = []

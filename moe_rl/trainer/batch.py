@@ -54,7 +54,7 @@ class PolicyMicroBatch(MicroBatch):
     advantages: Tensor  # [b]
     rollout_logp: Tensor  # [b, s-1] the engine's log-probs (0 off the response)
     routed_experts: list[Tensor] | None  # per sequence [len-1, layers, k] from the engine, if asked for
-    sample_indices: list[int]  # positions in the step's Experience
+    sample_indices: list[int]  # positions in the step's Experience (-1: an empty row)
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)
 
@@ -75,29 +75,57 @@ def build_train_batch(
     step: int,
     indices: list[int],
     *,
+    rows_per_rank: int,
     micro_batch_size: int,
     seq_len_multiple: int,
     pad_id: int,
     device: torch.device,
     with_routing: bool,
 ) -> TrainBatch:
-    """Micro-batches of the samples ``indices`` (this data-parallel rank's share), every
-    one padded to the step's longest sample so that all share one shape. Built on the CPU
-    and moved to ``device`` in one place (:func:`_on_device`)."""
+    """Micro-batches of the samples ``indices`` (this data-parallel rank's share).
+
+    Every rank gets the same number of micro-batches of the same shape, whatever the batch,
+    micro-batch and data-parallel sizes: ``rows_per_rank`` (the largest share of any rank)
+    is split into ``ceil(rows_per_rank / micro_batch_size)`` micro-batches of equal rows,
+    and a share that falls short is topped up with empty rows (no response tokens: they add
+    nothing to any loss or metric). Sequences are padded to the step's longest sample.
+    Built on the CPU and moved to ``device`` in one place (:func:`_on_device`).
+    """
+    if len(indices) > rows_per_rank:
+        raise ValueError(f"{len(indices)} samples on this rank exceed rows_per_rank={rows_per_rank}")
+    count = -(-rows_per_rank // micro_batch_size)
+    rows = -(-rows_per_rank // count)
+    padded: list[int | None] = [*indices, *[None] * (count * rows - len(indices))]
     seq_len = exp.padded_length(seq_len_multiple)
+    routing_shape = _routing_shape(exp) if with_routing else None
     micro_batches = [
-        _on_device(_micro_batch(exp, indices[start : start + micro_batch_size], seq_len, pad_id, with_routing), device)
-        for start in range(0, len(indices), micro_batch_size)
+        _on_device(_micro_batch(exp, padded[start : start + rows], seq_len, pad_id, routing_shape), device)
+        for start in range(0, len(padded), rows)
     ]
     return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp)
 
 
-def _micro_batch(exp: Experience, chunk: list[int], seq_len: int, pad_id: int, with_routing: bool) -> PolicyMicroBatch:
+def _routing_shape(exp: Experience) -> tuple[int, int]:
+    """(layers, k) of the engine's routing, for the empty rows' (empty) routing."""
+    routed = next((s.routed_experts for s in exp.samples if s.routed_experts is not None), None)
+    if routed is None:
+        raise ValueError("routing was asked for, but the rollout engine returned no routed experts")
+    return tuple(routed.shape[1:])
+
+
+def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape) -> PolicyMicroBatch:
+    """Rows of ``chunk`` (``None``: an empty row)."""
     ids = torch.full((len(chunk), seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(len(chunk), seq_len - 1)
     rollout_logp = torch.zeros(len(chunk), seq_len - 1)
     lengths = torch.zeros(len(chunk), dtype=torch.long)
+    advantages = torch.zeros(len(chunk))
+    routed = [] if routing_shape is not None else None
     for row, i in enumerate(chunk):
+        if i is None:
+            if routed is not None:
+                routed.append(torch.zeros((0, *routing_shape), dtype=torch.int32))
+            continue
         smp = exp.samples[i]
         seq = smp.prompt_ids + smp.output_ids
         p, o = len(smp.prompt_ids), len(smp.output_ids)
@@ -105,15 +133,13 @@ def _micro_batch(exp: Experience, chunk: list[int], seq_len: int, pad_id: int, w
         mask[row, p - 1 : p - 1 + o] = 1.0
         rollout_logp[row, p - 1 : p - 1 + o] = torch.tensor(smp.output_logprobs)
         lengths[row] = len(seq)
+        advantages[row] = exp.advantages[i]
+        if routed is not None:
+            routed.append(smp.routed_experts)
     return PolicyMicroBatch(
-        input_ids=ids,
-        lengths=lengths,
-        mask=mask,
-        advantages=exp.advantages[chunk].float(),
-        rollout_logp=rollout_logp,
-        routed_experts=[exp.samples[i].routed_experts for i in chunk] if with_routing else None,
-        sample_indices=chunk,
-    )
+        input_ids=ids, lengths=lengths, mask=mask, advantages=advantages, rollout_logp=rollout_logp,
+        routed_experts=routed, sample_indices=[-1 if i is None else i for i in chunk],
+    )  # fmt: skip
 
 
 def _on_device(mb: PolicyMicroBatch, device: torch.device) -> PolicyMicroBatch:

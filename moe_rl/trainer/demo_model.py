@@ -20,8 +20,9 @@ from parallel.collectives import barrier, data_parallel_share, is_first_rank
 
 
 def demo_model_dir(cfg: Config) -> Path:
-    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__,
-                      "parallel": [cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep]}, sort_keys=True)  # fmt: skip
+    # not the parallel layout: every layout trains the same model (the warm start itself runs
+    # under whichever layout asks first; layouts differ only by float error)
+    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
 
@@ -99,7 +100,7 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, p - 1 : p - 1 + a] = 1
         total = mask.sum()
-        mine = data_parallel_share(len(seqs))
+        mine, _ = data_parallel_share(len(seqs))
         batches = [MicroBatch(ids[mine])]
 
         def loss_fn(le, mb, total=total, mask=mask[mine]):

@@ -112,8 +112,9 @@ class Trainer:
         self.engine_routing = cfg.routing.replay == "r3" or (cfg.routing.metrics and cfg.rollout.engine == "local")
         self.collector = build_collector(cfg, self.hf_dir, self.hf_config, self.tokenizer, task, self.engine_routing, self._closing) if is_first_rank() else None
         self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
-        if self.start_step > 0:  # the engine loaded the starting weights, not the checkpoint's
-            self.weight_sync.push(self.policy.weights, str(self.start_step))
+        # before the first rollout the engine serves exactly the trainer's weights (a resumed
+        # run's checkpoint; servers attached by URL may serve anything until then)
+        self.weight_sync.push(self.policy.weights, str(self.start_step))
         self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
         self._closing.callback(self.logger.close)
         # strictly on-policy (one update, nothing to record or measure): the update pass's
@@ -198,10 +199,12 @@ class Trainer:
         return broadcast_object((exp, scalars))
 
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
-        """This data-parallel rank's share as micro-batches on its device."""
+        """This data-parallel rank's share as micro-batches on its device (as many, and of
+        the same shape, as every other rank's)."""
+        mine, rows_per_rank = data_parallel_share(len(exp.samples))
         return build_train_batch(
-            exp, step, data_parallel_share(len(exp.samples)),
-            micro_batch_size=self.cfg.algorithm.micro_batch_size, seq_len_multiple=self.cfg.parallel.seq_len_multiple,
+            exp, step, mine, rows_per_rank=rows_per_rank, micro_batch_size=self.cfg.algorithm.micro_batch_size,
+            seq_len_multiple=self.cfg.parallel.seq_len_multiple,
             pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
         )  # fmt: skip
 
