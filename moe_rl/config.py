@@ -52,6 +52,7 @@ class RolloutConfig:
     server_port: int = 30000
     server_tp: int = 1
     server_ep: int = 1
+    server_gpus: list[int] = field(default_factory=list)  # GPUs of a launched server (must not be the trainer's)
     mem_fraction_static: float = 0.8
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
 
@@ -274,6 +275,10 @@ def validate(c: Config) -> None:
         raise ConfigError("rollout.engine=sglang needs rollout.sglang_urls or rollout.launch_server=true")
     if r.precision != "fp32" and r.engine != "local":
         raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
+    if any(g < 0 for g in r.server_gpus) or len(set(r.server_gpus)) != len(r.server_gpus):
+        raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
+    if r.server_gpus and len(r.server_gpus) < r.server_tp:
+        raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")
     _positive("rollout.group_size", r.group_size)
     _positive("rollout.prompts_per_step", r.prompts_per_step)
     _positive("rollout.max_new_tokens", r.max_new_tokens)

@@ -47,6 +47,17 @@ def launch_env() -> LaunchEnv:
         raise LayoutError(f"bad launcher environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT): {e}") from None
 
 
+def node_gpu_ids() -> list[str]:
+    """The GPUs this node's ranks use, as ``CUDA_VISIBLE_DEVICES`` names them (local rank i
+    takes the i-th visible device); empty without CUDA. Readable before any group exists."""
+    if not torch.cuda.is_available():
+        return []
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun | DeepSpeed
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [x.strip() for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return names[:local]
+
+
 def init_distributed(
     layout: ParallelLayout,
     model: ModelDims | None = None,

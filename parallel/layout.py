@@ -81,8 +81,7 @@ class ParallelLayout:
             ("model.num_layers", model.num_layers, "pp", self.pp),
             ("model.num_attention_heads", model.num_attention_heads, "tp", self.tp),
             ("model.num_query_groups (key/value heads)", model.num_query_groups, "tp", self.tp),
-            ("model.vocab_size", model.vocab_size, "tp", self.tp),
-        ]
+        ]  # (the vocabulary is padded to a multiple of tp: any size works)
         if model.num_experts:
             checks.append(("model.num_experts", model.num_experts, "ep", self.ep))
             if model.ffn_hidden_size:

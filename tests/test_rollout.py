@@ -134,7 +134,7 @@ def test_killed_server_is_retried_elsewhere_or_reported(ckpts, tmp_path) -> None
         groups = both.generate(PROMPTS, 2, PARAMS, seed=2)
         assert all(len(s.output_ids) for g in groups for s in g) and both.retries >= 1
         assert dying.process.wait(timeout=10) == 1  # it really died mid-batch
-        alone = SGLangEngine([dying.url], max_retries=2, backoff_s=0.05, connect_timeout_s=1)
+        alone = SGLangEngine([dying.url], max_retries=2, backoff_s=0.05, connect_timeout_s=1, weight_version="default")
         start = time.monotonic()
         with pytest.raises(RolloutError, match="failed after 3 attempts.*ConnectError"):
             alone.generate(PROMPTS, 2, PARAMS, seed=2)

@@ -121,3 +121,40 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
         assert metrics[step]["train/logp_mismatch_max"] < 1e-4, metrics[step]["train/logp_mismatch_max"]
     if replay == "r3":
         assert metrics[2]["routing/train_vs_rollout/changed_frac/mean"] == 0.0  # R3 computed with the server's routing
+
+
+LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant (tests/trainer_layouts_worker.py)
+    1: ["one-none:1,1,1,1:none", "one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl"],
+    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-none:2,1,1,1:none", "ep2-r3:1,1,2,1:r3", "pp2-kl:1,2,1,1:kl"],
+    4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(cache, tmp_path_factory) -> Path:
+    from parallel.launch import spawn_local
+
+    out = tmp_path_factory.mktemp("layouts")
+    worker = str(ROOT / "tests" / "trainer_layouts_worker.py")
+    for nproc, runs in LAYOUT_RUNS.items():
+        code = spawn_local(nproc, ["-W", "ignore", worker, str(out), cache, *runs], timeout_s=600)
+        assert code == 0, f"{nproc}-process trainer worker failed with exit code {code}"
+    return out
+
+
+@pytest.mark.parametrize("run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n]])
+def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: str) -> None:
+    """Same model, data and seed: rank 0's rollouts are identical, and the first update's
+    loss, grad norm and KL agree with the one-process run to float error."""
+    variant = run.rsplit("-", 1)[1]
+    ref = json.loads((layout_runs / f"one-{variant}.json").read_text())
+    got = json.loads((layout_runs / f"{run}.json").read_text())
+    assert got["reward/total"] == ref["reward/total"] and got["advantage/std"] == ref["advantage/std"]
+    assert got["train/loss"] == pytest.approx(ref["train/loss"], abs=1e-5)
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)
+    assert got["train/entropy"] == pytest.approx(ref["train/entropy"], rel=1e-5)
+    assert got["train/logp_mismatch_mean"] == pytest.approx(ref["train/logp_mismatch_mean"], abs=1e-6)
+    if variant == "kl":
+        assert got["train/kl_ref"] == pytest.approx(ref["train/kl_ref"], abs=1e-6)
+    if variant == "r2":
+        assert got["routing/replayed/changed_frac/mean"] == 0.0  # the update pass used the recorded experts

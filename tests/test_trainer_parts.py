@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.algorithms import policy_loss
-from moe_rl.config import AlgorithmConfig, load_config
+from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.rollout.types import RolloutEngine, Sample
 from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
 from moe_rl.trainer.batch import Experience, build_train_batch
@@ -211,3 +211,18 @@ def test_config_sections_are_the_layout_and_optimizer_types() -> None:
     assert isinstance(cfg.parallel, ParallelLayout) and isinstance(cfg.optim, OptimSettings)
     assert cfg.parallel.seq_len_multiple == 2 and ParallelLayout().seq_len_multiple == 1
     assert cfg.optim.lr == 1e-5 and cfg.optim.extra == {"decoupled_weight_decay": False}
+
+
+def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
+    from moe_rl.rollout.server import ServerSettings, check_server_gpus
+
+    check_server_gpus([], [])  # a CPU machine
+    check_server_gpus([8, 9], ["0", "1", "2", "3"])
+    with pytest.raises(ValueError, match="overlaps the trainer's GPUs .* \\['3'\\]"):
+        check_server_gpus([3, 4], ["0", "1", "2", "3"])
+    with pytest.raises(ValueError, match="needs rollout.server_gpus"):
+        check_server_gpus([], ["0"])
+    env = ServerSettings(model_path="m", gpus=(4, 5)).environment()
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    with pytest.raises(ConfigError, match="fewer GPUs than rollout.server_tp=2"):
+        load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"])

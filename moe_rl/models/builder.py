@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -61,6 +62,12 @@ def make_transformer_config(
     return TransformerConfig(**kwargs)
 
 
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Megatron splits the vocabulary rows evenly over tensor-parallel ranks; a vocabulary
+    that does not divide gets padding rows (never scored, stripped on export)."""
+    return -(-vocab_size // tp) * tp
+
+
 def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_config: LogProbConfig | None = None) -> GPTModel:
     """This rank's pipeline stage of the model (initialised randomly: load weights next).
 
@@ -73,7 +80,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config),
-        vocab_size=hf_config.vocab_size,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre,
         post_process=post,
@@ -83,6 +90,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_
         rotary_base=rope_theta(hf_config),
     )
     if post:
+        logprob_config = dataclasses.replace(logprob_config or LogProbConfig(), vocab_size=hf_config.vocab_size)
         LogProbHead.attach(model, logprob_config)
     # megatron-core 0.16.1 marks expert weights allreduce=True when EP == 1, so DDP never
     # sums their gradients across the tensor-parallel ranks that see other tokens

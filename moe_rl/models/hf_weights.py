@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
+from moe_rl.models.builder import padded_vocab_size
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, gather_objects
 
 _TOKENIZER_FILES = (
@@ -52,8 +53,9 @@ _TOKENIZER_FILES = (
 class Recipe:
     """How one megatron parameter is made of HF tensors.
 
-    ``kind``: ``copy`` (one tensor), ``qkv`` (q, k, v interleaved per KV group) or
-    ``glu`` (gate, up, concatenated per shard). ``shard_dim`` is the tensor-parallel
+    ``kind``: ``copy`` (one tensor), ``vocab`` (one tensor whose rows megatron pads to a
+    multiple of TP), ``qkv`` (q, k, v interleaved per KV group) or ``glu`` (gate, up,
+    concatenated per shard). ``shard_dim`` is the tensor-parallel
     split dimension (None: replicated); ``expert`` selects the expert-TP group.
     """
 
@@ -80,9 +82,9 @@ class ParamMapper:
 
     def recipe(self, name: str) -> Recipe:
         if name == "embedding.word_embeddings.weight":
-            return Recipe(("model.embed_tokens.weight",), shard_dim=0)
+            return Recipe(("model.embed_tokens.weight",), "vocab", 0)
         if name == "output_layer.weight":
-            return Recipe(("model.embed_tokens.weight" if self.tied else "lm_head.weight",), shard_dim=0)
+            return Recipe(("model.embed_tokens.weight" if self.tied else "lm_head.weight",), "vocab", 0)
         if name == "decoder.final_layernorm.weight":
             return Recipe(("model.norm.weight",))
         m = self._LAYER.fullmatch(name)
@@ -121,6 +123,12 @@ class ParamMapper:
 
     def to_shard(self, recipe: Recipe, tensors: list[torch.Tensor]) -> torch.Tensor:
         rank, size = self._tp(recipe)
+        if recipe.kind == "vocab":
+            full = tensors[0]
+            padding = padded_vocab_size(full.shape[0], size) - full.shape[0]
+            if padding:
+                full = torch.cat([full, full.new_zeros(padding, *full.shape[1:])])
+            return full.chunk(size, 0)[rank]
         if recipe.kind == "copy":
             full = tensors[0]
             return full if recipe.shard_dim is None else full.chunk(size, recipe.shard_dim)[rank]
@@ -130,6 +138,8 @@ class ParamMapper:
 
     def to_full(self, recipe: Recipe, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Inverse of :meth:`to_shard` given every TP rank's shard (in rank order)."""
+        if recipe.kind == "vocab":
+            return [torch.cat(shards, 0)[: self.cfg.vocab_size]]
         if recipe.kind == "copy":
             return [shards[0] if recipe.shard_dim is None else torch.cat(shards, recipe.shard_dim)]
         if recipe.kind == "glu":

@@ -31,6 +31,7 @@ class LogProbConfig:
     temperature: float = 1.0
     chunk_size: int = 1024  # sequence positions per logits chunk
     with_entropy: bool = True
+    vocab_size: int | None = None  # the real vocabulary; rows past it (TP padding) get no probability
 
 
 def vocab_parallel_logprobs(
@@ -45,11 +46,13 @@ def vocab_parallel_logprobs(
 
     ``hidden`` ``[s, b, h]`` is the full sequence (replicated over TP); ``weight``
     ``[V/TP, h]`` is this rank's vocabulary shard; ``targets`` ``[s, b]`` are global ids.
+    Rows at or past ``config.vocab_size`` (padding that makes V divide by TP) are left out.
     """
     if group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_tensor_model_parallel_group()
     tp_size = dist.get_world_size(group) if group is not None else 1
     vocab_start = weight.shape[0] * (dist.get_rank(group) if tp_size > 1 else 0)
+    real_rows = weight.shape[0] if config.vocab_size is None else min(weight.shape[0], max(config.vocab_size - vocab_start, 0))
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], config.chunk_size):
         chunk = slice(start, start + config.chunk_size)
@@ -59,6 +62,7 @@ def vocab_parallel_logprobs(
             weight,
             targets[chunk],
             vocab_start,
+            real_rows,
             config.temperature,
             config.with_entropy,
             group if tp_size > 1 else None,
@@ -74,6 +78,7 @@ def _chunk_logprobs(
     weight: Tensor,
     targets: Tensor,
     vocab_start: int,
+    real_rows: int,
     temperature: float,
     with_entropy: bool,
     group: dist.ProcessGroup | None,
@@ -82,11 +87,16 @@ def _chunk_logprobs(
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
     if temperature != 1.0:
         logits = logits / temperature
+    padded = real_rows < weight.shape[0]
+    if padded:  # vocabulary padding: -inf logits, so no mass and no gradient
+        logits = logits.masked_fill(torch.arange(weight.shape[0], device=logits.device) >= real_rows, float("-inf"))
     local_max = logits.detach().amax(-1)
     if group is not None:
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
     z = logits - local_max.unsqueeze(-1)
     exp_z = z.exp()
+    if padded:  # exp(-inf) = 0, but 0 * -inf in the entropy would be NaN
+        z = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
     local = targets - vocab_start
     in_shard = (local >= 0) & (local < weight.shape[0])
     target_z = torch.gather(z, -1, local.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)

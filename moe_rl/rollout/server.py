@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from moe_rl.rollout.types import RolloutError
 
@@ -24,6 +25,7 @@ class ServerSettings:
     return_routed_experts: bool = False
     deterministic: bool = False
     seed: int = 0
+    gpus: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of the server (None: inherited)
     extra_args: list[str] = field(default_factory=list)
     launch_command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"])
 
@@ -48,6 +50,27 @@ class ServerSettings:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+        return env
+
+
+def check_server_gpus(server_gpus: Sequence[int | str], trainer_gpus: Sequence[int | str]) -> None:
+    """A launched server must not share the GPUs this node's trainer ranks use (it would
+    land on them and both would run out of memory): ``ValueError`` naming both."""
+    if not trainer_gpus:
+        return  # no GPUs on this machine
+    if not server_gpus:
+        raise ValueError(
+            f"rollout.launch_server on a GPU machine needs rollout.server_gpus (GPUs for SGLang); the trainer uses GPUs "
+            f"{list(trainer_gpus)} on this node"
+        )
+    shared = sorted(set(map(str, server_gpus)) & set(map(str, trainer_gpus)))
+    if shared:
+        raise ValueError(f"rollout.server_gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}")
+
 
 class SGLangServer:
     """One server process we started; ``stop()`` (or the context manager) ends it."""
@@ -58,7 +81,7 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            settings.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            settings.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=settings.environment()
         )
 
     @property

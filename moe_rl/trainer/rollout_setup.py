@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from moe_rl.config import Config
+from moe_rl.config import Config, ConfigError
 from moe_rl.data.tasks import Task
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.types import RolloutEngine, SamplingParams
@@ -81,12 +81,24 @@ def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> st
     settings = ServerSettings(
         model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
         mem_fraction_static=r.mem_fraction_static, return_routed_experts=cfg.routing.replay == "r3",
-        deterministic=True, seed=cfg.train.seed,
+        deterministic=True, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None,
     )  # fmt: skip
     server = SGLangServer(settings, Path(cfg.train.run_dir) / "logs")
     closing.callback(server.stop)
     server.wait_healthy()
     return server.url
+
+
+def check_server_placement(cfg: Config) -> None:
+    """Before anything starts: a server this run launches gets GPUs of its own."""
+    from moe_rl.rollout.server import check_server_gpus
+    from parallel.distributed import node_gpu_ids
+
+    if cfg.rollout.launch_server:
+        try:
+            check_server_gpus(cfg.rollout.server_gpus, node_gpu_ids())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path) -> WeightSync:

@@ -37,7 +37,7 @@ from moe_rl.trainer.experience import ExperienceCollector
 from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, build_policy, build_reference
-from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync
+from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import bridge_paused, broadcast_object, data_parallel_share, is_first_rank, rank_device
 from parallel.distributed import init_distributed
@@ -89,6 +89,7 @@ class Trainer:
         cfg = self.cfg
         self.run_dir = Path(cfg.train.run_dir)
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
+        check_server_placement(cfg)
         init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
         torch.manual_seed(cfg.train.seed)
         # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:

@@ -1,0 +1,50 @@
+"""One training step of the built-in model under several parallel layouts, in one set of
+processes (started N times by ``spawn_local``); rank 0 writes each run's step scalars.
+
+    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT ...
+
+VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy).
+The pytest side compares every layout with the one-process run of the same variant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
+from moe_rl.config import load_config
+from moe_rl.trainer.trainer import Trainer
+from parallel.collectives import is_first_rank
+from parallel.distributed import destroy_distributed
+
+TINY = ["rollout.prompts_per_step=4", "rollout.group_size=5", "rollout.max_new_tokens=5", "warm_start.steps=20",
+        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=4",
+        "algorithm.updates_per_batch=1", "routing.after_update_pass=false"]  # fmt: skip
+VARIANTS = {
+    "none": [],
+    "r2": ["routing.replay=r2"],
+    "r3": ["routing.replay=r3", "routing.recompute_activations=true"],
+    "kl": ["algorithm.kl_coef=0.1"],
+}
+
+
+def main() -> None:
+    out, cache = Path(sys.argv[1]), sys.argv[2]
+    for spec in sys.argv[3:]:
+        name, layout, variant = spec.split(":")
+        tp, pp, ep, etp = layout.split(",")
+        overrides = [*TINY, *VARIANTS[variant], f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
+                     f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]  # fmt: skip
+        RouterReplay.clear_global_router_replay_instances()  # the previous run's model
+        with Trainer(load_config(None, overrides)) as trainer:
+            scalars = trainer.train_step(0)
+        if is_first_rank():
+            (out / f"{name}.json").write_text(json.dumps(scalars))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
