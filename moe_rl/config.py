@@ -5,6 +5,7 @@ Every error names the key, the value and what would be valid."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = True
+    resume_anyway: bool = False  # resume although the config differs from the checkpoint's run
     progress: bool = True
     max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
 
@@ -141,6 +143,30 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the run that wrote its checkpoints
+        (dotted keys -> JSON values): the model, layout, data, rewards, algorithm, replay,
+        seed and sampling. Steps, logging, learning rate and the like may change."""
+        flat = _flatten(json.loads(json.dumps(self.to_dict())))
+        return {k: v for k, v in flat.items() if k.startswith(_FINGERPRINTED) and k not in _NOT_FINGERPRINTED}
+
+
+_FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "warm_start.", "train.seed",
+                  "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
+                  "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision")  # fmt: skip
+_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "warm_start.cache_dir", "reward.timeout_s"}
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+
+
+def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved -> current`` for every fingerprint entry that differs."""
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
 
 
 # ------------------------------------------------------------------ loading

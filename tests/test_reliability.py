@@ -88,6 +88,8 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, uninterrup
     assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file()
     out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
     assert out.returncode == 0 and "resumed from" in out.stderr, out.stderr[-2000:]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5], "steps re-run after the checkpoint are logged once"
     resumed = rows(tmp_path)
     for step in (3, 4, 5):
         for key in COMPARED:

@@ -49,6 +49,9 @@ def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last=2, no temporary left
+    changed = moe_rl("train", *common, f"train.run_dir={tmp_path / 'b'}", "train.steps=6", "algorithm.loss=gspo")
+    assert changed.returncode == 2 and "holds a run with another config (algorithm.loss: 'grpo' -> 'gspo')" in changed.stderr
+    assert "Traceback" not in changed.stderr
 
 
 def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:

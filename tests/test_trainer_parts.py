@@ -226,3 +226,69 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
     with pytest.raises(ConfigError, match="fewer GPUs than rollout.server_tp=2"):
         load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"])
+
+
+def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
+    from moe_rl.models.hf_weights import export_destination_problem
+
+    assert export_destination_problem(tmp_path / "new") is None
+    (tmp_path / "empty").mkdir()
+    assert export_destination_problem(tmp_path / "empty") is None
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    assert "is not empty and holds no earlier export" in export_destination_problem(tmp_path / "work")
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in export_destination_problem(tmp_path / "file")
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "model.safetensors.index.json").write_text("{}")
+    assert export_destination_problem(tmp_path / "earlier") is None
+
+
+def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
+    import json
+
+    from moe_rl.trainer.run_dir import check_run_dir
+
+    def cfg(*overrides: str):
+        return load_config(None, [f"train.run_dir={tmp_path / 'run'}", *overrides])
+
+    check_run_dir(cfg())  # new: fine
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))
+    check_run_dir(cfg("train.steps=50", "optim.lr=1e-5"))  # same run, more steps, another learning rate
+    with pytest.raises(ConfigError, match="already holds a run's checkpoints.*nothing was deleted"):
+        check_run_dir(cfg("train.resume=false"))
+    with pytest.raises(ConfigError, match="another config \\(algorithm.loss: 'grpo' -> 'gspo'; train.seed: 1 -> 2\\)"):
+        check_run_dir(cfg("algorithm.loss=gspo", "train.seed=2"))
+    check_run_dir(cfg("algorithm.loss=gspo", "train.resume_anyway=true"))
+    assert step.is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot be created"):
+        check_run_dir(load_config(None, [f"train.run_dir={tmp_path / 'file' / 'run'}"]))
+
+
+def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> None:
+    import json
+
+    from moe_rl.trainer.checkpoint import CheckpointMismatch, select_checkpoint
+
+    def make(step: int, meta: str | None = None, rank_files: bool = True) -> Path:
+        path = tmp_path / "checkpoints" / f"step_{step:06d}"
+        for sub in ["model/config.json", "model/model.safetensors.index.json"] + (["optim/rank_00000.pt", "rng/rank_00000.pt"] if rank_files else []):
+            (path / sub).parent.mkdir(parents=True, exist_ok=True)
+            (path / sub).write_text("x")
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "meta.json").write_text(meta if meta is not None else json.dumps({"step": step, "world_size": 1}))
+        return path
+
+    good = make(2)
+    make(4, rank_files=False)  # optimizer/RNG files lost
+    make(6, meta="")  # torn meta.json
+    with caplog.at_level("WARNING", logger="moe_rl.train"):
+        path, meta = select_checkpoint(tmp_path)
+    assert path == good and meta["step"] == 2
+    assert "meta.json is empty or unreadable" in caplog.text and "optim/rank_00000.pt is missing" in caplog.text
+    make(8, meta=json.dumps({"step": 8, "world_size": 4}))
+    with pytest.raises(CheckpointMismatch, match="written by 4 processes, this run has 1"):
+        select_checkpoint(tmp_path)

@@ -290,8 +290,14 @@ def export_hf_weights(
     out = Path(out_dir)
     dtype = dtype or hf_dtype(hf_config)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = broadcast_object(export_destination_problem(out) if rank == 0 else None)
+    if problem:
+        raise ValueError(problem)
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
+        for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):  # left by an export that was killed
+            for stale in out.parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
     tensors = gather_hf_tensors(model, hf_config, dtype=dtype)
     writers = all_gather_objects(sorted(tensors))
@@ -315,11 +321,33 @@ def export_hf_weights(
                     shutil.copy2(src, tmp / name)
     barrier()
     if rank == 0:
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _replace_dir(tmp, out)
     barrier()
     return out
+
+
+def export_destination_problem(out: str | os.PathLike) -> str | None:
+    """Why ``out`` may not receive an export, or ``None``: only a new or empty directory,
+    or an earlier export (which is replaced), is ever written over."""
+    out = Path(out)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} exists and is not a directory"
+    if any(out.iterdir()) and not (out / "model.safetensors.index.json").is_file():
+        return f"{out} is not empty and holds no earlier export (model.safetensors.index.json): give an empty or new directory"
+    return None
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """``new`` becomes ``out``; an earlier ``out`` is moved aside first and removed last."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, old / out.name)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ collectives

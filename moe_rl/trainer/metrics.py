@@ -5,6 +5,7 @@ routing tags), a ``metrics.jsonl`` copy, and a progress bar with step, reward an
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -57,6 +58,10 @@ def log_ratio_values(outputs: list[dict]) -> Tensor | None:
 
 
 class StepLogger:
+    """Logs of a run that starts (or resumes) after ``start_step`` steps: what an earlier
+    attempt logged past that step (the steps it did not checkpoint) is dropped, in
+    ``metrics.jsonl`` and TensorBoard alike, so every step appears once."""
+
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True) -> None:
         self.enabled = enabled
         self.writer = self.bar = self.jsonl = None
@@ -64,7 +69,9 @@ class StepLogger:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        earlier = (run_dir / "tensorboard").is_dir()  # TensorBoard then hides earlier events past start_step
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None)
+        _keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")
         if progress:
             from tqdm import tqdm
@@ -112,3 +119,19 @@ class StepLogger:
             self.bar.close()
         self.writer.close()
         self.jsonl.close()
+
+
+def _keep_rows_up_to(path: Path, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` without the rows past ``step`` (and any torn last line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)

@@ -31,12 +31,13 @@ from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
-from moe_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience import ExperienceCollector
 from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, build_policy, build_reference
+from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import bridge_paused, broadcast_object, data_parallel_share, is_first_rank, rank_device
@@ -90,6 +91,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
         check_server_placement(cfg)
+        check_run_dir(cfg)
         init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
         torch.manual_seed(cfg.train.seed)
         # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
@@ -138,13 +140,17 @@ class Trainer:
         )  # fmt: skip
 
     def _resume(self) -> int:
-        """The step to start from: the newest complete checkpoint's (restored), or 0."""
-        found = latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
+        """The step to start from: the newest usable checkpoint's (restored), or 0."""
+        if not self.cfg.train.resume:
+            return 0
+        remove_stale_temporaries(self.run_dir)
+        found = select_checkpoint(self.run_dir)
         if found is None:
             return 0
-        meta = load_checkpoint(found[1], self.policy.model, self.hf_config, self.policy.optimizer)
+        path, meta = found
+        load_checkpoint(path, self.policy.model, self.hf_config, self.policy.optimizer)
         if is_first_rank():
-            log.info("resumed from %s (step %d)", found[1], meta["step"])
+            log.info("resumed from %s (step %d)", path, meta["step"])
         return int(meta["step"])
 
     # ------------------------------------------------------------------ the run
@@ -153,6 +159,9 @@ class Trainer:
         """Run to ``train.steps``; returns the last step's scalars."""
         scalars: dict[str, float] = {}
         skipped_in_a_row = 0
+        if self.start_step >= self.cfg.train.steps and is_first_rank():
+            log.warning("%s is already at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
+                        self.run_dir, self.start_step, self.cfg.train.steps)  # fmt: skip
         with StopRequests() as stop:
             for step in range(self.start_step, self.cfg.train.steps):
                 scalars = self.train_step(step)
@@ -273,8 +282,9 @@ class Trainer:
 
     def save_checkpoint(self, step: int, scalars: dict[str, float]) -> Path:
         """Collective: weights, optimizer and RNG state after ``step`` steps."""
+        extra = {"scalars": scalars, "fingerprint": self.cfg.fingerprint()}
         return save_checkpoint(self.run_dir, step, self.policy.model, self.hf_config, self.policy.optimizer,
-                               {"scalars": scalars}, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
+                               extra, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
 
     def close(self) -> None:
         """Stop the engine and any server this run started; close the logs (idempotent)."""
