@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -180,6 +181,12 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path!r} is a directory") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path!r} is not text (YAML)") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(raw, dict):
@@ -248,11 +255,13 @@ def _coerce(tp, value: Any, key: str):
     if tp is float:
         if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -275,13 +284,18 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(c: Config) -> None:
-    """Semantic checks that need no model, process group or file contents beyond existence."""
+    """Semantic checks before anything starts (no model, process group or data read)."""
+    _validate_algorithm(c.algorithm, c.rollout.group_size)
+    _validate_rollout(c.rollout, c.routing)
+    _validate_rewards(c.reward)
+    _validate_model_and_data(c)
+    _validate_training(c)
+
+
+def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     from moe_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
     from moe_rl.algorithms.losses import check_loss_params
-    from moe_rl.rewards import REWARD_FUNCTIONS
-    from moe_rl.routing.replay import REPLAY_MODES
 
-    a, r, ro = c.algorithm, c.rollout, c.routing
     _choice("algorithm.advantage", a.advantage, ADVANTAGE_ESTIMATORS.names())
     _choice("algorithm.loss", a.loss, POLICY_LOSSES.names())
     try:
@@ -294,40 +308,98 @@ def validate(c: Config) -> None:
     _positive("algorithm.entropy_coef", a.entropy_coef, allow_zero=True)
     _positive("algorithm.updates_per_batch", a.updates_per_batch)
     _positive("algorithm.micro_batch_size", a.micro_batch_size)
-    _choice("routing.replay", ro.replay, REPLAY_MODES)
+    if a.advantage != "dr_grpo" and group_size < 2:
+        raise ConfigError(f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
+
+
+def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
+    from moe_rl.routing.replay import REPLAY_MODES
+
+    _choice("routing.replay", routing.replay, REPLAY_MODES)
     _choice("rollout.engine", r.engine, ("local", "sglang"))
     _choice("rollout.precision", r.precision, ("fp32", "bf16"))
     if r.engine == "sglang" and not r.sglang_urls and not r.launch_server:
         raise ConfigError("rollout.engine=sglang needs rollout.sglang_urls or rollout.launch_server=true")
+    for i, url in enumerate(r.sglang_urls):
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+            raise ConfigError(f"rollout.sglang_urls[{i}]={url!r} must be a URL like http://host:30000")
     if r.precision != "fp32" and r.engine != "local":
         raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
     if any(g < 0 for g in r.server_gpus) or len(set(r.server_gpus)) != len(r.server_gpus):
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
+    for key in ("server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature"):
+        _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")
-    _positive("rollout.group_size", r.group_size)
-    _positive("rollout.prompts_per_step", r.prompts_per_step)
-    _positive("rollout.max_new_tokens", r.max_new_tokens)
-    _positive("rollout.temperature", r.temperature)
+    if not 1 <= r.server_port <= 65535:
+        raise ConfigError(f"rollout.server_port={r.server_port} must be in [1, 65535]")
+    if not 0 < r.mem_fraction_static <= 1:
+        raise ConfigError(f"rollout.mem_fraction_static={r.mem_fraction_static} must be in (0, 1]")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if a.advantage != "dr_grpo" and r.group_size < 2:
-        raise ConfigError(f"rollout.group_size={r.group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
-    names = [item.name for item in c.reward.rewards]
+    if r.top_k == 0 or r.top_k < -1:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
+
+
+def _validate_rewards(reward: RewardConfig) -> None:
+    from moe_rl.rewards import check_reward_function
+
+    names = [item.name for item in reward.rewards]
     if not names:
         raise ConfigError("reward.rewards is empty; give at least one reward")
-    for i, item in enumerate(c.reward.rewards):
+    for i, item in enumerate(reward.rewards):
         if not item.name:
             raise ConfigError(f"reward.rewards[{i}].name is empty")
-        if ":" not in item.fn and item.fn not in REWARD_FUNCTIONS:
-            raise ConfigError(f"reward.rewards[{i}].fn={item.fn!r} is unknown; valid: {', '.join(REWARD_FUNCTIONS.names())} or module:function")
+        try:
+            check_reward_function(item.fn, item.kwargs)
+        except ValueError as e:
+            raise ConfigError(f"reward.rewards[{i}].fn={item.fn!r} {e}") from None
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.rewards names must be unique, got {names}")
-    for i, cond in enumerate(c.reward.conditionals):
+    for i, cond in enumerate(reward.conditionals):
         for attr in ("target", "condition"):
             if getattr(cond, attr) not in names:
                 raise ConfigError(f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}")
-    _positive("reward.timeout_s", c.reward.timeout_s)
+    _positive("reward.timeout_s", reward.timeout_s)
+
+
+def _validate_model_and_data(c: Config) -> None:
+    m = c.model
+    if m.hf_dir is not None:
+        _check_hf_dir(m.hf_dir)
+    else:
+        _choice("model.architecture", m.architecture, ("qwen3_moe", "mixtral"))
+        for key in ("hidden_size", "num_layers", "num_experts", "top_k"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.hidden_size % 4:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} must be a multiple of 4 (the built-in model has 4 heads)")
+        if m.top_k > m.num_experts:
+            raise ConfigError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
+    if c.data.task != "arithmetic" and not Path(c.data.task).is_file():
+        raise ConfigError(f"data.task={c.data.task!r} is neither 'arithmetic' nor a readable JSONL file")
+    _positive("data.max_operand", c.data.max_operand, allow_zero=True)
+    _positive("data.max_prompt_tokens", c.data.max_prompt_tokens)
+    w = c.warm_start
+    _positive("warm_start.steps", w.steps, allow_zero=True)
+    _positive("warm_start.lr", w.lr)
+    _positive("warm_start.batch_size", w.batch_size)
+
+
+def _check_hf_dir(hf_dir: str) -> None:
+    from moe_rl.models.architectures import ARCHITECTURES
+
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.hf_dir={hf_dir!r} has no config.json (a local Hugging Face model directory is needed)")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"model.hf_dir={hf_dir!r}: config.json is not readable JSON ({type(e).__name__})") from None
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"model.hf_dir={hf_dir!r} has model_type={model_type!r}; supported: {', '.join(ARCHITECTURES.names())}")
+
+
+def _validate_training(c: Config) -> None:
     for key in ("tp", "pp", "ep"):
         _positive(f"parallel.{key}", getattr(c.parallel, key))
     if c.parallel.etp is not None:
@@ -340,12 +412,5 @@ def validate(c: Config) -> None:
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)
     _positive("train.max_skipped_updates", c.train.max_skipped_updates)
-    if c.model.hf_dir is not None:
-        if not (Path(c.model.hf_dir) / "config.json").is_file():
-            raise ConfigError(f"model.hf_dir={c.model.hf_dir!r} has no config.json (a local Hugging Face model directory is needed)")
-    else:
-        _choice("model.architecture", c.model.architecture, ("qwen3_moe", "mixtral"))
-        if c.model.top_k > c.model.num_experts:
-            raise ConfigError(f"model.top_k={c.model.top_k} exceeds model.num_experts={c.model.num_experts}")
-    if c.data.task != "arithmetic" and not Path(c.data.task).is_file():
-        raise ConfigError(f"data.task={c.data.task!r} is neither 'arithmetic' nor a readable JSONL file")
+    if not c.train.run_dir:
+        raise ConfigError("train.run_dir is empty")

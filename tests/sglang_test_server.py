@@ -49,6 +49,7 @@ class State:
         self.faults: dict = {}
         self.generate_requests = 0
         self.aborts = 0
+        self.aborted: list[dict] = []  # the abort requests' bodies
         self.groups: dict[str, dict] = {}
 
 
@@ -127,12 +128,13 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"success": True})
         if path == "/abort_request":
             st.aborts += 1
+            st.aborted.append(body)
             return self._send(200, {"success": True})
         if path == "/_test/faults":
             st.faults = body
             return self._send(200, {"success": True})
         if path == "/_test/stats":
-            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts})
+            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted})
         return self._send(404, {"error": {"message": f"no route {path}"}})
 
     def _generate(self, body: dict) -> None:
@@ -187,7 +189,29 @@ class Handler(BaseHTTPRequestHandler):
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)]
         if body.get("return_routed_experts"):
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts)
-        self._send(200, {"text": "", "output_ids": sample.output_ids, "meta_info": meta})
+        reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
+        self._send(200, _inject_reply_fault(faults, reply, sample))
+
+
+def _inject_reply_fault(faults: dict, reply: dict, sample) -> dict:
+    """``reply_fault`` (``reply_fault_count`` times): an HTTP 200 reply that is wrong in one
+    way a real server's can be."""
+    kind = faults.get("reply_fault")
+    if not kind or faults.get("reply_fault_count", 0) <= 0:
+        return reply
+    faults["reply_fault_count"] -= 1
+    meta = reply["meta_info"]
+    if kind == "error_body":
+        return {"object": "error", "message": "injected error", "type": "InternalError"}
+    if kind == "null_logprob":
+        meta["output_token_logprobs"][0][0] = None
+    elif kind == "abort":
+        meta["finish_reason"] = {"type": "abort", "message": "injected abort"}
+    elif kind in ("expert_out_of_range", "expert_repeated"):
+        experts = sample.routed_experts.clone()
+        experts[0, 0, 0] = 10_000 if kind == "expert_out_of_range" else experts[0, 0, 1]
+        meta["routed_experts"] = encode_routed_experts(experts)
+    return reply
 
 
 def main(argv: list[str] | None = None) -> None:

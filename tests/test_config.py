@@ -67,6 +67,25 @@ BAD = [
     (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
     (["data.task=/no/such.jsonl"], "neither 'arithmetic' nor a readable JSONL file"),
     (["train"], "must look like key.sub=value"),
+    (["model.hidden_size=0"], "model.hidden_size=0 must be > 0"),
+    (["model.hidden_size=30"], "model.hidden_size=30 must be a multiple of 4"),
+    (["model.num_layers=-1"], "model.num_layers=-1 must be > 0"),
+    (["model.top_k=0"], "model.top_k=0 must be > 0"),
+    (["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be > 0"),
+    (["data.max_operand=-1"], "data.max_operand=-1 must be >= 0"),
+    (["warm_start.batch_size=0"], "warm_start.batch_size=0 must be > 0"),
+    (["warm_start.lr=0"], "warm_start.lr=0.0 must be > 0"),
+    (["rollout.server_port=70000"], "rollout.server_port=70000 must be in [1, 65535]"),
+    (["rollout.mem_fraction_static=1.5"], "rollout.mem_fraction_static=1.5 must be in (0, 1]"),
+    (["rollout.server_tp=0"], "rollout.server_tp=0 must be > 0"),
+    (["rollout.top_k=0"], "rollout.top_k=0 must be -1 (off) or >= 1"),
+    (["rollout.temperature=.inf"], "rollout.temperature=inf must be a finite number"),
+    (["rollout.engine=sglang", "rollout.sglang_urls=[localhost:30000]"], "rollout.sglang_urls[0]='localhost:30000' must be a URL"),
+    (["reward.rewards=[{name: a, fn: 'no_such_module_xyz:f'}]", "reward.conditionals=[]"], "fn='no_such_module_xyz:f' cannot be imported"),
+    (["reward.rewards=[{name: a, fn: 'math:pi'}]", "reward.conditionals=[]"], "fn='math:pi' is not callable"),
+    (["reward.rewards=[{name: a, fn: format, kwargs: {budget: 3}}]", "reward.conditionals=[]"], "fn='format' does not take kwargs ['budget']"),
+    (["train.run_dir="], "train.run_dir is empty"),
+    (["train.resume_anyway=sometimes"], "train.resume_anyway='sometimes' must be true or false"),
 ]
 
 
@@ -84,6 +103,45 @@ def test_bad_files(tmp_path: Path) -> None:
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(bad))
+
+
+def test_bad_model_directories(tmp_path: Path) -> None:
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is not readable JSON"):
+        load_config(None, [f"model.hf_dir={tmp_path / 'broken'}"])
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match="has model_type='llama'; supported: "):
+        load_config(None, [f"model.hf_dir={tmp_path / 'dense'}"])
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(str(tmp_path))
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="is not text"):
+        load_config(str(tmp_path / "binary.yaml"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["export", "--checkpoint", "x", "--out", "{tmp}/work"], "is not empty and holds no earlier export"),
+        (["compare", "--config", "{tmp}/shape.yaml"], "runs must map each run name to a mapping"),
+        (["compare", "--config", "{tmp}/list.yaml"], "must hold a mapping"),
+        (["compare", "--config", str(GOOD), "--seeds", "1,x"], "--seeds '1,x' must be comma-separated integers"),
+    ],
+)
+def test_commands_turn_bad_input_into_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    from moe_rl.cli import main
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    (tmp_path / "shape.yaml").write_text("runs: [grpo, gspo]\n")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-rl: error: ") and message in err and err.count("\n") == 1, err
+    assert (tmp_path / "work" / "notes.txt").read_text() == "keep me"
 
 
 def test_cli_reports_one_line_without_traceback() -> None:

@@ -154,10 +154,28 @@ def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
     assert "--model-path" in settings.command() and "--enable-return-routed-experts" not in settings.command()
 
 
-def test_close_aborts_in_flight_requests(servers) -> None:
-    before = control(servers[0], "/_test/stats")["aborts"]
-    engine_for(servers).close()
-    assert control(servers[0], "/_test/stats")["aborts"] == before + 1
+def test_close_aborts_only_this_engines_unanswered_requests(servers) -> None:
+    before = control(servers[0], "/_test/stats")["aborted"]
+    engine = engine_for(servers[:1])
+    engine.generate(PROMPTS[:1], 1, PARAMS, seed=4)
+    engine.close()  # everything answered: nothing to abort, other clients' requests untouched
+    assert control(servers[0], "/_test/stats")["aborted"] == before
+    engine._unfinished.add("moe-rl-4-0-0")  # as an interrupt leaves a request running
+    engine.close()
+    assert control(servers[0], "/_test/stats")["aborted"] == [*before, {"rid": "moe-rl-4-0-0"}]
+
+
+@pytest.mark.parametrize("fault", ["error_body", "null_logprob", "abort", "expert_out_of_range", "expert_repeated"])
+def test_wrong_replies_are_retried_then_reported(servers, fault: str) -> None:
+    url = servers[0].url
+    engine = SGLangEngine([url], num_layers=2, top_k=2, num_experts=4, max_retries=2, backoff_s=0.01)
+    control(servers[0], "/_test/faults", {"reply_fault": fault, "reply_fault_count": 1})
+    (sample,), = engine.generate(PROMPTS[:1], 1, PARAMS, seed=6, return_routed_experts=True)
+    assert engine.retries == 1 and sample.finish_reason in ("stop", "length") and sample.output_logprobs[0] is not None
+    control(servers[0], "/_test/faults", {"reply_fault": fault, "reply_fault_count": 5})
+    with pytest.raises(RolloutError, match="failed after 3 attempts"):
+        engine.generate(PROMPTS[:1], 1, PARAMS, seed=6, return_routed_experts=True)
+    control(servers[0], "/_test/faults", {})
 
 
 def test_local_engine_in_process_weight_update_equals_disk(ckpts) -> None:

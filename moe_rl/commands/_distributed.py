@@ -33,6 +33,8 @@ def maybe_spawn(args: argparse.Namespace, command: str) -> int | None:
     if args.nproc is None or "RANK" in os.environ:
         return None
     world = int(args.nproc)
+    if world < 1:
+        raise LayoutError(f"--nproc {world} must be >= 1")
     layout_from(args).validate(world)  # fail fast, before spawning
     from parallel.launch import spawn_local
 

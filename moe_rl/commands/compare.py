@@ -39,11 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         spec = yaml.safe_load(Path(args.config).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        return fail(f"cannot read compare config {args.config!r}: {e}")
-    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs"}
-    if unknown:
-        return fail(f"unknown key {sorted(unknown)[0]!r} in {args.config}; valid: base, runs, out_dir, parallel_runs, fixed_steps")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return fail(f"cannot read compare config {args.config!r}: {str(e).splitlines()[0]}")
+    problem = _shape_problem(spec)
+    if problem:
+        return fail(f"compare config {args.config}: {problem}")
+    try:
+        seeds = [int(x) for x in (args.seeds or "").split(",") if x.strip()]
+    except ValueError:
+        return fail(f"--seeds {args.seeds!r} must be comma-separated integers")
     out_dir = Path(spec.get("out_dir", "runs/compare"))
     runs = spec.get("runs") or {}
     only = [x for x in (args.only or "").split(",") if x]
@@ -52,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
         runs = {k: v for k, v in runs.items() if k in only}
-    seeds = [int(x) for x in (args.seeds or "").split(",") if x.strip()]
     if seeds:
         runs = {f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}}) for name, extra in runs.items() for seed in seeds}
     configs = {}
@@ -106,6 +109,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; report: {report}")
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0
+
+
+def _shape_problem(spec) -> str | None:
+    """What is wrong with the compare config's shape, in one line (``None``: nothing)."""
+    if not isinstance(spec, dict):
+        return "must hold a mapping with base, runs, out_dir, parallel_runs, fixed_steps"
+    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs"}
+    if unknown:
+        return f"unknown key {sorted(unknown)[0]!r}; valid: base, runs, out_dir, parallel_runs, fixed_steps"
+    if not isinstance(spec.get("base") or {}, dict):
+        return "base must be a mapping (a `moe-rl train` config)"
+    runs = spec.get("runs") or {}
+    if not isinstance(runs, dict) or any(not isinstance(v or {}, dict) for v in runs.values()):
+        return "runs must map each run name to a mapping of overrides (or nothing)"
+    parallel = spec.get("parallel_runs", 1)
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        return f"parallel_runs={parallel!r} must be an integer >= 1"
+    steps = spec.get("fixed_steps", [])
+    if not isinstance(steps, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in steps):
+        return f"fixed_steps={steps!r} must be a list of step numbers"
+    if not isinstance(spec.get("out_dir", ""), str):
+        return "out_dir must be a path"
+    return None
 
 
 def _start(argv: list[str], log_path: Path, threads: int) -> subprocess.Popen:

@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return fail(str(e))
+    if args.nproc is not None and args.nproc < 1:
+        return fail(f"--nproc {args.nproc} must be >= 1")
     if args.nproc and "RANK" not in os.environ:
         from parallel.launch import spawn_local
 

@@ -9,6 +9,7 @@ from moe_rl.rewards.base import (
     RewardInput,
     RewardScorer,
     RewardSpec,
+    check_reward_function,
     resolve_reward_fn,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "RewardInput",
     "RewardScorer",
     "RewardSpec",
+    "check_reward_function",
     "resolve_reward_fn",
 ]

@@ -9,6 +9,7 @@ stops the run.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import threading
@@ -86,6 +87,27 @@ def resolve_reward_fn(fn: str) -> RewardFn:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"cannot import reward function {fn!r}: {e}") from None
     return REWARD_FUNCTIONS.get(fn)
+
+
+def check_reward_function(fn: str, kwargs: dict[str, Any]) -> None:
+    """``ValueError`` (worded to follow the name) unless ``fn`` resolves to a callable that
+    takes a :class:`RewardInput` and ``kwargs``. Imports a user's module."""
+    if ":" not in fn and fn not in REWARD_FUNCTIONS:
+        raise ValueError(f"is unknown; valid: {', '.join(REWARD_FUNCTIONS.names())} or module:function")
+    module_name, _, attr = fn.partition(":")
+    try:
+        func = resolve_reward_fn(fn)
+    except Exception as e:  # a user's module may fail in any way while importing
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"cannot be imported (module {module_name!r}, attribute {attr!r}): {reason}") from None
+    if not callable(func):
+        raise ValueError("is not callable")
+    try:
+        inspect.signature(func).bind(None, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"does not take kwargs {sorted(kwargs)} ({e})") from None
+    except ValueError:  # no signature to inspect (a builtin)
+        pass
 
 
 class RewardScorer:

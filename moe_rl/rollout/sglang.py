@@ -16,11 +16,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from typing import Any, Callable, Sequence
 
 import httpx
+from torch import Tensor
 
 from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, sample_seed
 from moe_rl.routing.encoding import decode_routed_experts
@@ -39,6 +41,7 @@ class SGLangEngine(RolloutEngine):
         *,
         num_layers: int | None = None,
         top_k: int | None = None,
+        num_experts: int | None = None,
         weight_version: str | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
@@ -50,7 +53,8 @@ class SGLangEngine(RolloutEngine):
         if not urls:
             raise ValueError("rollout.sglang.urls is empty: give at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
-        self.num_layers, self.top_k = num_layers, top_k
+        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self._unfinished: set[str] = set()  # request ids sent and not answered (aborted by close())
         self._version = weight_version
         self.max_concurrency = max_concurrency
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -97,18 +101,22 @@ class SGLangEngine(RolloutEngine):
 
             async def one(i: int, j: int) -> Sample:
                 s = sample_seed(seed, i, j, n)
+                rid = f"moe-rl-{seed}-{i}-{j}"
                 payload = {
                     "input_ids": list(prompts[i]),
                     "sampling_params": params.to_sglang(s),
                     "return_logprob": True,
                     "logprob_start_len": len(prompts[i]),
-                    "rid": f"moe-rl-{seed}-{i}-{j}",
+                    "rid": rid,
                 }
                 if routed:
                     payload["return_routed_experts"] = True
+                parse = functools.partial(self._parse, list(prompts[i]), s, routed=routed, expected_version=expected_version)
+                self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
                 async with semaphore:
-                    reply = await self._post_with_retries(client, "/generate", payload)
-                return self._parse(list(prompts[i]), s, reply, routed, expected_version)
+                    sample = await self._post_with_retries(client, "/generate", payload, parse)
+                self._unfinished.discard(rid)
+                return sample
 
             tasks = [[asyncio.create_task(one(i, j)) for j in range(n)] for i in range(len(prompts))]
             try:
@@ -119,7 +127,10 @@ class SGLangEngine(RolloutEngine):
                 await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
                 raise
 
-    async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict) -> dict:
+    async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict) -> Any:
+        """``parse(reply)`` of the first good reply; transport errors, 5xx, replies that are
+        not JSON and replies ``parse`` finds malformed or aborted are retried on the next
+        server with exponential backoff; 4xx is final."""
         start = next(self._rr)
         last = ""
         for attempt in range(self.max_retries + 1):
@@ -131,9 +142,10 @@ class SGLangEngine(RolloutEngine):
                 if response.status_code >= 400:
                     raise RolloutError(f"{url}{path} refused the request (HTTP {response.status_code}): {response.text[:500]}")
                 try:
-                    return response.json()
+                    body = response.json()
                 except ValueError:
                     raise _Retryable(f"reply is not JSON: {response.text[:100]!r}") from None
+                return parse(body)
             except (httpx.TransportError, _Retryable) as e:
                 last = f"{url}: {type(e).__name__}: {e}"
                 if attempt < self.max_retries:
@@ -143,44 +155,51 @@ class SGLangEngine(RolloutEngine):
                     await asyncio.sleep(delay)
         raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
 
-    def _parse(self, prompt: list[int], seed: int, reply: dict, routed: bool, expected_version: str) -> Sample:
+    def _parse(self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str) -> Sample:
+        """A ``/generate`` reply as a :class:`Sample`; ``_Retryable`` for an error body, an
+        aborted request or a malformed reply; final errors for stale weights or missing
+        routing (the server's configuration, which a retry cannot change)."""
+        if not isinstance(reply, dict) or "error" in reply or reply.get("object") == "error":
+            raise _Retryable(f"error reply: {str(reply)[:200]}")
         try:
             meta = reply["meta_info"]
             output_ids = [int(t) for t in reply["output_ids"]]
-            logprobs = meta["output_token_logprobs"]
-            if [int(x[1]) for x in logprobs] != output_ids:
-                raise RolloutError("output_token_logprobs do not match output_ids")
+            entries = meta["output_token_logprobs"]
+            logprobs = [float(x[0]) for x in entries]  # a null log-prob is a TypeError here
+            if [int(x[1]) for x in entries] != output_ids:
+                raise ValueError("output_token_logprobs do not match output_ids")
             finish = meta["finish_reason"]
+            finish = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
             version = str(meta.get("weight_version", ""))
-            routed_experts = None
-            if routed:
-                if not meta.get("routed_experts"):
-                    raise RolloutError(
-                        "the server returned no routed_experts: start it with --enable-return-routed-experts "
-                        "(routing replay r3 needs them)"
-                    )
-                routed_experts = decode_routed_experts(meta["routed_experts"], self.num_layers, self.top_k)
+            encoded = meta.get("routed_experts") if routed else None
+            routed_experts = self._decode_routing(encoded, len(prompt) + len(output_ids) - 1) if encoded else None
         except (KeyError, TypeError, IndexError, ValueError) as e:
-            raise RolloutError(f"malformed /generate reply ({type(e).__name__}: {e})") from None
+            raise _Retryable(f"malformed /generate reply ({type(e).__name__}: {e})") from None
+        if finish == "abort":
+            raise _Retryable("the server aborted the request")
+        if routed and routed_experts is None:
+            raise RolloutError(
+                "the server returned no routed_experts: start it with --enable-return-routed-experts (routing replay r3 needs them)"
+            )
         if self.check_weight_version and version != expected_version:
             raise StaleWeightsError(
                 f"a sample was generated with weight_version {version!r}, expected {expected_version!r}: "
                 "the batch would train on the wrong weights"
             )
-        if routed_experts is not None and routed_experts.shape[0] != len(prompt) + len(output_ids) - 1:
-            raise RolloutError(
-                f"routed_experts covers {routed_experts.shape[0]} positions, expected prompt+output-1 = "
-                f"{len(prompt) + len(output_ids) - 1}"
-            )
-        return Sample(
-            prompt_ids=prompt,
-            output_ids=output_ids,
-            output_logprobs=[float(x[0]) for x in logprobs],
-            finish_reason=finish.get("type", "stop") if isinstance(finish, dict) else str(finish),
-            weight_version=version,
-            seed=seed,
-            routed_experts=routed_experts,
-        )
+        return Sample(prompt, output_ids, logprobs, finish, version, seed, routed_experts=routed_experts)
+
+    def _decode_routing(self, encoded: str, positions: int) -> Tensor:
+        """SGLang's routed experts, checked: one row per position, ``top_k`` distinct expert
+        ids per layer, each below ``num_experts`` (when known)."""
+        experts = decode_routed_experts(encoded, self.num_layers, self.top_k)
+        if experts.shape[0] != positions:
+            raise ValueError(f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1 = {positions}")
+        if experts.numel() and (int(experts.min()) < 0 or (self.num_experts is not None and int(experts.max()) >= self.num_experts)):
+            raise ValueError(f"routed_experts has expert ids outside [0, {self.num_experts})")
+        ordered = experts.sort(dim=-1).values
+        if self.top_k > 1 and (ordered[..., 1:] == ordered[..., :-1]).any():
+            raise ValueError("routed_experts repeats an expert within a token's top-k")
+        return experts
 
     # ------------------------------------------------------------ control
 
@@ -297,10 +316,15 @@ class SGLangEngine(RolloutEngine):
                     time.sleep(poll_s)
 
     def close(self) -> None:
-        """Abort everything in flight on every server (best effort)."""
+        """Abort this engine's requests that are still running on the servers (cancelled
+        by an interrupt), best effort; other clients' requests on a shared server stay."""
+        rids, self._unfinished = sorted(self._unfinished), set()
+        if not rids:
+            return
         with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
             for url in self.urls:
-                try:
-                    client.post(url + "/abort_request", json={"abort_all": True})
-                except httpx.TransportError:
-                    pass
+                for rid in rids:
+                    try:
+                        client.post(url + "/abort_request", json={"rid": rid})
+                    except httpx.TransportError:
+                        break

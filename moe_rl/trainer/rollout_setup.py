@@ -12,6 +12,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.tasks import Task
+from moe_rl.models.architectures import architecture_of
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.types import RolloutEngine, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, InProcessSync, WeightSync
@@ -66,7 +67,10 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     from moe_rl.rollout.sglang import SGLangEngine
 
     urls = [_start_server(cfg, hf_dir, closing)] if r.launch_server else list(r.sglang_urls)
-    engine = SGLangEngine(urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok)
+    engine = SGLangEngine(
+        urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+        num_experts=architecture_of(hf_config).num_experts(hf_config),
+    )  # fmt: skip
     closing.callback(engine.close)
     engine.wait_healthy()
     if cfg.routing.replay == "r3":
