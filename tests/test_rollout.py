@@ -146,6 +146,13 @@ def test_killed_server_is_retried_elsewhere_or_reported(ckpts, tmp_path) -> None
         healthy.stop()
 
 
+def test_a_busy_port_is_refused_not_adopted(servers, tmp_path) -> None:
+    busy = servers[0].settings.port
+    settings = ServerSettings(model_path="x", port=busy, launch_command=[sys.executable, "-c", "pass"])
+    with pytest.raises(RolloutError, match=f"port {busy} on 127.0.0.1 is already in use"):
+        SGLangServer(settings, tmp_path)
+
+
 def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
     settings = ServerSettings(model_path="x", port=free_port(), launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"])
     server = SGLangServer(settings, tmp_path)

@@ -72,10 +72,24 @@ def check_server_gpus(server_gpus: Sequence[int | str], trainer_gpus: Sequence[i
         raise ValueError(f"rollout.server_gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """A server already listening there would answer our health checks instead (and be
+    adopted silently): refuse."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            raise RolloutError(f"port {port} on {host} is already in use (another server?): choose another rollout.server_port") from None
+
+
 class SGLangServer:
     """One server process we started; ``stop()`` (or the context manager) ends it."""
 
     def __init__(self, settings: ServerSettings, log_dir: str | os.PathLike) -> None:
+        _check_port_free(settings.host, settings.port)
         self.settings = settings
         self.log_path = Path(log_dir) / f"sglang-{settings.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

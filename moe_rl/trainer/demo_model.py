@@ -4,11 +4,13 @@ policy to improve, and cached (keyed by the settings that shape it)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -16,7 +18,7 @@ from moe_rl.config import Config
 from moe_rl.data.tasks import ArithmeticTask
 from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
 from moe_rl.models.tiny import save_tiny_checkpoint
-from parallel.collectives import barrier, data_parallel_share, is_first_rank
+from parallel.collectives import barrier, broadcast_object, data_parallel_share, is_first_rank
 
 
 def demo_model_dir(cfg: Config) -> Path:
@@ -51,22 +53,37 @@ def _raw_checkpoint(cfg: Config, path: Path) -> None:
 
 
 def ensure_demo_model(cfg: Config) -> Path:
-    """The warm-started demo model directory (collective: every rank calls it)."""
+    """The warm-started demo model directory (collective: every rank calls it). The
+    directory appears complete (weights, config, tokenizer) in one rename; concurrent first
+    runs queue on a lock file, and the first rank's view decides for the whole job."""
     target = demo_model_dir(cfg)
-    if (target / "config.json").is_file():
-        return target
-    raw = target.with_name(target.name + ".raw")
-    if is_first_rank():
-        shutil.rmtree(raw, ignore_errors=True)
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        _raw_checkpoint(cfg, raw)
-    barrier()
-    _supervised_warm_start(cfg, raw, target)
-    if is_first_rank():
-        demo_tokenizer().save_pretrained(target)
-        shutil.rmtree(raw, ignore_errors=True)
-    barrier()
+    with _creation_lock(target) if is_first_rank() else contextlib.nullcontext():
+        if broadcast_object((target / "config.json").is_file() if is_first_rank() else None):
+            return target
+        raw = target.with_name(target.name + ".raw")
+        if is_first_rank():
+            shutil.rmtree(raw, ignore_errors=True)
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            _raw_checkpoint(cfg, raw)
+        barrier()
+        _supervised_warm_start(cfg, raw, target)
+        if is_first_rank():
+            shutil.rmtree(raw, ignore_errors=True)
+        barrier()
     return target
+
+
+@contextlib.contextmanager
+def _creation_lock(target: Path) -> Iterator[None]:
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
@@ -108,4 +125,4 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
             return loss, {"nll": loss.detach()}
 
         train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))
-    export_hf_weights(model, hf_config, target, dtype=torch.float32)
+    export_hf_weights(model, hf_config, target, dtype=torch.float32, copy_files_from=raw)  # tokenizer included
