@@ -65,6 +65,11 @@ def routing(metric: str, group: str = "old_vs_new", layer: int | None = None) ->
     return f"{ROUTING_PREFIXES[group]}/{metric}/" + ("mean" if layer is None else f"layer_{layer}")
 
 
+def routing_disagreement_heatmap(group: str) -> str:
+    """Layers x experts image of the experts one side chose and the other did not."""
+    return f"{ROUTING_PREFIXES[group]}/expert_disagreement_heatmap"
+
+
 def routing_load_histogram(layer: int) -> str:
     return f"routing/expert_load/layer_{layer}"
 
@@ -74,3 +79,5 @@ ROUTING_ANY_LAYER_CHANGED = routing("any_layer_changed_frac")
 ROUTING_REPLAYED_CHANGED = routing("changed_frac", "replayed")
 ROUTING_TRAIN_VS_ROLLOUT_CHANGED = routing("changed_frac", "train_vs_rollout")
 ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER = routing("any_layer_changed_frac", "train_vs_rollout")
+ROUTING_TRAIN_VS_ROLLOUT_MISMATCH_CHANGED = routing("logp_mismatch_routing_changed", "train_vs_rollout")
+ROUTING_TRAIN_VS_ROLLOUT_MISMATCH_SAME = routing("logp_mismatch_routing_same", "train_vs_rollout")

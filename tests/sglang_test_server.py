@@ -6,7 +6,9 @@ weight updates only between ``/begin_weight_update`` and ``/end_weight_update``;
 ``output_token_logprobs`` as ``[logprob, token_id, text]``; ``finish_reason`` objects;
 ``routed_experts`` as base64 int32 ``[prompt + output - 1, num_layers, top_k]``
 (only with ``--enable-return-routed-experts``); seed 42 for requests without
-``sampling_seed`` under ``--enable-deterministic-inference``. It cannot receive NCCL
+``sampling_seed`` under ``--enable-deterministic-inference``. ``--precision bf16`` (not an
+SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
+so that its routing and log-probs drift from the trainer's as a real engine's do. It cannot receive NCCL
 broadcasts: ``/update_weights_from_distributed`` checks the request and sets the version.
 
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
@@ -27,6 +29,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.encoding import encode_routed_experts
@@ -42,7 +46,8 @@ SAMPLING_KEYS = {
 class State:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.engine = LocalEngine(args.model_path, weight_version=args.weight_version)
+        precision = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
+        self.engine = LocalEngine(args.model_path, weight_version=args.weight_version, weight_precision=precision)
         self.lock = threading.Lock()
         self.in_weight_update = False
         self.paused = threading.Event()
@@ -226,8 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")  # SGLang's own default
+    # not SGLang's: weights rounded to bf16 (computed in fp32), an inference engine's numerics
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args, _unknown = p.parse_known_args(argv)
     Handler.state = State(args)
+    ThreadingHTTPServer.request_queue_size = 256  # a client's burst of concurrent requests is not refused
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     print(f"test server ready on {args.host}:{args.port}", flush=True)

@@ -221,12 +221,24 @@ def test_a_slow_server_times_out_and_is_reported(servers) -> None:
         control(servers[0], "/_test/faults", {})
 
 
-def test_r3_needs_servers_that_return_routing(servers, ckpts, tmp_path) -> None:
-    engine_for(servers).check_returns_routed_experts()  # started with the flag
+def test_servers_without_routing_refuse_r3_and_skip_drift_metrics(servers, ckpts, tmp_path, caplog) -> None:
+    import logging
+
+    from moe_rl.config import load_config
+    from moe_rl.trainer.rollout_setup import use_engine_routing
+
+    assert engine_for(servers).returns_routed_experts()  # started with the flag
+    assert use_engine_routing(load_config(None, []), engine_for(servers))  # routing metrics on: asked for
     plain = SGLangServer(ServerSettings(model_path=ckpts["v0"], port=free_port(), launch_command=SERVER), tmp_path)
     try:
         plain.wait_healthy(timeout_s=120)
-        with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
-            SGLangEngine([plain.url]).check_returns_routed_experts()
+        engine = SGLangEngine([plain.url])
+        assert engine.servers_without_routed_experts() == [plain.url]
+        with pytest.raises(RolloutError, match="r3 needs .*--enable-return-routed-experts"):
+            use_engine_routing(load_config(None, ["routing.replay=r3"]), engine)
+        with caplog.at_level(logging.WARNING, logger="moe_rl.train"):
+            assert not use_engine_routing(load_config(None, []), engine)  # metrics go on without train/rollout drift
+        assert "routing/train_vs_rollout" in caplog.text and "--enable-return-routed-experts" in caplog.text
+        assert not use_engine_routing(load_config(None, ["routing.metrics=false"]), engine)
     finally:
         plain.stop()

@@ -69,6 +69,36 @@ def test_stats_in_one_process_equal_the_plain_metrics() -> None:
     assert got["drift_layers"].tolist() == layers and got["load_layers"].tolist() == layers
     for key in ("changed_frac", "expert_change_frac", "any_layer_changed_frac", "router_kl", "expert_load", "expert_load_cv", "expert_load_entropy"):
         torch.testing.assert_close(got[key].double(), ref[key].double(), msg=key)
+    # expert disagreement: per layer and expert, the tokens whose two top-k sets hold it once
+    onehot = lambda x: torch.zeros(40, 3, 6).scatter_(-1, x, 1.0)  # noqa: E731
+    one_sided = (onehot(a) != onehot(b)).double() * mask.double()[:, None, None]
+    torch.testing.assert_close(got["expert_disagreement"], one_sided.sum(0) / mask.sum())
+
+
+def test_stats_split_the_logprob_mismatch_by_routing_change() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(30 * 2)]).view(30, 2, 2)
+    b = a.clone()
+    b[::4, 0] = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(8)])
+    mismatch, response = torch.rand(30, generator=gen), (torch.arange(30) % 3 != 0).double()
+    stats = RoutingStats(num_layers=2, num_experts=6)
+    for part in (slice(0, 11), slice(11, 30)):
+        stats.add_drift([0, 1], a[part], b[part], torch.ones(30)[part])
+    stats.add_logp_mismatch([torch.stack([mismatch[p], response[p]]) for p in (slice(0, 11), slice(11, 30))])
+    got = stats.reduce()
+    changed = (torch.sort(a, -1).values != torch.sort(b, -1).values).any(-1).any(-1).double()
+    assert 0 < changed.sum() < 30
+    expect = {
+        "logp_mismatch": (mismatch * response).sum() / response.sum(),
+        "logp_mismatch_routing_changed": (mismatch * response * changed).sum() / (response * changed).sum(),
+        "logp_mismatch_routing_same": (mismatch * response * (1 - changed)).sum() / (response * (1 - changed)).sum(),
+        "routing_changed_response_frac": (response * changed).sum() / response.sum(),
+    }
+    for key, value in expect.items():
+        assert float(got[key]) == pytest.approx(float(value)), key
+    with pytest.raises(ValueError, match="2 log-prob mismatches for 3 routings"):
+        stats.add_drift([0, 1], a, b, torch.ones(30))
+        stats.add_logp_mismatch([None, None])
 
 
 def test_tensorboard_tags(tmp_path: Path) -> None:

@@ -1,5 +1,10 @@
-"""``moe-rl drift``: routing drift between two checkpoints (or two saved routings) on a
-prompt set: ``drift.json``, TensorBoard events and a PNG heatmap."""
+"""``moe-rl drift``: routing drift on a prompt set, written as ``drift.json``, TensorBoard
+events and a PNG heatmap:
+
+- ``--a A --b B``: between two checkpoints (transformers) or two saved routings;
+- ``--engine URL --checkpoint CKPT``: between a rollout engine (SGLang) and the trainer's
+  model on the same tokens (:mod:`moe_rl.commands.drift_engine`), under any layout.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +12,79 @@ import argparse
 import json
 from pathlib import Path
 
-HELP = "routing drift between two HF checkpoints or routing files on a prompt set"
+HELP = "routing drift: two checkpoints (--a/--b), or a rollout engine against the trainer (--engine/--checkpoint)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from moe_rl.commands._distributed import add_layout_args
+
     p = sub.add_parser("drift", help=HELP, description=HELP)
-    p.add_argument("--a", required=True, help="HF model directory, or a routing file (.safetensors) saved by training")
-    p.add_argument("--b", required=True, help="the same, to compare with --a")
+    p.add_argument("--a", help="HF model directory, or a routing file (.safetensors) saved by training")
+    p.add_argument("--b", help="the same, to compare with --a")
+    p.add_argument("--engine", nargs="+", metavar="URL", help="SGLang server URL(s): measure the engine's routing against the trainer's")
+    p.add_argument("--checkpoint", help="with --engine: HF model directory or moe-rl checkpoint (step_N/) the trainer's side loads")
     p.add_argument("--prompts", help='JSONL, one {"prompt": "text"} or {"prompt": [ids]} / {"input_ids": [ids]} a line')
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: --a)")
+    p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: --a or --checkpoint)")
     p.add_argument("--max-prompts", type=int, default=None)
+    g = p.add_argument_group("with --engine")
+    g.add_argument("--samples", type=int, default=1, help="samples per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs are at it)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--sync-weights", action="store_true", help="load --checkpoint into the engine first (a path the server can read)")
+    g.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the servers to be healthy")
+    add_layout_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.commands._distributed import fail
+    from moe_rl.commands._distributed import LayoutError, fail, maybe_spawn
 
     try:
-        return _run(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+        engine_mode = _check_mode(args)
+        if not engine_mode:
+            return _run(args)
+        spawned = maybe_spawn(args, "drift")
+        if spawned is not None:
+            return spawned
+        from moe_rl.commands.drift_engine import run_rank
+
+        return run_rank(args)
+    except (LayoutError, ValueError, FileNotFoundError, OSError) as e:
         return fail(str(e))
+
+
+def _check_mode(args: argparse.Namespace) -> bool:
+    """True for ``--engine`` mode; ``ValueError`` for a mix of the two modes or bad numbers."""
+    pair = args.a is not None or args.b is not None
+    engine = args.engine is not None or args.checkpoint is not None
+    if pair == engine:
+        raise ValueError("give either --a and --b (two checkpoints) or --engine and --checkpoint (engine vs trainer)")
+    if pair:
+        if args.a is None or args.b is None:
+            raise ValueError("--a and --b go together")
+        if args.nproc is not None or (args.tp, args.pp, args.ep, args.etp) != (1, 1, 1, None):
+            raise ValueError("--tp/--pp/--ep/--etp/--nproc apply to --engine mode (--a/--b runs transformers in one process)")
+        return False
+    if args.engine is None or args.checkpoint is None or args.prompts is None:
+        raise ValueError("--engine needs --checkpoint and --prompts")
+    from moe_rl.commands.drift_engine import model_dir_of
+
+    model_dir_of(args.checkpoint)
+    if not Path(args.prompts).is_file():
+        raise ValueError(f"--prompts {args.prompts}: no such file")
+    bad = {"--samples": args.samples, "--max-new-tokens": args.max_new_tokens, "--micro-batch-size": args.micro_batch_size}
+    for flag, value in bad.items():
+        if value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature={args.temperature} must be > 0")
+    for url in args.engine:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--engine {url}: a URL needs http:// or https://")
+    return True
 
 
 def _is_routing_file(path: str) -> bool:
@@ -42,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     from moe_rl.routing.tensorboard import heatmap_figure, log_routing
 
     needs_prompts = not (_is_routing_file(args.a) and _is_routing_file(args.b))
-    prompts = _read_prompts(args.prompts, args.tokenizer or args.a, args.max_prompts) if needs_prompts else None
+    prompts = read_prompts(args.prompts, args.tokenizer or args.a, args.max_prompts) if needs_prompts else None
     a, b = _routing_of(args.a, prompts), _routing_of(args.b, prompts)
     if a["indices"].shape != b["indices"].shape or not torch.equal(a["layers"], b["layers"]):
         raise ValueError(
@@ -88,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompts(path: str | None, tokenizer_dir: str, limit: int | None) -> list[list[int]]:
+def read_prompts(path: str | None, tokenizer_dir: str, limit: int | None) -> list[list[int]]:
+    """Token ids of each JSONL line's ``prompt`` (text: tokenized) or ``input_ids``."""
     if path is None:
         raise ValueError("--prompts is needed when --a or --b is a model directory")
     prompts: list[list[int]] = []

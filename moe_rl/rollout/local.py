@@ -53,6 +53,9 @@ class LocalEngine(RolloutEngine):
         self.tokens_generated = 0
         self.seconds_generating = 0.0
 
+    def returns_routed_experts(self) -> bool:
+        return True
+
     def _load(self, path: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
 

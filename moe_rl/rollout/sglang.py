@@ -282,18 +282,14 @@ class SGLangEngine(RolloutEngine):
             raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
         return body
 
-    def check_returns_routed_experts(self) -> None:
-        """R3 needs every server started with ``--enable-return-routed-experts``."""
-        with httpx.Client(timeout=self.timeout) as client:
-            for url in self.urls:
-                try:
-                    info = client.get(url + "/get_server_info").json()
-                except (httpx.TransportError, ValueError) as e:
-                    raise RolloutError(f"{url}/get_server_info: {type(e).__name__}: {e}") from None
-                if not info.get("enable_return_routed_experts", False):
-                    raise RolloutError(
-                        f"routing.replay=r3 needs SGLang started with --enable-return-routed-experts; {url} was not"
-                    )
+    def returns_routed_experts(self) -> bool:
+        """Every server was started with ``--enable-return-routed-experts``."""
+        return not self.servers_without_routed_experts()
+
+    def servers_without_routed_experts(self) -> list[str]:
+        """The servers whose ``/get_server_info`` says they do not return routed experts."""
+        infos = self._get_all("/get_server_info")
+        return [url for url, info in zip(self.urls, infos) if not info.get("enable_return_routed_experts", False)]
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
         """Block until every server answers ``/health_generate``; a clear error after ``timeout_s``."""

@@ -87,6 +87,10 @@ class RolloutEngine(ABC):
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load the HF directory ``model_path`` (on a file system the engine sees)."""
 
+    def returns_routed_experts(self) -> bool:
+        """Whether ``generate(..., return_routed_experts=True)`` gets the routing."""
+        return False
+
     def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
         """Take full weights by HF checkpoint names from this process (engines that can)."""
         raise NotImplementedError(f"{type(self).__name__} does not take weights in process; sync them through disk")

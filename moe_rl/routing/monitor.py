@@ -8,12 +8,15 @@ forward hooks, so a pass can never be left open:
         train_step(..., run_microbatches(..., hooks=hooks))
     with monitor.after_update_pass() as hooks:                # optional: what an update changed
         run_microbatches(model, batches, hooks=hooks)
+    monitor.add_rollout_logp_mismatch(old, batches)          # split by train/rollout routing
     metrics = monitor.reduce()                                 # collective
 
 :meth:`reduce` gives the groups to log with :func:`moe_rl.routing.tensorboard.log_routing`:
 ``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer -> engine,
 when the engine returned routing), ``replayed`` (old -> what the replayed update pass
-dispatched: zero under r2) and ``load`` (expert load, old pass).
+dispatched: zero under r2) and ``load`` (expert load, old pass). ``train_vs_rollout``
+also splits the old pass's ``|trainer - engine|`` log-prob by whether the engine routed
+the token differently in any layer (``logp_mismatch_routing_changed`` / ``_same``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,23 @@ class RoutingMonitor:
         for i, new in enumerate(self.probe.stop()):
             old = self._old[i]
             self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
+
+    def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
+        """The old pass's log-probs ``[b, s-1]`` per micro-batch (``None`` off the last
+        pipeline stage; every rank calls this) against each batch's ``rollout_logp`` on its
+        response ``mask``: kept per token for :meth:`reduce` to split by routing change."""
+        if self._engine is None or not self.measure:
+            return
+        per_token = []
+        for i, mb in enumerate(batches):
+            if logprobs is None:
+                per_token.append(None)
+                continue
+            diff = (logprobs[i].detach() - mb.rollout_logp).abs() * mb.mask
+            stacked = torch.stack([diff, mb.mask.to(diff.dtype)], dim=-1)  # [b, s-1, 2]
+            stacked = torch.cat([stacked, stacked.new_zeros(stacked.shape[0], 1, 2)], dim=1)  # position s-1 scores nothing
+            per_token.append(self._local(stacked).transpose(0, 1))
+        self._stats["train_vs_rollout"].add_logp_mismatch(per_token)
 
     def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in STAT_GROUPS}

@@ -9,6 +9,10 @@ other layers (they route the same tokens) before counting.
 Inputs may live on the rank's device; each micro-batch's per-layer sums are moved to the
 CPU accumulators (a few numbers per layer), and the reductions run on the process group's
 device (:func:`parallel.collectives.all_reduce`).
+
+Per-token log-prob mismatches (:meth:`RoutingStats.add_logp_mismatch`, given by the last
+pipeline stage) are split by the same "changed in any layer" flag: the mean mismatch of
+tokens whose routing differed and of those whose routing agreed.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ class RoutingStats:
         zeros = lambda: torch.zeros(num_layers, dtype=torch.float64)  # noqa: E731
         self.changed, self.expert_change, self.kl, self.tokens, self.kl_tokens = (zeros() for _ in range(5))
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.disagreement = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._flags: list[Tensor] = []
         self._flag_masks: list[Tensor] = []
+        self._mismatch: list[Tensor] = []  # per add_drift call: [2, T] (|delta logp|, response weight)
 
     def add_drift(
         self,
@@ -50,6 +56,7 @@ class RoutingStats:
         same = overlap(a, b)  # [T, L]
         changed = (same < k).to(torch.float64)
         self.changed.index_add_(0, layers, (changed * w[:, None]).sum(0).cpu())
+        self.disagreement.index_add_(0, layers, _one_sided_counts(a, b, w, self.num_experts).cpu())
         self.expert_change.index_add_(0, layers, ((1 - same.to(torch.float64) / k) * w[:, None]).sum(0).cpu())
         self.tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
         flags = changed.amax(-1) if changed.numel() else torch.zeros(a.shape[0], dtype=torch.float64)
@@ -60,6 +67,20 @@ class RoutingStats:
             kl = (pa * (pa.log() - pb.log())).sum(-1)  # [T, L]
             self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0).cpu())
             self.kl_tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
+
+    def add_logp_mismatch(self, mismatch: Sequence[Tensor | None]) -> None:
+        """Per :meth:`add_drift` call so far, ``[2, T]`` in this rank's token order: each
+        token's ``|trainer - engine|`` log-prob and its weight (1 on response tokens);
+        ``None`` where this rank has no log-probs (not the last pipeline stage): zeros,
+        summed over the pipeline stages with the last stage's values."""
+        if len(mismatch) != len(self._flags):
+            raise ValueError(f"{len(mismatch)} log-prob mismatches for {len(self._flags)} routings")
+        for values, flags in zip(mismatch, self._flags):
+            if values is None:
+                values = torch.zeros(2, flags.shape[0], dtype=torch.float64)
+            if values.shape != (2, flags.shape[0]):
+                raise ValueError(f"log-prob mismatch must be [2, {flags.shape[0]}] (values, weights), got {tuple(values.shape)}")
+            self._mismatch.append(values.to(torch.float64).cpu())
 
     def add_load(self, layer_numbers: Sequence[int], indices: Tensor, mask: Tensor) -> None:
         """Expert load of this rank's tokens ``[T, L_local, k]``."""
@@ -75,13 +96,14 @@ class RoutingStats:
         """Global metrics (collective when distributed). Per-layer tensors are indexed by
         position in ``layers`` (the MoE layer numbers with data)."""
         sums = torch.stack([self.changed, self.expert_change, self.kl, self.tokens, self.kl_tokens])
-        load = self.load.clone()
         flags = torch.cat(self._flags) if self._flags else torch.zeros(0, dtype=torch.float64)
         flag_mask = torch.cat(self._flag_masks) if self._flag_masks else torch.zeros(0, dtype=torch.float64)
         if pipeline_group is not None:
             flags = all_reduce(flags, "max", group=pipeline_group)
         any_counts = torch.stack([(flags * flag_mask).sum(), flag_mask.sum()])
-        sums, load, any_counts = (all_reduce(t) for t in (sums, load, any_counts))
+        split = self._mismatch_split(flags, pipeline_group)
+        sums, any_counts, split = (all_reduce(t) for t in (sums, any_counts, split))
+        load, disagreement = all_reduce(torch.stack([self.load, self.disagreement]))
         changed, expert_change, kl, tokens, kl_tokens = sums
         out: dict[str, Tensor] = {}
         drift_layers = (tokens > 0).nonzero().flatten()
@@ -92,6 +114,14 @@ class RoutingStats:
             out["any_layer_changed_frac"] = any_counts[0] / any_counts[1].clamp(min=1)
             if (kl_tokens[drift_layers] > 0).all():
                 out["router_kl"] = kl[drift_layers] / kl_tokens[drift_layers]
+            out["expert_disagreement"] = disagreement[drift_layers] / tokens[drift_layers, None]
+        if self._mismatch and split[5] > 0:
+            out["logp_mismatch"] = split[4] / split[5]
+            out["routing_changed_response_frac"] = split[1] / split[5]
+            if split[1] > 0:
+                out["logp_mismatch_routing_changed"] = split[0] / split[1]
+            if split[3] > 0:
+                out["logp_mismatch_routing_same"] = split[2] / split[3]
         load_layers = (load.sum(-1) > 0).nonzero().flatten()
         if load_layers.numel():
             out["load_layers"] = load_layers
@@ -99,3 +129,29 @@ class RoutingStats:
             out["expert_load_cv"] = load_cv(load[load_layers])
             out["expert_load_entropy"] = load_entropy(load[load_layers])
         return out
+
+    def _mismatch_split(self, flags: Tensor, pipeline_group: dist.ProcessGroup | None) -> Tensor:
+        """``[sum m*f, sum f, sum m*(1-f), sum (1-f), sum m, tokens]`` over this rank's
+        response tokens (``m``: mismatch, ``f``: changed in any layer, weighted)."""
+        if not self._mismatch:
+            return torch.zeros(6, dtype=torch.float64)
+        values, weights = torch.cat(self._mismatch, dim=1)
+        if pipeline_group is not None:  # the last stage's values, on every stage of the pipeline
+            values, weights = all_reduce(torch.stack([values, weights]), group=pipeline_group)
+        changed, same = flags * weights, (1 - flags) * weights
+        return torch.stack([(values * changed).sum(), changed.sum(), (values * same).sum(), same.sum(), (values * weights).sum(), weights.sum()])
+
+
+def _one_sided_counts(a: Tensor, b: Tensor, w: Tensor, num_experts: int) -> Tensor:
+    """``[L, E]``: weighted tokens for which expert ``e`` is in exactly one of the two
+    top-k sets (``count_a(e) + count_b(e) - 2 count_both(e)``)."""
+    t, l, k = a.shape
+    offsets = (torch.arange(l, device=a.device) * num_experts).view(1, l, 1)
+    weights = w.view(t, 1, 1).expand(t, l, k)
+    in_b = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [T, L, k]: a's choice also in b
+
+    def counts(indices: Tensor, weight: Tensor) -> Tensor:
+        flat = (indices.long() + offsets).reshape(-1)
+        return torch.bincount(flat, weights=weight.reshape(-1), minlength=l * num_experts).view(l, num_experts)
+
+    return counts(a, weights) + counts(b, weights) - 2 * counts(a, weights * in_b)

@@ -4,9 +4,13 @@
 - ``routing/<metric>/layer_<l>`` and ``routing/<metric>/mean`` for ``changed_frac``,
   ``expert_change_frac``, ``router_kl``, ``expert_load_cv``, ``expert_load_entropy``
   (``routing/any_layer_changed_frac/mean``); engine-vs-trainer ones under
-  ``routing/train_vs_rollout/<metric>/...``;
+  ``routing/train_vs_rollout/<metric>/...``, with the rollout log-prob mismatch split by
+  routing (``logp_mismatch``, ``logp_mismatch_routing_changed``,
+  ``logp_mismatch_routing_same``, ``routing_changed_response_frac``, each ``.../mean``);
 - histograms ``routing/expert_load/layer_<l>`` (tokens per expert id);
-- image ``routing/expert_load_heatmap`` (layers x experts).
+- images ``routing/expert_load_heatmap`` (layers x experts) and, where two routings are
+  compared, ``<group prefix>/expert_disagreement_heatmap`` (share of each layer's tokens
+  for which the expert was chosen by one side only).
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ PER_LAYER = {
     "expert_load_cv": "load_layers",
     "expert_load_entropy": "load_layers",
 }
+SCALARS = (
+    "any_layer_changed_frac",
+    "logp_mismatch",
+    "logp_mismatch_routing_changed",
+    "logp_mismatch_routing_same",
+    "routing_changed_response_frac",
+)
 
 
 def log_routing(writer, step: int, metrics: dict[str, Tensor], group: str = "old_vs_new", images: bool = True) -> dict[str, float]:
@@ -42,10 +53,15 @@ def log_routing(writer, step: int, metrics: dict[str, Tensor], group: str = "old
         for layer, value in zip(layers.tolist(), values.tolist()):
             written[tags.routing(name, group, layer)] = value
         written[tags.routing(name, group)] = float(values.mean())
-    if "any_layer_changed_frac" in metrics:
-        written[tags.routing("any_layer_changed_frac", group)] = float(metrics["any_layer_changed_frac"])
+    for name in SCALARS:
+        if name in metrics:
+            written[tags.routing(name, group)] = float(metrics[name])
     for tag, value in written.items():
         writer.add_scalar(tag, value, step)
+    if "expert_disagreement" in metrics and images and float(metrics["expert_disagreement"].sum()) > 0:
+        layers = metrics["drift_layers"].tolist()
+        fig = heatmap_figure(metrics["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False)
+        writer.add_figure(tags.routing_disagreement_heatmap(group), fig, step, close=True)
     if "expert_load" in metrics:
         load = metrics["expert_load"]
         layers = metrics.get("load_layers", torch.arange(load.shape[0])).tolist()
@@ -73,18 +89,25 @@ def _load_histogram(writer, tag: str, load: Tensor, step: int) -> None:
     )
 
 
-def heatmap_figure(load: Tensor, layers: list[int], title: str = "expert load (share of layer's tokens)", panels: dict[str, Tensor] | None = None):
-    """A layers x experts heatmap (or several side by side: ``panels`` name -> load)."""
+def heatmap_figure(
+    load: Tensor,
+    layers: list[int],
+    title: str = "expert load (share of layer's tokens)",
+    panels: dict[str, Tensor] | None = None,
+    normalize: bool = True,
+):
+    """A layers x experts heatmap (or several side by side: ``panels`` name -> load);
+    ``normalize``: each row as shares of its sum (else the values as given)."""
     panels = panels or {title: load}
     fig, axes = plt.subplots(1, len(panels), figsize=(4 + 3 * len(panels), 1.5 + 0.35 * len(layers)), squeeze=False)
     for ax, (name, data) in zip(axes[0], panels.items()):
-        share = data / data.sum(-1, keepdim=True).clamp(min=1e-12) if data.min() >= 0 else data
+        share = data / data.sum(-1, keepdim=True).clamp(min=1e-12) if normalize and data.min() >= 0 else data
         im = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
         ax.set_yticks(range(len(layers)), [str(l) for l in layers])
-        ax.set_xticks(range(data.shape[-1]))
+        ax.set_xticks(range(0, data.shape[-1], max(1, data.shape[-1] // 16)))
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return fig

@@ -5,6 +5,7 @@ server the run starts), the first rank's :class:`ExperienceCollector`, and every
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -14,11 +15,17 @@ from moe_rl.config import Config, ConfigError
 from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
-from moe_rl.rollout.types import RolloutEngine, SamplingParams
+from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, InProcessSync, WeightSync
 from moe_rl.trainer.experience import ExperienceCollector
 
+log = logging.getLogger("moe_rl.train")
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def wants_engine_routing(cfg: Config) -> bool:
+    """R3 replays the engine's routing; routing metrics compare the trainer's with it."""
+    return cfg.routing.replay == "r3" or cfg.routing.metrics
 
 
 def build_collector(
@@ -27,23 +34,39 @@ def build_collector(
     hf_config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
-    engine_routing: bool,
     closing: contextlib.ExitStack,
 ) -> ExperienceCollector:
-    """The first rank's collector; what it starts is registered on ``closing``."""
+    """The first rank's collector; what it starts is registered on ``closing``. Its
+    ``return_routing`` says whether the run gets the engine's routing."""
+    engine = build_engine(cfg, hf_dir, hf_config, closing)
     return ExperienceCollector(
         cfg=cfg,
         task=task,
         tokenizer=tokenizer,
-        engine=build_engine(cfg, hf_dir, hf_config, closing),
+        engine=engine,
         scorer=build_scorer(cfg),
         sampling=SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
         ),  # fmt: skip
-        return_routing=engine_routing,
+        return_routing=use_engine_routing(cfg, engine),
     )
+
+
+def use_engine_routing(cfg: Config, engine: RolloutEngine) -> bool:
+    """Ask ``engine`` for routed experts? R3 needs them; routing metrics use them when the
+    engine can return them (one warning when it cannot)."""
+    if not wants_engine_routing(cfg):
+        return False
+    if engine.returns_routed_experts():
+        return True
+    flag = "start SGLang with --enable-return-routed-experts"
+    if cfg.routing.replay == "r3":
+        raise RolloutError(f"routing.replay=r3 needs the rollout engine's routed experts: {flag}")
+    log.warning("the rollout engine does not return routed experts, so routing/train_vs_rollout/* (train-inference "
+                "routing drift) is not measured: %s to measure it", flag)  # fmt: skip
+    return False
 
 
 def build_scorer(cfg: Config) -> RewardScorer:
@@ -73,8 +96,6 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     )  # fmt: skip
     closing.callback(engine.close)
     engine.wait_healthy()
-    if cfg.routing.replay == "r3":
-        engine.check_returns_routed_experts()
     return engine
 
 
@@ -84,7 +105,7 @@ def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> st
     r = cfg.rollout
     settings = ServerSettings(
         model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
-        mem_fraction_static=r.mem_fraction_static, return_routed_experts=cfg.routing.replay == "r3",
+        mem_fraction_static=r.mem_fraction_static, return_routed_experts=wants_engine_routing(cfg),
         deterministic=True, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None,
     )  # fmt: skip
     server = SGLangServer(settings, Path(cfg.train.run_dir) / "logs")

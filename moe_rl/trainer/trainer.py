@@ -111,9 +111,9 @@ class Trainer:
         self.reference = build_reference(self.hf_config, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
-        # the engine returns routed experts for R3, and for routing metrics where it always can
-        self.engine_routing = cfg.routing.replay == "r3" or (cfg.routing.metrics and cfg.rollout.engine == "local")
-        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, self.tokenizer, task, self.engine_routing, self._closing) if is_first_rank() else None
+        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, self.tokenizer, task, self._closing) if is_first_rank() else None
+        # the engine's routed experts: for R3, and for routing metrics when it can return them
+        self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
         self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
         # before the first rollout the engine serves exactly the trainer's weights (a resumed
         # run's checkpoint; servers attached by URL may serve anything until then)
@@ -228,6 +228,8 @@ class Trainer:
         routed = [mb.routed_experts for mb in mbs] if self.engine_routing else None
         with self.monitor.old_pass(mbs, routed) if self.monitor else contextlib.nullcontext([]) as hooks:
             outputs = self.policy.logprobs(mbs, hooks)
+        if self.monitor:  # the rollout mismatch split by train/rollout routing (last stage's log-probs)
+            self.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
         for mb, out in zip(mbs, outputs):
             mb.old_logp = out["logprobs"] if recompute else mb.rollout_logp

@@ -1,0 +1,177 @@
+"""``moe-rl drift --engine URL --checkpoint CKPT``: train-inference routing drift.
+
+The engine (SGLang servers) generates from the prompts and returns each token's routed
+experts and log-prob; the trainer's model (megatron-core, under any parallel layout)
+recomputes routing and log-probs for the same tokens from the checkpoint, exactly as a
+training step's old-policy pass does. Written to ``--out``: ``drift.json`` (per-layer
+changed fraction, tokens changed in any layer, log-prob mismatch overall and for tokens
+whose routing differed vs agreed), TensorBoard events and a layers x experts heatmap of
+the disagreement. Router KL is not available: SGLang returns only the chosen experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from moe_rl.rollout.types import RolloutError, Sample
+
+
+def model_dir_of(checkpoint: str) -> str:
+    """An HF model directory, or a moe-rl checkpoint (``step_N/`` with ``model/``)."""
+    path = Path(checkpoint)
+    for candidate in (path, path / "model"):
+        if (candidate / "config.json").is_file():
+            return str(candidate.resolve())
+    raise ValueError(f"--checkpoint {checkpoint}: not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)")
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One process of the measurement (every rank of the layout runs it)."""
+    from moe_rl.commands._distributed import layout_from
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import load_hf_config
+    from parallel.collectives import broadcast_object, is_first_rank
+    from parallel.distributed import destroy_distributed, init_distributed
+
+    hf_dir = model_dir_of(args.checkpoint)
+    hf_config = load_hf_config(hf_dir)
+    layout = layout_from(args)
+    init_distributed(layout, model_dims(hf_config), seed=args.seed)
+    try:
+        outcome = None
+        if is_first_rank():
+            try:
+                outcome = ("ok", *_generate(args, hf_dir, hf_config))
+            except (RolloutError, ValueError, OSError) as e:
+                outcome = ("error", str(e), "")
+        status, samples, version = broadcast_object(outcome)  # every rank stops on the first rank's error
+        if status == "error":
+            raise ValueError(samples)
+        drift, mismatch = _measure(args, hf_dir, hf_config, layout, samples)
+        if is_first_rank():
+            _write_report(args, hf_dir, samples, version, drift, mismatch)
+        return 0
+    finally:
+        destroy_distributed()
+
+
+def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig) -> tuple[list[Sample], str]:
+    """The first rank: the engine's samples with routed experts, and its weight version."""
+    from moe_rl.commands.drift import read_prompts
+    from moe_rl.models.architectures import architecture_of
+    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.types import SamplingParams
+
+    prompts = read_prompts(args.prompts, args.tokenizer or hf_dir, args.max_prompts)
+    if max(max(p) for p in prompts) >= hf_config.vocab_size:
+        raise ValueError(f"a prompt token id is outside the vocabulary of {hf_dir} ({hf_config.vocab_size})")
+    engine = SGLangEngine(
+        args.engine, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+        num_experts=architecture_of(hf_config).num_experts(hf_config),
+    )  # fmt: skip
+    try:
+        engine.wait_healthy(timeout_s=args.wait_s)
+        missing = engine.servers_without_routed_experts()
+        if missing:
+            raise RolloutError(f"{', '.join(missing)} do(es) not return routed experts: start SGLang with --enable-return-routed-experts")
+        if args.sync_weights:
+            engine.update_weights_from_disk(hf_dir, "moe-rl-drift")
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=_stop_ids(hf_dir))
+        groups = engine.generate(prompts, args.samples, params, seed=args.seed, return_routed_experts=True)
+        return [s for g in groups for s in g], engine.weight_version
+    finally:
+        engine.close()
+
+
+def _stop_ids(hf_dir: str) -> tuple[int, ...]:
+    from transformers import AutoTokenizer
+
+    try:
+        eos = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).eos_token_id
+    except (OSError, ValueError):
+        return ()
+    return (eos,) if eos is not None else ()
+
+
+def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: list[Sample]) -> tuple[dict, dict[str, float]]:
+    """Collective: the trainer's routing and log-probs of the samples on this rank's
+    data-parallel share; the ``train_vs_rollout`` routing metrics and the log-prob mismatch."""
+    from moe_rl.models.architectures import architecture_of
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import run_microbatches
+    from moe_rl.models.hf_weights import load_hf_weights
+    from moe_rl.models.logprob_head import LogProbConfig
+    from moe_rl.routing.monitor import RoutingMonitor
+    from moe_rl.trainer.batch import Experience, build_train_batch
+    from moe_rl.trainer.metrics import reduce_mismatch
+    from moe_rl.trainer.objective import logprob_mismatch
+    from parallel.collectives import data_parallel_share, rank_device
+
+    model = build_model(hf_config, make_transformer_config(hf_config, layout), LogProbConfig(temperature=args.temperature))
+    load_hf_weights(model, hf_config, hf_dir)
+    model.eval()
+    exp = Experience(samples, torch.zeros(len(samples), 0), [], torch.zeros(len(samples)))
+    mine, rows_per_rank = data_parallel_share(len(samples))
+    batch = build_train_batch(
+        exp, 0, mine, rows_per_rank=rows_per_rank, micro_batch_size=args.micro_batch_size,
+        seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True,
+    )  # fmt: skip
+    mbs = batch.micro_batches
+    num_experts = architecture_of(hf_config).num_experts(hf_config)
+    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts)
+    with monitor.old_pass(mbs, [mb.routed_experts for mb in mbs]) as hooks:
+        outputs = run_microbatches(model, mbs, hooks=hooks)
+    monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
+    mismatch = reduce_mismatch([logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for out, mb in zip(outputs, mbs)])
+    return monitor.reduce().get("train_vs_rollout", {}), mismatch
+
+
+def _write_report(args, hf_dir: str, samples: list[Sample], version: str, drift: dict, mismatch: dict[str, float]) -> None:
+    """``drift.json``, TensorBoard events and the disagreement heatmap; one summary line."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from moe_rl import tags
+    from moe_rl.routing.drift import summarize
+    from moe_rl.routing.tensorboard import heatmap_figure, log_routing
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = drift["drift_layers"].tolist()
+    split = {k: float(drift[k]) if k in drift else None for k in ("logp_mismatch_routing_changed", "logp_mismatch_routing_same")}
+    report = {
+        "engine": list(args.engine),
+        "checkpoint": hf_dir,
+        "engine_weight_version": version,
+        "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": args.etp},
+        "samples": len(samples),
+        "routed_tokens": sum(len(s.prompt_ids) + len(s.output_ids) - 1 for s in samples),
+        "response_tokens": sum(len(s.output_ids) for s in samples),
+        "layers": layers,
+        "metrics": summarize({k: drift[k] for k in ("changed_frac", "expert_change_frac", "any_layer_changed_frac")}),
+        "expert_disagreement": drift["expert_disagreement"].tolist(),
+        "logp_mismatch": {**mismatch, **split, "routing_changed_response_frac": float(drift.get("routing_changed_response_frac", 0.0))},
+        "router_kl": None,  # SGLang returns the chosen experts only, not the router's distribution
+    }
+    (out / "drift.json").write_text(json.dumps(report, indent=2))
+    with SummaryWriter(str(out / "tensorboard")) as writer:
+        log_routing(writer, 0, drift, group="train_vs_rollout")
+        for key, value in mismatch.items():
+            writer.add_scalar(tags.train(key), value, 0)
+    fig = heatmap_figure(drift["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False)
+    fig.savefig(out / "expert_disagreement_heatmap.png", dpi=100)
+    m = report["metrics"]
+    print(
+        f"train-inference routing drift over {report['routed_tokens']} tokens ({len(samples)} samples), {len(layers)} MoE layers: "
+        f"changed_frac {m['changed_frac']['mean']:.4f}, any_layer_changed_frac {m['any_layer_changed_frac']['mean']:.4f}, "
+        f"logp mismatch {mismatch['logp_mismatch_mean']:.3e} (routing changed: {_fmt(split['logp_mismatch_routing_changed'])}, "
+        f"same: {_fmt(split['logp_mismatch_routing_same'])}) -> {out / 'drift.json'}"
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3e}"
