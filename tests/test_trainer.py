@@ -124,6 +124,8 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
                      "rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", f"routing.replay={replay}")  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
+        if replay == "none":  # the server now serves the last checkpoint: in fp32 it routes as the trainer does
+            _engine_drift_is_zero(server.url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
     finally:
         server.stop()
     metrics = rows(tmp_path / "run")
@@ -131,8 +133,24 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
     for step in (1, 2):
         # the server generated with the trainer's current weights: its log-probs are the trainer's
         assert metrics[step]["train/logp_mismatch_max"] < 1e-4, metrics[step]["train/logp_mismatch_max"]
-    if replay == "r3":
-        assert metrics[2]["routing/train_vs_rollout/changed_frac/mean"] == 0.0  # R3 computed with the server's routing
+    # train-inference routing drift is measured in any replay mode (R3: computed with the server's routing)
+    changed = metrics[2]["routing/train_vs_rollout/changed_frac/mean"]
+    assert changed == 0.0 if replay == "r3" else changed < 0.05
+    split = metrics[2]["routing/train_vs_rollout/logp_mismatch/mean"]
+    assert split == pytest.approx(metrics[2]["train/logp_mismatch_mean"], rel=1e-6)
+
+
+def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
+    """`moe-rl drift --engine` on 2 processes (EP=2) against an fp32 server with the same weights."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "What is 7 + 1?"}\n')
+    out = moe_rl("drift", "--engine", url, "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--samples", "3",
+                 "--max-new-tokens", "8", "--out", str(tmp_path / "drift"), "--nproc", "2", "--ep", "2")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "drift" / "drift.json").read_text())
+    assert report["engine_weight_version"] == "2" and report["samples"] == 6 and report["layout"]["ep"] == 2
+    assert report["metrics"]["changed_frac"]["layers"] == [0.0] * len(report["layers"])
+    assert report["metrics"]["any_layer_changed_frac"]["mean"] == 0.0 and report["logp_mismatch"]["logp_mismatch_max"] < 1e-4
 
 
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant (tests/trainer_layouts_worker.py)
@@ -168,5 +186,9 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
     assert got["train/logp_mismatch_mean"] == pytest.approx(ref["train/logp_mismatch_mean"], abs=1e-6)
     if variant == "kl":
         assert got["train/kl_ref"] == pytest.approx(ref["train/kl_ref"], abs=1e-6)
+    row, ref_row = rows(layout_runs / run)[1], rows(layout_runs / f"one-{variant}")[1]
     if variant == "r2":  # the update pass used the recorded experts (the logged row has the routing tags)
-        assert rows(layout_runs / run)[1]["routing/replayed/changed_frac/mean"] == 0.0
+        assert row["routing/replayed/changed_frac/mean"] == 0.0
+    # train-inference drift, and the rollout mismatch split by it, gathered over the layout's token slices
+    assert row["routing/train_vs_rollout/changed_frac/mean"] == ref_row["routing/train_vs_rollout/changed_frac/mean"]
+    assert row["routing/train_vs_rollout/logp_mismatch/mean"] == pytest.approx(got["train/logp_mismatch_mean"], rel=1e-6, abs=1e-12)

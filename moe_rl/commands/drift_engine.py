@@ -81,21 +81,17 @@ def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig
             raise RolloutError(f"{', '.join(missing)} do(es) not return routed experts: start SGLang with --enable-return-routed-experts")
         if args.sync_weights:
             engine.update_weights_from_disk(hf_dir, "moe-rl-drift")
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=_stop_ids(hf_dir))
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=_stop_ids(hf_config))
         groups = engine.generate(prompts, args.samples, params, seed=args.seed, return_routed_experts=True)
         return [s for g in groups for s in g], engine.weight_version
     finally:
         engine.close()
 
 
-def _stop_ids(hf_dir: str) -> tuple[int, ...]:
-    from transformers import AutoTokenizer
-
-    try:
-        eos = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).eos_token_id
-    except (OSError, ValueError):
-        return ()
-    return (eos,) if eos is not None else ()
+def _stop_ids(hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """The model's end-of-sequence token(s) from its config."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
 def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: list[Sample]) -> tuple[dict, dict[str, float]]:
