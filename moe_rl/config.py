@@ -103,7 +103,7 @@ class AlgorithmConfig:
 @dataclass
 class RoutingConfig:
     replay: str = "none"  # none | r2 | r3
-    metrics: bool = True
+    metrics: bool = True  # drift metrics; also asks the rollout engine for routed experts (train-inference drift)
     after_update_pass: bool = True  # one extra forward to measure the routing an update changes
     recompute_activations: bool = False
 
