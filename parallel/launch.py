@@ -4,19 +4,40 @@ torchrun, which set the same variables."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
+
+STOP_GRACE_S = 10.0  # after a rank fails: how long the others get to exit on their own, then to exit on SIGTERM
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when the process that started it
+    dies, even by ``kill -9`` (Linux ``PR_SET_PDEATHSIG``); ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+    return preexec
 
 
 def spawn_local(
@@ -28,8 +49,12 @@ def spawn_local(
 ) -> int:
     """Run ``python argv...`` in ``nproc`` processes (ranks 0..N-1) and wait.
 
-    Returns 0 when all succeed, else the first non-zero exit code; when one process
-    fails or the timeout passes, the others are terminated (no hang on a dead peer).
+    Returns 0 when all succeed, else the first non-zero exit code. A rank that fails
+    stops the job: one line names it and its exit status, the others get
+    :data:`STOP_GRACE_S` to exit on their own (peers of a dead rank usually fail fast),
+    then SIGTERM, then SIGKILL. The ranks run in their own process group and die with the
+    launcher; a Ctrl-C or SIGTERM to the launcher reaches each rank exactly once (the
+    trainer checkpoints on the first and stops at once on the second).
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -47,26 +72,73 @@ def spawn_local(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        procs.append(subprocess.Popen([sys.executable, *argv], env=child_env))
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        procs.append(subprocess.Popen([sys.executable, *argv], env=child_env, process_group=0, preexec_fn=die_with_parent()))
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"[moe-rl] processes still running after {timeout_s:.0f}s: stopping them", file=sys.stderr)
-                return 124
-            time.sleep(0.1)
+        with _forward_signals(procs):
+            return _wait(procs, None if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
     finally:
+        _stop(procs)
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float | None, timeout_s: float | None) -> int:
+    """The job's exit code: 0, the first failing rank's code, or 124 past the deadline."""
+    while True:
+        codes = [p.poll() for p in procs]
+        # a rank killed by a signal is the likelier cause when several are seen failed at once
+        failed = sorted((code > 0, rank, code) for rank, code in enumerate(codes) if code not in (None, 0))
+        if failed:
+            _, rank, code = failed[0]
+            if code != 130:  # 130: every rank stopped on request (Ctrl-C), which the trainer reports
+                print(f"[moe-rl] rank {rank} {_exit_status(code)}: stopping the job", file=sys.stderr, flush=True)
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"[moe-rl] processes still running after {timeout_s:.0f}s: stopping them", file=sys.stderr, flush=True)
+            return 124
+        time.sleep(0.1)
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Give running ranks the grace period, then SIGTERM, then SIGKILL."""
+    for signum in (None, signal.SIGTERM, signal.SIGKILL):
+        running = [p for p in procs if p.poll() is None]
+        if not running:
+            return
+        for p in running:
+            if signum is not None:
+                p.send_signal(signum)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in running):
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _forward_signals(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """SIGINT/SIGTERM to this process are passed on to every running rank."""
+
+    def forward(signum, frame) -> None:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                p.send_signal(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,5 +1,6 @@
 """Faults a long run must survive: NaN updates, kill -9 during a step and during a
-checkpoint write, Ctrl-C, bad data lines, bad layouts (subprocess runs)."""
+checkpoint write, Ctrl-C under the --nproc launcher, a rank that dies, bad data lines,
+bad layouts (subprocess runs)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,8 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> list[str]:
-    cache = tmp_path_factory.mktemp("cache")
-    args = [*TINY, f"warm_start.cache_dir={cache}"]
-    out = run("prepare", *args)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return args
+def base(demo_cache: str) -> list[str]:
+    return [*TINY, f"warm_start.cache_dir={demo_cache}"]  # conftest.py: its warm-start settings are TINY's
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +115,38 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits(base, tmp_path: Path) -> None:
-    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=50")
+def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_exits(base, tmp_path: Path) -> None:
+    """Ctrl-C reaches the launcher; each rank must see it once (a second one means "stop now")."""
+    args = cmd("train", "--nproc", "2", *base, f"train.run_dir={tmp_path}", "train.steps=50")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     metrics = tmp_path / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
-    assert "stopped on request after step" in err
+    assert err.count("stopped on request after step") == 2  # both ranks finished the step
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert len(saved) == 1 and saved[0].startswith("step_") and int(saved[0][5:]) < 50
+    meta = json.loads((tmp_path / "checkpoints" / saved[0] / "meta.json").read_text())
+    assert meta["world_size"] == 2
+
+
+DEAD_RANK = """
+import os, signal, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
+time.sleep(600)
+"""
+
+
+def test_a_dead_rank_stops_the_job_and_is_named() -> None:
+    start = time.monotonic()
+    launcher = f"import sys; from parallel.launch import spawn_local; sys.exit(spawn_local(2, ['-c', {DEAD_RANK!r}]))"
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 60
+    assert out.returncode != 0 and "[moe-rl] rank 1 was killed by SIGKILL: stopping the job" in out.stderr, out.stderr[-2000:]
 
 
 def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path) -> None:
@@ -148,8 +166,11 @@ def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path) -> 
     assert rows(tmp_path / "r")[1]["data/skipped_lines"] == 3
     empty = tmp_path / "empty.jsonl"
     empty.write_text("not json\n")
-    bad = run("train", *base, f"train.run_dir={tmp_path / 'e'}", "train.steps=1", f"data.task={empty}")
-    assert bad.returncode == 2 and "holds no usable problems" in bad.stderr and "Traceback" not in bad.stderr
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.trainer.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="data.task: .* holds no usable problems"):  # before any process group or model
+        Trainer(load_config(None, [*base, f"train.run_dir={tmp_path / 'e'}", f"data.task={empty}"]))
 
 
 @pytest.mark.parametrize(

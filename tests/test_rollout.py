@@ -5,6 +5,7 @@ against the trainer."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.server import ServerSettings, SGLangServer
+from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
 from moe_rl.rollout.sglang import SGLangEngine
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
 from parallel.launch import free_port
@@ -242,3 +243,56 @@ def test_servers_without_routing_refuse_r3_and_skip_drift_metrics(servers, ckpts
         assert not use_engine_routing(load_config(None, ["routing.metrics=false"]), engine)
     finally:
         plain.stop()
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (no /proc entry, or a zombie waiting to be reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") and int(fields[17]) <= 1
+    except OSError:
+        return True
+
+
+def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
+    # the owner is killed with -9: the server gets SIGTERM (a parent-death signal)
+    owner_code = (
+        "import time\n"
+        "from moe_rl.rollout.server import ServerSettings, SGLangServer\n"
+        f"s = SGLangServer(ServerSettings(model_path={ckpts['v0']!r}, port={free_port()}, launch_command={SERVER!r}), {str(tmp_path)!r})\n"
+        "s.wait_healthy(timeout_s=120)\n"
+        "print(s.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
+    pid = int(owner.stdout.readline())
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), "the server outlived the trainer that started it"
+    # a server an earlier owner left behind (its pid file) is stopped by the next start on its
+    # port; here a stand-in that only holds the port (a test server takes seconds to start)
+    port = free_port()
+    holder = f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print(1, flush=True); time.sleep(600)"
+    stale_command = [sys.executable, "-c", holder]
+    stale = subprocess.Popen(stale_command, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    stale.stdout.readline()  # listening
+    pid_file = tmp_path / f"sglang-{port}.pid"
+    pid_file.write_text(json.dumps({"pid": stale.pid, "command": stale_command}))
+    server = SGLangServer(ServerSettings(model_path=ckpts["v0"], port=port, launch_command=SERVER), tmp_path)  # not "port in use"
+    try:
+        assert stale.poll() == -signal.SIGTERM
+        assert json.loads(pid_file.read_text())["pid"] == server.process.pid
+    finally:
+        server.stop()
+    assert not pid_file.exists()
+    # a pid file whose process is another program now (the pid was reused) is left alone
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        pid_file.write_text(json.dumps({"pid": other.pid, "command": stale_command}))
+        stop_stale_server(pid_file)
+        assert other.poll() is None and not pid_file.exists()
+    finally:
+        other.kill()

@@ -26,11 +26,8 @@ def rows(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("cache")
-    out = moe_rl("prepare", *TINY, f"warm_start.cache_dir={path}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return str(path)
+def cache(demo_cache: str) -> str:
+    return demo_cache  # conftest.py: its warm-start settings are TINY's
 
 
 def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:

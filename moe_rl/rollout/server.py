@@ -3,15 +3,19 @@ servers a user already runs. Logs go to the run directory."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from moe_rl.rollout.types import RolloutError
+from parallel.launch import die_with_parent
 
 
 @dataclass
@@ -86,17 +90,29 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 class SGLangServer:
-    """One server process we started; ``stop()`` (or the context manager) ends it."""
+    """One server process we started; ``stop()`` (or the context manager) ends it.
+
+    It never outlives its owner: ``stop()`` runs at interpreter exit too, the server gets
+    SIGTERM when the owner dies (even by ``kill -9``: a parent-death signal), and
+    ``log_dir/sglang-<port>.pid`` lets the next start on that port stop a server an
+    earlier owner left behind (it checks the process is that server: same command line).
+    """
 
     def __init__(self, settings: ServerSettings, log_dir: str | os.PathLike) -> None:
+        self.pid_path = Path(log_dir) / f"sglang-{settings.port}.pid"
+        stop_stale_server(self.pid_path)
         _check_port_free(settings.host, settings.port)
         self.settings = settings
         self.log_path = Path(log_dir) / f"sglang-{settings.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
+        command = settings.command()
         self.process = subprocess.Popen(
-            settings.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=settings.environment()
-        )
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=settings.environment(),
+            preexec_fn=die_with_parent(),
+        )  # fmt: skip
+        self.pid_path.write_text(json.dumps({"pid": self.process.pid, "command": command}))
+        atexit.register(self.stop)
 
     @property
     def url(self) -> str:
@@ -129,17 +145,68 @@ class SGLangServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """End the server's process group (SIGTERM, SIGKILL after ``timeout_s``); idempotent."""
+        atexit.unregister(self.stop)
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            _kill_group(self.process.pid, timeout_s, wait=self.process.wait)
+        self.pid_path.unlink(missing_ok=True)
         self._log.close()
 
-    def __enter__(self) -> "SGLangServer":
+    def __enter__(self) -> SGLangServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_stale_server(pid_path: Path, timeout_s: float = 30.0) -> None:
+    """Stop the server ``pid_path`` records if it still runs (and still is that server:
+    its command line matches); remove the file."""
+    try:
+        record = json.loads(pid_path.read_text())
+        pid, command = int(record["pid"]), list(record["command"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pid_path.unlink(missing_ok=True)
+        return
+    if _command_line(pid) == command:
+        print(f"moe-rl: stopping SGLang server pid {pid} that an earlier run left behind ({pid_path})", file=sys.stderr)
+        _kill_group(pid, timeout_s)
+    pid_path.unlink(missing_ok=True)
+
+
+def _command_line(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.decode(errors="replace").split("\0")[:-1] or None  # empty: exiting or exited
+
+
+def _running(pid: int) -> bool:
+    """Not yet fully exited: a zombie whose last thread is gone has closed its sockets."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    state, threads = fields[0], int(fields[17])
+    return state not in ("Z", "X") or threads > 1
+
+
+def _kill_group(pid: int, timeout_s: float, wait=None) -> None:
+    """SIGTERM the process group led by ``pid``, SIGKILL it after ``timeout_s``."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if wait is not None:
+                try:
+                    wait(timeout=0.1)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+            if not _running(pid):
+                return
+            time.sleep(0.1)

@@ -92,6 +92,7 @@ class Trainer:
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
         check_server_placement(cfg)
         check_run_dir(cfg)
+        task = _make_task(cfg)  # a data file without usable problems fails here, before any model
         init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
         torch.manual_seed(cfg.train.seed)
         # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
@@ -101,7 +102,6 @@ class Trainer:
         self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
         self.hf_config = load_hf_config(self.hf_dir)
         self.tokenizer = _load_tokenizer(self.hf_dir)
-        task = _make_task(cfg)
         self._write_config()
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
         self.policy = build_policy(

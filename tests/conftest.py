@@ -1,0 +1,24 @@
+"""Fixtures shared by the end-to-end test modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# the warm-start settings of every end-to-end test's built-in model (the cache key)
+WARM_START = ["warm_start.steps=20", "warm_start.batch_size=16"]
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> str:
+    """A warm-start cache holding the built-in model the end-to-end tests train, made once
+    per session (``moe-rl prepare``); pass ``warm_start.cache_dir=<it>`` with ``WARM_START``."""
+    path = tmp_path_factory.mktemp("demo_cache")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "prepare", *WARM_START, "train.progress=false", f"warm_start.cache_dir={path}"],
+                         capture_output=True, text=True, timeout=400, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(path)
