@@ -75,7 +75,15 @@ def test_nan_updates_are_skipped_then_the_run_stops(base, tmp_path: Path) -> Non
     assert (tmp_path / "checkpoints" / "step_000006" / "meta.json").is_file()
 
 
-def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, uninterrupted, tmp_path: Path) -> None:
+def same_weights(a: Path, b: Path) -> bool:
+    """Two HF checkpoint directories hold the same tensors, bit for bit."""
+    from moe_rl.models.hf_weights import SafetensorsDir
+
+    wa, wb = SafetensorsDir(a), SafetensorsDir(b)
+    return set(wa.keys()) == set(wb.keys()) and all(wa.get(k).equal(wb.get(k)) for k in wa.keys())
+
+
+def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, straight_run, uninterrupted, tmp_path: Path) -> None:
     args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     metrics = tmp_path / "metrics.jsonl"
@@ -91,6 +99,8 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, uninterrup
     for step in (3, 4, 5):
         for key in COMPARED:
             assert resumed[step][key] == uninterrupted[step][key], (step, key)
+    final = Path("checkpoints") / "step_000005" / "model"
+    assert same_weights(tmp_path / final, straight_run / final)
 
 
 def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight_run, uninterrupted, tmp_path: Path) -> None:
