@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -112,7 +111,8 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
     metrics = {**drift_metrics(a, b), **load_metrics(a, 4), "drift_layers": torch.tensor([1, 3]), "load_layers": torch.tensor([1, 3])}
     with SummaryWriter(str(tmp_path)) as writer:
         written = log_routing(writer, 7, metrics)
-        log_routing(writer, 7, drift_metrics(a, b), group="train_vs_rollout", images=False)
+        split = {"logp_mismatch_routing_changed": torch.tensor(0.25), "expert_disagreement": torch.ones(2, 4) / 4}
+        log_routing(writer, 7, {**drift_metrics(a, b), **split, "drift_layers": torch.tensor([1, 3])}, group="train_vs_rollout")
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "histograms": 0}).Reload()
     scalars = set(events.Tags()["scalars"])
     for tag in (
@@ -123,18 +123,29 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
         "routing/any_layer_changed_frac/mean",
         "routing/expert_load_cv/layer_3",
         "routing/expert_load_entropy/mean",
-        "routing/train_vs_rollout/changed_frac/layer_0",
+        "routing/train_vs_rollout/changed_frac/layer_3",
+        "routing/train_vs_rollout/logp_mismatch_routing_changed/mean",
     ):
         assert tag in scalars, tag
     assert events.Scalars("routing/changed_frac/layer_1")[0].value == pytest.approx(0.5)
     assert events.Scalars("routing/changed_frac/layer_1")[0].step == 7
     assert written["routing/expert_change_frac/layer_1"] == pytest.approx(0.25)
     assert {"routing/expert_load/layer_1", "routing/expert_load/layer_3"} <= set(events.Tags()["histograms"])
-    assert "routing/expert_load_heatmap" in events.Tags()["images"]
+    assert {"routing/expert_load_heatmap", "routing/train_vs_rollout/expert_disagreement_heatmap"} <= set(events.Tags()["images"])
 
 
 def moe_rl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=300)
+    """``moe-rl ARGS`` in this process (the drift command's --a/--b mode starts no process
+    group), as a completed process with its exit code and output."""
+    import contextlib
+    import io
+
+    from moe_rl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["moe-rl", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +207,20 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
     assert out.returncode == 2 and f"{bad}:2: not valid JSON" in out.stderr and "Traceback" not in out.stderr
     missing = moe_rl("drift", "--a", a, "--b", a, "--out", str(tmp_path / "y"))
     assert missing.returncode == 2 and "--prompts is needed" in missing.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2]}\n')
+    engine = ["--engine", "http://127.0.0.1:1", "--checkpoint", a, "--prompts", str(prompts), "--out", str(tmp_path / "z")]
+    for args, message in [
+        (["--a", a, *engine], "give either --a and --b"),
+        (["--a", a, "--out", str(tmp_path / "z")], "--a and --b go together"),
+        (["--a", a, "--b", a, "--prompts", str(prompts), "--nproc", "2", "--out", str(tmp_path / "z")], "apply to --engine mode"),
+        (["--engine", "127.0.0.1:1", *engine[2:]], "needs http:// or https://"),
+        ([*engine, "--samples", "0"], "--samples=0 must be >= 1"),
+        ([*engine[:2], *engine[4:]], "--engine needs --checkpoint and --prompts"),
+        ([*engine[:3], str(tmp_path), *engine[4:]], "not a Hugging Face model directory or a moe-rl checkpoint"),
+    ]:
+        out = moe_rl("drift", *args)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
 
 
 def test_seed_table_mean_and_spread() -> None:
