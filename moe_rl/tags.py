@@ -42,6 +42,13 @@ TRAIN_LOG_RATIO_HISTOGRAM = train("log_ratio")
 TRAIN_LOGP_MISMATCH_MEAN = train("logp_mismatch_mean")
 TRAIN_LOGP_MISMATCH_MAX = train("logp_mismatch_max")
 TRAIN_GRAD_NORM = train("grad_norm")
+
+
+def train_by_routing(metric: str, routing_changed: bool) -> str:
+    """``train/<metric>/routing_changed`` or ``.../routing_same``: an update's per-token
+    figure (``log_ratio_abs``, ``clip_frac``, ``tokens``) over tokens whose routing changed
+    since the old policy (any MoE layer), or over the rest."""
+    return f"train/{metric}/" + ("routing_changed" if routing_changed else "routing_same")
 TRAIN_UPDATE_SKIPPED = train("update_skipped")
 
 PERF_STEP_TIME = "perf/step_time_s"

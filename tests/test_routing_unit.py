@@ -74,7 +74,7 @@ def test_stats_in_one_process_equal_the_plain_metrics() -> None:
     torch.testing.assert_close(got["expert_disagreement"], one_sided.sum(0) / mask.sum())
 
 
-def test_stats_split_the_logprob_mismatch_by_routing_change() -> None:
+def test_stats_split_token_values_by_routing_change() -> None:
     gen = torch.Generator().manual_seed(1)
     a = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(30 * 2)]).view(30, 2, 2)
     b = a.clone()
@@ -83,8 +83,9 @@ def test_stats_split_the_logprob_mismatch_by_routing_change() -> None:
     stats = RoutingStats(num_layers=2, num_experts=6)
     for part in (slice(0, 11), slice(11, 30)):
         stats.add_drift([0, 1], a[part], b[part], torch.ones(30)[part])
-    stats.add_logp_mismatch([torch.stack([mismatch[p], response[p]]) for p in (slice(0, 11), slice(11, 30))])
-    got = stats.reduce()
+    clipped = (torch.arange(30) % 2).double()
+    stats.add_token_values(("logp_mismatch", "clip_frac"), [torch.stack([mismatch[p], clipped[p], response[p]]) for p in (slice(0, 11), slice(11, 30))])
+    got = stats.reduce(replicas=2)
     changed = (torch.sort(a, -1).values != torch.sort(b, -1).values).any(-1).any(-1).double()
     assert 0 < changed.sum() < 30
     expect = {
@@ -92,12 +93,17 @@ def test_stats_split_the_logprob_mismatch_by_routing_change() -> None:
         "logp_mismatch_routing_changed": (mismatch * response * changed).sum() / (response * changed).sum(),
         "logp_mismatch_routing_same": (mismatch * response * (1 - changed)).sum() / (response * (1 - changed)).sum(),
         "routing_changed_response_frac": (response * changed).sum() / response.sum(),
+        "clip_frac_routing_changed": (clipped * response * changed).sum() / (response * changed).sum(),
+        "routing_changed_tokens": (response * changed).sum() / 2,  # two replicas held every token
+        "routing_same_tokens": (response * (1 - changed)).sum() / 2,
     }
     for key, value in expect.items():
         assert float(got[key]) == pytest.approx(float(value)), key
-    with pytest.raises(ValueError, match="2 log-prob mismatches for 3 routings"):
-        stats.add_drift([0, 1], a, b, torch.ones(30))
-        stats.add_logp_mismatch([None, None])
+    stats.add_drift([0, 1], a, b, torch.ones(30))  # a later pass: values for its routings only
+    with pytest.raises(ValueError, match="2 token values for 1 routings"):
+        stats.add_token_values(("logp_mismatch", "clip_frac"), [None, None])
+    with pytest.raises(ValueError, match="one kind per statistics"):
+        stats.add_token_values(("other",), [None])
 
 
 def test_tensorboard_tags(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ every logged step once and equal, nothing left behind but what a restart removes
 
 With ``--engine sglang`` the runs get their rollouts from the SGLang-protocol test server
 (tests/sglang_test_server.py) through the disk weight sync, so kills also land in weight
-syncs. Each kill waits for the run's first logged step (or the given start-up time) and
-then a random delay, so it falls into rollouts, updates, checkpoint writes and syncs.
+syncs. Each restart is killed after it logs a new step, at a random moment within the
+next two steps (step time measured on the uninterrupted run), so kills fall into
+rollouts, updates, checkpoint writes and syncs; kills stop when the run is complete.
 Prints one line per kill (when, what the run was doing, where it resumed) and a verdict;
 exit code 0 only when the final weights and logs equal the uninterrupted run's.
 """
@@ -62,7 +63,8 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: float) -> tuple[float, str, int]:
-    """Start the run, wait for a step (or start-up), kill -9 at a random moment; (when, phase, steps logged)."""
+    """Start the run, wait for a new logged step, kill -9 at a random moment in the next
+    ``window_s``; (seconds since start, what it was doing, steps logged)."""
     before = len(logged_steps(run_dir))
     start = time.monotonic()
     proc = moe_rl(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -110,10 +112,9 @@ def start_server(model_dir: str, log_dir: Path):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kills", type=int, default=6)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--kills", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--engine", choices=("local", "sglang"), default="local")
-    p.add_argument("--window-s", type=float, default=6.0, help="kill within this many seconds after a step is logged")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     args = p.parse_args()
@@ -129,10 +130,14 @@ def main() -> int:
         common += ["rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]"]
     try:
         finish("train", *common, f"train.run_dir={out / 'straight'}")
+        step_times = [json.loads(line)["perf/step_time_s"] for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]
+        window = 2 * sorted(step_times)[len(step_times) // 2]
         rng, chaos = random.Random(args.seed), out / "chaos"
-        print(f"{'kill':>4} {'at s':>6}  {'doing':<17} steps logged")
+        print(f"median step {window / 2:.2f} s; kills within {window:.2f} s of a logged step\n{'kill':>4} {'at s':>6}  {'doing':<17} steps logged")
         for i in range(args.kills):
-            when, doing, steps = kill_once(["train", *common, f"train.run_dir={chaos}"], chaos, rng, args.window_s)
+            if len(logged_steps(chaos)) >= args.steps:
+                break
+            when, doing, steps = kill_once(["train", *common, f"train.run_dir={chaos}"], chaos, rng, window)
             print(f"{i + 1:>4} {when:>6.1f}  {doing:<17} {steps}", flush=True)
         finish("train", *common, f"train.run_dir={chaos}")
     finally:

@@ -7,8 +7,8 @@ per-token loss ``[B, T]`` (sequence-level losses repeat their value over the seq
 tokens) and reduces it with :func:`aggregate`, so all of them honour ``agg``,
 ``num_tokens`` and ``num_seqs`` and are exact under micro-batching.
 
-Metrics (detached scalars): ``clip_frac`` (share of response tokens whose objective is
-clipped), ``ratio_mean/min/max`` (the importance ratio the loss uses: per token for
+Metrics (detached): ``clip_frac`` (share of response tokens whose objective is clipped)
+and ``token_clipped`` (``[B, T]``: 1 where it is), ``ratio_mean/min/max`` (the importance ratio the loss uses: per token for
 GRPO/CISPO, per sequence for GSPO and GMPO) and ``approx_kl`` (k3 estimate of
 KL(old || new) per token).
 """
@@ -142,6 +142,7 @@ def _metrics(
     rmin, rmax = masked_min_max(ratio, ratio_mask)
     out = {
         "clip_frac": masked_mean(clipped.to(mask.dtype), mask).detach(),
+        "token_clipped": clipped.to(mask.dtype).detach(),
         "ratio_mean": masked_mean(ratio.detach(), ratio_mask).detach(),
         "ratio_min": rmin,
         "ratio_max": rmax,

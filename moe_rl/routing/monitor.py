@@ -5,7 +5,8 @@ forward hooks, so a pass can never be left open:
     with monitor.old_pass(batches, engine_routing) as hooks:   # r2 records, r3 replays
         old = run_microbatches(model, batches, hooks=hooks)
     with monitor.update_pass() as hooks:                      # r2/r3 replay; once per update
-        train_step(..., run_microbatches(..., hooks=hooks))
+        outputs = train_step(..., run_microbatches(..., hooks=hooks))
+    monitor.add_update_log_ratios(outputs, batches, counted=True)  # split by routing change
     with monitor.after_update_pass() as hooks:                # optional: what an update changed
         run_microbatches(model, batches, hooks=hooks)
     monitor.add_rollout_logp_mismatch(old, batches)          # split by train/rollout routing
@@ -13,10 +14,13 @@ forward hooks, so a pass can never be left open:
 
 :meth:`reduce` gives the groups to log with :func:`moe_rl.routing.tensorboard.log_routing`:
 ``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer -> engine,
-when the engine returned routing), ``replayed`` (old -> what the replayed update pass
-dispatched: zero under r2) and ``load`` (expert load, old pass). ``train_vs_rollout``
-also splits the old pass's ``|trainer - engine|`` log-prob by whether the engine routed
-the token differently in any layer (``logp_mismatch_routing_changed`` / ``_same``).
+when the engine returned routing), ``replayed`` (what the old pass dispatched -> what an
+update pass dispatched: zero under r2 and r3, the routing the updates changed without
+replay) and ``load`` (expert load, old pass). Per-token values are split by whether the
+token's routing differed in any layer: ``train_vs_rollout`` the old pass's
+``|trainer - engine|`` log-prob (``logp_mismatch_routing_changed`` / ``_same``),
+``replayed`` the update passes' ``|log-ratio|`` and clipping (``log_ratio_abs_...``,
+``clip_frac_...``).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class RoutingMonitor:
         if self.replay is not None:
             self.replay.finish()
         for i, new in enumerate(self.probe.stop()):
-            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].natural, new.used, self._masks[i])
+            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
 
     @contextlib.contextmanager
     def after_update_pass(self) -> Iterator[list]:
@@ -97,17 +101,35 @@ class RoutingMonitor:
         response ``mask``: kept per token for :meth:`reduce` to split by routing change."""
         if self._engine is None or not self.measure:
             return
-        per_token = []
-        for i, mb in enumerate(batches):
-            if logprobs is None:
-                per_token.append(None)
-                continue
-            diff = (logprobs[i].detach() - mb.rollout_logp).abs() * mb.mask
-            stacked = torch.stack([diff, mb.mask.to(diff.dtype)], dim=-1)  # [b, s-1, 2]
-            stacked = torch.cat([stacked, stacked.new_zeros(stacked.shape[0], 1, 2)], dim=1)  # position s-1 scores nothing
-            per_token.append(self._local(stacked).transpose(0, 1))
-        self._stats["train_vs_rollout"].add_logp_mismatch(per_token)
+        values = None
+        if logprobs is not None:
+            values = [torch.stack([(lp.detach() - mb.rollout_logp).abs() * mb.mask, mb.mask], -1) for lp, mb in zip(logprobs, batches)]
+        self._add_token_values("train_vs_rollout", ("logp_mismatch",), values)
 
+    def add_update_log_ratios(self, outputs: Sequence[dict] | None, batches: Sequence[MicroBatch], *, counted: bool) -> None:
+        """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
+        ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
+        this), on each batch's response ``mask``; ``counted=False`` keeps a pass out of the
+        split (the first update of recomputed old log-probs: its ratios are all 1)."""
+        if not self.measure:
+            return
+        values = None
+        if outputs is not None:
+            values = []
+            for out, mb in zip(outputs, batches):
+                weight = mb.mask if counted else torch.zeros_like(mb.mask)
+                values.append(torch.stack([out["token_log_ratio"].abs() * weight, out["token_clipped"] * weight, weight], -1))
+        self._add_token_values("replayed", ("log_ratio_abs", "clip_frac"), values)
+
+    def _add_token_values(self, group: str, names: tuple[str, ...], per_position: Sequence[Tensor] | None) -> None:
+        """``per_position[i]`` ``[b, s-1, C]`` (log-prob positions) in this rank's token order."""
+        local = None
+        if per_position is not None:
+            local = []
+            for values in per_position:
+                values = torch.cat([values, values.new_zeros(values.shape[0], 1, values.shape[2])], dim=1)  # position s-1 scores nothing
+                local.append(self._local(values).transpose(0, 1))
+        self._stats[group].add_token_values(names, local or [None] * len(self._masks))
     def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in STAT_GROUPS}
         self._masks = [self._local(_routing_mask(mb)) for mb in batches]
@@ -158,7 +180,9 @@ class RoutingMonitor:
     def reduce(self) -> dict[str, dict[str, Tensor]]:
         """Collective: every rank calls it. Groups without data are left out."""
         group = ps.get_pipeline_model_parallel_group()
-        out = {name: stats.reduce(pipeline_group=group) for name, stats in self._stats.items()}
+        tp = ps.get_tensor_model_parallel_world_size()
+        replicas = ps.get_pipeline_model_parallel_world_size() * (1 if self._config.sequence_parallel else tp)
+        out = {name: stats.reduce(pipeline_group=group, replicas=replicas) for name, stats in self._stats.items()}
         return {name: m for name, m in out.items() if m}
 
     # ------------------------------------------------------------ helpers

@@ -10,9 +10,10 @@ Inputs may live on the rank's device; each micro-batch's per-layer sums are move
 CPU accumulators (a few numbers per layer), and the reductions run on the process group's
 device (:func:`parallel.collectives.all_reduce`).
 
-Per-token log-prob mismatches (:meth:`RoutingStats.add_logp_mismatch`, given by the last
-pipeline stage) are split by the same "changed in any layer" flag: the mean mismatch of
-tokens whose routing differed and of those whose routing agreed.
+Per-token values (:meth:`RoutingStats.add_token_values`, given by the last pipeline
+stage: the rollout log-prob mismatch, an update's log-ratios and clipping) are split by
+the same "changed in any layer" flag: their means over tokens whose routing differed and
+over those whose routing agreed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class RoutingStats:
         self.disagreement = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._flags: list[Tensor] = []
         self._flag_masks: list[Tensor] = []
-        self._mismatch: list[Tensor] = []  # per add_drift call: [2, T] (|delta logp|, response weight)
+        self._value_names: tuple[str, ...] = ()
+        self._values: list[Tensor] = []  # per add_drift call: [len(names) + 1, T] (values..., weight)
 
     def add_drift(
         self,
@@ -68,19 +70,26 @@ class RoutingStats:
             self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0).cpu())
             self.kl_tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
 
-    def add_logp_mismatch(self, mismatch: Sequence[Tensor | None]) -> None:
-        """Per :meth:`add_drift` call so far, ``[2, T]`` in this rank's token order: each
-        token's ``|trainer - engine|`` log-prob and its weight (1 on response tokens);
-        ``None`` where this rank has no log-probs (not the last pipeline stage): zeros,
-        summed over the pipeline stages with the last stage's values."""
-        if len(mismatch) != len(self._flags):
-            raise ValueError(f"{len(mismatch)} log-prob mismatches for {len(self._flags)} routings")
-        for values, flags in zip(mismatch, self._flags):
-            if values is None:
-                values = torch.zeros(2, flags.shape[0], dtype=torch.float64)
-            if values.shape != (2, flags.shape[0]):
-                raise ValueError(f"log-prob mismatch must be [2, {flags.shape[0]}] (values, weights), got {tuple(values.shape)}")
-            self._mismatch.append(values.to(torch.float64).cpu())
+    def add_token_values(self, names: tuple[str, ...], values: Sequence[Tensor | None]) -> None:
+        """Per-token values for the :meth:`add_drift` calls that have none yet: one
+        ``[len(names) + 1, T]`` per call in this rank's token order, the last row each
+        token's weight (1 on response tokens, 0 where a value does not count); ``None``
+        where this rank has no log-probs (not the last pipeline stage): zeros, summed over
+        the pipeline stages with the last stage's values. :meth:`reduce` reports each
+        name's weighted mean over all tokens, over tokens whose routing changed in any
+        layer (``<name>_routing_changed``) and over the rest (``<name>_routing_same``)."""
+        if self._values and names != self._value_names:
+            raise ValueError(f"token values {names} after {self._value_names}: one kind per statistics")
+        self._value_names = names
+        pending = self._flags[len(self._values) :]
+        if len(values) != len(pending):
+            raise ValueError(f"{len(values)} token values for {len(pending)} routings")
+        for v, flags in zip(values, pending):
+            shape = (len(names) + 1, flags.shape[0])
+            v = torch.zeros(shape, dtype=torch.float64) if v is None else v.to(torch.float64).cpu()
+            if tuple(v.shape) != shape:
+                raise ValueError(f"token values must be {list(shape)} (values..., weights), got {list(v.shape)}")
+            self._values.append(v)
 
     def add_load(self, layer_numbers: Sequence[int], indices: Tensor, mask: Tensor) -> None:
         """Expert load of this rank's tokens ``[T, L_local, k]``."""
@@ -92,16 +101,18 @@ class RoutingStats:
                 minlength=self.num_experts,
             ).cpu()
 
-    def reduce(self, pipeline_group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
+    def reduce(self, pipeline_group: dist.ProcessGroup | None = None, replicas: int = 1) -> dict[str, Tensor]:
         """Global metrics (collective when distributed). Per-layer tensors are indexed by
-        position in ``layers`` (the MoE layer numbers with data)."""
+        position in ``layers`` (the MoE layer numbers with data). ``replicas``: how many
+        ranks hold each token's values (pipeline stages, tensor-parallel ranks without
+        sequence parallelism), for the token counts."""
         sums = torch.stack([self.changed, self.expert_change, self.kl, self.tokens, self.kl_tokens])
         flags = torch.cat(self._flags) if self._flags else torch.zeros(0, dtype=torch.float64)
         flag_mask = torch.cat(self._flag_masks) if self._flag_masks else torch.zeros(0, dtype=torch.float64)
         if pipeline_group is not None:
             flags = all_reduce(flags, "max", group=pipeline_group)
         any_counts = torch.stack([(flags * flag_mask).sum(), flag_mask.sum()])
-        split = self._mismatch_split(flags, pipeline_group)
+        split = self._split_values(flags, pipeline_group)
         sums, any_counts, split = (all_reduce(t) for t in (sums, any_counts, split))
         load, disagreement = all_reduce(torch.stack([self.load, self.disagreement]))
         changed, expert_change, kl, tokens, kl_tokens = sums
@@ -115,13 +126,7 @@ class RoutingStats:
             if (kl_tokens[drift_layers] > 0).all():
                 out["router_kl"] = kl[drift_layers] / kl_tokens[drift_layers]
             out["expert_disagreement"] = disagreement[drift_layers] / tokens[drift_layers, None]
-        if self._mismatch and split[5] > 0:
-            out["logp_mismatch"] = split[4] / split[5]
-            out["routing_changed_response_frac"] = split[1] / split[5]
-            if split[1] > 0:
-                out["logp_mismatch_routing_changed"] = split[0] / split[1]
-            if split[3] > 0:
-                out["logp_mismatch_routing_same"] = split[2] / split[3]
+        out.update(self._split_metrics(split, replicas))
         load_layers = (load.sum(-1) > 0).nonzero().flatten()
         if load_layers.numel():
             out["load_layers"] = load_layers
@@ -130,16 +135,32 @@ class RoutingStats:
             out["expert_load_entropy"] = load_entropy(load[load_layers])
         return out
 
-    def _mismatch_split(self, flags: Tensor, pipeline_group: dist.ProcessGroup | None) -> Tensor:
-        """``[sum m*f, sum f, sum m*(1-f), sum (1-f), sum m, tokens]`` over this rank's
-        response tokens (``m``: mismatch, ``f``: changed in any layer, weighted)."""
-        if not self._mismatch:
-            return torch.zeros(6, dtype=torch.float64)
-        values, weights = torch.cat(self._mismatch, dim=1)
+    def _split_values(self, flags: Tensor, pipeline_group: dist.ProcessGroup | None) -> Tensor:
+        """``[C, 2]``: per row of the token values (the last: the weights themselves), its
+        weighted sums over routing-changed and routing-same tokens of this rank."""
+        if not self._values:
+            return torch.zeros(0, 2, dtype=torch.float64)
+        values = torch.cat(self._values, dim=1)
         if pipeline_group is not None:  # the last stage's values, on every stage of the pipeline
-            values, weights = all_reduce(torch.stack([values, weights]), group=pipeline_group)
-        changed, same = flags * weights, (1 - flags) * weights
-        return torch.stack([(values * changed).sum(), changed.sum(), (values * same).sum(), same.sum(), (values * weights).sum(), weights.sum()])
+            values = all_reduce(values, group=pipeline_group)
+        weights = values[-1]
+        changed, same = flags[: weights.shape[0]] * weights, (1 - flags[: weights.shape[0]]) * weights
+        return torch.stack([(values * changed).sum(-1), (values * same).sum(-1)], dim=-1)
+
+    def _split_metrics(self, split: Tensor, replicas: int) -> dict[str, Tensor]:
+        """Means of the token values overall, over routing-changed and routing-same tokens."""
+        if not split.numel() or split[-1].sum() <= 0:
+            return {}
+        (changed_w, same_w), total_w = split[-1], split[-1].sum()
+        out = {"routing_changed_response_frac": changed_w / total_w, "routing_changed_tokens": changed_w / replicas,
+               "routing_same_tokens": same_w / replicas}  # fmt: skip
+        for name, (changed, same) in zip(self._value_names, split[:-1]):
+            out[name] = (changed + same) / total_w
+            if changed_w > 0:
+                out[f"{name}_routing_changed"] = changed / changed_w
+            if same_w > 0:
+                out[f"{name}_routing_same"] = same / same_w
+        return out
 
 
 def _one_sided_counts(a: Tensor, b: Tensor, w: Tensor, num_experts: int) -> Tensor:

@@ -51,6 +51,18 @@ def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
     return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
 
 
+def routing_split_scalars(replayed: dict[str, Tensor]) -> dict[str, float]:
+    """The update passes' ``|log-ratio|``, clip fraction and token counts over tokens whose
+    routing changed since the old policy and over the rest (the monitor's ``replayed``
+    group), as :func:`moe_rl.tags.train_by_routing` scalars."""
+    out = {}
+    for changed, part in ((True, "routing_changed"), (False, "routing_same")):
+        for metric, key in (("log_ratio_abs", f"log_ratio_abs_{part}"), ("clip_frac", f"clip_frac_{part}"), ("tokens", f"{part}_tokens")):
+            if key in replayed:
+                out[tags.train_by_routing(metric, changed)] = float(replayed[key])
+    return out
+
+
 def log_ratio_values(outputs: list[dict]) -> Tensor | None:
     """This rank's masked token log-ratios of an update pass (for the histogram)."""
     values = [out["log_ratio"] for out in outputs if "log_ratio" in out]

@@ -37,7 +37,8 @@ class PolicyObjective:
     data-parallel ranks') sum to the full batch's loss. Metrics per micro-batch: the
     loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``, ``entropy``,
     ``kl_ref`` (with a reference), ``log_ratio`` (the masked token log-ratios, for the
-    histogram) with its 1st/99th percentiles, ``tokens``, and — when the old policy is this
+    histogram) with its 1st/99th percentiles, ``token_log_ratio`` and ``token_clipped``
+    (``[b, s-1]``, for :meth:`RoutingMonitor.add_update_log_ratios`), ``tokens``, and — when the old policy is this
     pass's own (on-policy) — the rollout log-prob mismatch of :func:`logprob_mismatch`.
     """
 
@@ -63,6 +64,7 @@ class PolicyObjective:
             loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, **common)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         metrics.update(_log_ratio_metrics(logp.detach() - old, mask))
+        metrics["token_log_ratio"] = logp.detach() - old  # with token_clipped: split by routing change
         if mb.old_logp is None:
             metrics.update(logprob_mismatch(logp, mb.rollout_logp, mask))
         metrics["loss"] = loss.detach()

@@ -34,7 +34,7 @@ from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience import ExperienceCollector
-from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics
+from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics, routing_split_scalars
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, build_policy, build_reference
 from moe_rl.trainer.run_dir import check_run_dir
@@ -187,6 +187,7 @@ class Trainer:
         scalars = {
             **rollout_scalars,
             **{tags.train(k): v for k, v in train_scalars.items()},
+            **routing_split_scalars(routing.get("replayed", {})),
             tags.TRAIN_GRAD_NORM: update.grad_norm,
             tags.TRAIN_UPDATE_SKIPPED: float(update.skipped),
             tags.PERF_STEP_TIME: step_time,
@@ -251,10 +252,13 @@ class Trainer:
         under R2/R3); an update with NaN/Inf gradients is skipped on every rank."""
         objective = self.objective_for(batch)
         result, skipped = None, 0
-        for _ in range(self.cfg.algorithm.updates_per_batch):
+        for i in range(self.cfg.algorithm.updates_per_batch):
             with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
             skipped += not result.updated
+            if self.monitor:  # |log-ratio| and clipping by routing change; a first update on recomputed old log-probs has ratio 1
+                off_policy = i > 0 or self.cfg.algorithm.old_logprobs != "recompute"
+                self.monitor.add_update_log_ratios(result.outputs or None, batch.micro_batches, counted=off_policy)
         if skipped and is_first_rank():
             log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
         return UpdateResult(result.outputs, result.grad_norm, skipped)
