@@ -81,6 +81,9 @@ def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
 
     r2 = read_scalars(tmp_path / "runs/compare/grpo_r2")
     assert set(r2["routing/replayed/changed_frac/mean"].values()) == {0.0}
+    # R2 leaves no token whose routing changed since the old policy; without replay the second update has some
+    assert set(r2["train/tokens/routing_changed"].values()) == {0.0} and min(r2["train/tokens/routing_same"].values()) > 0
+    assert max(read_scalars(tmp_path / "runs/compare/grpo")["train/tokens/routing_changed"].values()) > 0
     assert len(r2["reward/total"]) == 2
 
 
