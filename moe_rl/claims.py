@@ -33,8 +33,8 @@ def _routing_change_and_ratios(tag) -> str:
     return (
         f"- **Tokens whose routing changed carry volatile importance ratios; R2 removes them** (the mechanism behind "
         f"all three papers). Mean |log-ratio| in GRPO's off-policy updates over tokens whose experts changed since the old "
-        f"policy (`{tags.train_by_routing('log_ratio_abs', True)}`) {_f(changed)} vs the rest {_f(same)}; such tokens per "
-        f"step under GRPO+R2 (`{tags.train_by_routing('tokens', True)}`) {_f(r2_changed, 1)}: {verdict}."
+        f"policy (`{tags.train_by_routing('log_ratio_abs', True)}`) {_f(changed)} vs the rest {_f(same)}; such tokens in "
+        f"a step's off-policy update passes under GRPO+R2 (`{tags.train_by_routing('tokens', True)}`) {_f(r2_changed, 1)}: {verdict}."
     )
 
 

@@ -42,14 +42,16 @@ TRAIN_LOG_RATIO_HISTOGRAM = train("log_ratio")
 TRAIN_LOGP_MISMATCH_MEAN = train("logp_mismatch_mean")
 TRAIN_LOGP_MISMATCH_MAX = train("logp_mismatch_max")
 TRAIN_GRAD_NORM = train("grad_norm")
+TRAIN_UPDATE_SKIPPED = train("update_skipped")
 
 
 def train_by_routing(metric: str, routing_changed: bool) -> str:
-    """``train/<metric>/routing_changed`` or ``.../routing_same``: an update's per-token
-    figure (``log_ratio_abs``, ``clip_frac``, ``tokens``) over tokens whose routing changed
-    since the old policy (any MoE layer), or over the rest."""
+    """``train/<metric>/routing_changed`` or ``.../routing_same``: the off-policy update
+    passes' per-token figure (``log_ratio_abs``, ``clip_frac``; ``tokens``: counted over
+    those passes) over tokens whose routing changed since the old policy (any MoE layer),
+    or over the rest."""
     return f"train/{metric}/" + ("routing_changed" if routing_changed else "routing_same")
-TRAIN_UPDATE_SKIPPED = train("update_skipped")
+
 
 PERF_STEP_TIME = "perf/step_time_s"
 PERF_ROLLOUT_TIME = "perf/rollout_time_s"

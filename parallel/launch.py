@@ -5,16 +5,25 @@ torchrun, which set the same variables."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 STOP_GRACE_S = 10.0  # after a rank fails: how long the others get to exit on their own, then to exit on SIGTERM
+
+# exec'd in the child: set the parent-death signal, check the parent still lives, exec the command
+# (a stub rather than preexec_fn, which is unsafe to fork from a multi-threaded trainer)
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 def free_port() -> int:
@@ -23,21 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGTERM when the process that started it
-    dies, even by ``kill -9`` (Linux ``PR_SET_PDEATHSIG``); ``None`` elsewhere."""
+def dies_with_this_process(command: Sequence[str]) -> list[str]:
+    """``command`` wrapped so that it gets SIGTERM when this process dies, even by
+    ``kill -9`` (Linux ``PR_SET_PDEATHSIG``, set by a small exec stub); unchanged elsewhere.
+    Its ``/proc/<pid>/cmdline`` is ``command`` once it runs. Start it from the main thread
+    (the signal follows the thread that started the child)."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-
-    return preexec
+        return list(command)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 def spawn_local(
@@ -52,9 +54,9 @@ def spawn_local(
     Returns 0 when all succeed, else the first non-zero exit code. A rank that fails
     stops the job: one line names it and its exit status, the others get
     :data:`STOP_GRACE_S` to exit on their own (peers of a dead rank usually fail fast),
-    then SIGTERM, then SIGKILL. The ranks run in their own process group and die with the
-    launcher; a Ctrl-C or SIGTERM to the launcher reaches each rank exactly once (the
-    trainer checkpoints on the first and stops at once on the second).
+    then SIGTERM, then SIGKILL (each rank's whole process group). The ranks run in their
+    own session and die with the launcher; a Ctrl-C or SIGTERM to the launcher reaches each
+    rank exactly once (the trainer checkpoints on the first and stops at once on the second).
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -72,12 +74,13 @@ def spawn_local(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        procs.append(subprocess.Popen([sys.executable, *argv], env=child_env, process_group=0, preexec_fn=die_with_parent()))
-    try:
-        with _forward_signals(procs):
+        command = dies_with_this_process([sys.executable, *argv])
+        procs.append(subprocess.Popen(command, env=child_env, start_new_session=True))
+    with _forward_signals(procs):  # during the stop too: a second Ctrl-C reaches the ranks
+        try:
             return _wait(procs, None if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
-    finally:
-        _stop(procs)
+        finally:
+            _stop(procs)
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float | None, timeout_s: float | None) -> int:
@@ -88,7 +91,7 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None, timeout_s: floa
         failed = sorted((code > 0, rank, code) for rank, code in enumerate(codes) if code not in (None, 0))
         if failed:
             _, rank, code = failed[0]
-            if code != 130:  # 130: every rank stopped on request (Ctrl-C), which the trainer reports
+            if code not in (2, 130):  # 2: an error the rank reported, 130: stopped on request (Ctrl-C)
                 print(f"[moe-rl] rank {rank} {_exit_status(code)}: stopping the job", file=sys.stderr, flush=True)
             return code
         if all(c == 0 for c in codes):
@@ -109,14 +112,15 @@ def _exit_status(code: int) -> str:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """Give running ranks the grace period, then SIGTERM, then SIGKILL."""
+    """Give running ranks the grace period, then SIGTERM, then SIGKILL (their process groups)."""
     for signum in (None, signal.SIGTERM, signal.SIGKILL):
         running = [p for p in procs if p.poll() is None]
         if not running:
             return
         for p in running:
             if signum is not None:
-                p.send_signal(signum)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signum)
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in running):
             time.sleep(0.1)

@@ -3,8 +3,7 @@ processes (started N times by ``spawn_local``); rank 0 writes each run's step sc
 
     python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT ...
 
-VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy, old
-log-probs from the rollout).
+VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy).
 The pytest side compares every layout with the one-process run of the same variant.
 """
 
@@ -28,7 +27,7 @@ VARIANTS = {
     "none": [],
     "r2": ["routing.replay=r2"],
     "r3": ["routing.replay=r3", "routing.recompute_activations=true"],
-    "kl": ["algorithm.kl_coef=0.1", "algorithm.old_logprobs=rollout"],  # an off-policy first update
+    "kl": ["algorithm.kl_coef=0.1"],
 }
 
 

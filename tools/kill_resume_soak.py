@@ -2,7 +2,7 @@
 check that it ends exactly where an uninterrupted run ends: every weight bit for bit,
 every logged step once and equal, nothing left behind but what a restart removes.
 
-    .venv/bin/python tools/kill_resume_soak.py [--kills 6] [--steps 6] [--engine local|sglang]
+    .venv/bin/python tools/kill_resume_soak.py [--kills 8] [--steps 24] [--engine local|sglang]
 
 With ``--engine sglang`` the runs get their rollouts from the SGLang-protocol test server
 (tests/sglang_test_server.py) through the disk weight sync, so kills also land in weight
@@ -70,6 +70,10 @@ def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: floa
     proc = moe_rl(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while len(logged_steps(run_dir)) <= before and proc.poll() is None and time.monotonic() - start < 300:
         time.sleep(0.05)
+    if proc.poll() is not None:
+        if proc.returncode != 0:
+            raise SystemExit(f"a restart failed by itself (exit code {proc.returncode}) before logging a step")
+        return time.monotonic() - start, "(ran to the end)", len(logged_steps(run_dir))
     time.sleep(rng.uniform(0, window_s))
     when, doing = time.monotonic() - start, phase(run_dir)
     proc.kill()

@@ -43,21 +43,32 @@ def run_rank(args: argparse.Namespace) -> int:
     layout = layout_from(args)
     init_distributed(layout, model_dims(hf_config), seed=args.seed)
     try:
-        outcome = None
-        if is_first_rank():
-            try:
-                outcome = ("ok", *_generate(args, hf_dir, hf_config))
-            except (RolloutError, ValueError, OSError) as e:
-                outcome = ("error", str(e), "")
+        outcome = _generate_on_first_rank(args, hf_dir, hf_config) if is_first_rank() else None
         status, samples, version = broadcast_object(outcome)  # every rank stops on the first rank's error
         if status == "error":
-            raise ValueError(samples)
+            if is_first_rank():
+                raise ValueError(samples)
+            return 2  # the first rank reports it
         drift, mismatch = _measure(args, hf_dir, hf_config, layout, samples)
         if is_first_rank():
             _write_report(args, hf_dir, samples, version, drift, mismatch)
         return 0
     finally:
         destroy_distributed()
+
+
+def _generate_on_first_rank(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig) -> tuple:
+    """``("ok", samples, weight_version)`` or ``("error", message, "")``: never raises, so
+    that the other ranks, waiting for the samples, always hear of a failure."""
+    try:
+        return ("ok", *_generate(args, hf_dir, hf_config))
+    except (RolloutError, ValueError, OSError) as e:
+        return ("error", str(e), "")
+    except Exception as e:  # a bug: its traceback, and the others stop too
+        import traceback
+
+        traceback.print_exc()
+        return ("error", f"{type(e).__name__}: {e}", "")
 
 
 def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig) -> tuple[list[Sample], str]:

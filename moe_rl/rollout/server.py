@@ -4,6 +4,7 @@ servers a user already runs. Logs go to the run directory."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moe_rl.rollout.types import RolloutError
-from parallel.launch import die_with_parent
+from parallel.launch import dies_with_this_process
 
 
 @dataclass
@@ -108,8 +109,8 @@ class SGLangServer:
         self._log = open(self.log_path, "ab")
         command = settings.command()
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=settings.environment(),
-            preexec_fn=die_with_parent(),
+            dies_with_this_process(command), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=settings.environment(),
         )  # fmt: skip
         self.pid_path.write_text(json.dumps({"pid": self.process.pid, "command": command}))
         atexit.register(self.stop)
@@ -147,8 +148,7 @@ class SGLangServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the server's process group (SIGTERM, SIGKILL after ``timeout_s``); idempotent."""
         atexit.unregister(self.stop)
-        if self.process.poll() is None:
-            _kill_group(self.process.pid, timeout_s, wait=self.process.wait)
+        _kill_group(self.process.pid, timeout_s, wait=self.process.wait)  # its workers too, if the server itself is gone
         self.pid_path.unlink(missing_ok=True)
         self._log.close()
 
@@ -170,7 +170,7 @@ def stop_stale_server(pid_path: Path, timeout_s: float = 30.0) -> None:
         return
     if _command_line(pid) == command:
         print(f"moe-rl: stopping SGLang server pid {pid} that an earlier run left behind ({pid_path})", file=sys.stderr)
-        _kill_group(pid, timeout_s)
+        _kill_group(pid, timeout_s)  # it leads its own process group (started in a new session)
     pid_path.unlink(missing_ok=True)
 
 
@@ -192,21 +192,35 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X") or threads > 1
 
 
-def _kill_group(pid: int, timeout_s: float, wait=None) -> None:
-    """SIGTERM the process group led by ``pid``, SIGKILL it after ``timeout_s``."""
+def _kill_group(pgid: int, timeout_s: float, wait=None) -> None:
+    """SIGTERM the process group ``pgid`` (a server and its workers), SIGKILL what is left
+    after ``timeout_s``. ``wait``: reaps the leader when it is this process's child."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pid, signum)
+            os.killpg(pgid, signum)
         except ProcessLookupError:
-            return
+            break
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if wait is not None:
-                try:
-                    wait(timeout=0.1)
-                    return
-                except subprocess.TimeoutExpired:
-                    continue
-            if not _running(pid):
-                return
+        while time.monotonic() < deadline and _group_running(pgid, wait):
             time.sleep(0.1)
+        if not _group_running(pgid, wait):
+            break
+    if wait is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            wait(timeout=5)
+
+
+def _group_running(pgid: int, wait=None) -> bool:
+    """Some process of the group still runs (exited leaders reaped when ours, zombies ignored)."""
+    if wait is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            wait(timeout=0)
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return any(_running(pid) for pid in members)

@@ -83,7 +83,7 @@ class RoutingMonitor:
             yield self._start_probe() + ([self.replay] if self.replay else [])
         if self.replay is not None:
             self.replay.finish()
-        for i, new in enumerate(self.probe.stop()):
+        for i, new in enumerate(self._stop_probe()):
             self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
 
     @contextlib.contextmanager
@@ -91,7 +91,7 @@ class RoutingMonitor:
         """A forward-only pass after the optimizer step: old -> updated routing."""
         with self._cleanup_on_error():
             yield self._start_probe()
-        for i, new in enumerate(self.probe.stop()):
+        for i, new in enumerate(self._stop_probe()):
             old = self._old[i]
             self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
 
@@ -110,15 +110,15 @@ class RoutingMonitor:
         """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
         ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
         this), on each batch's response ``mask``; ``counted=False`` keeps a pass out of the
-        split (the first update of recomputed old log-probs: its ratios are all 1)."""
+        split (zeros: e.g. a first update, whose ratios are all 1, or a skipped one)."""
         if not self.measure:
             return
         values = None
         if outputs is not None:
             values = []
             for out, mb in zip(outputs, batches):
-                weight = mb.mask if counted else torch.zeros_like(mb.mask)
-                values.append(torch.stack([out["token_log_ratio"].abs() * weight, out["token_clipped"] * weight, weight], -1))
+                per_token = torch.stack([out["token_log_ratio"].abs() * mb.mask, out["token_clipped"] * mb.mask, mb.mask], -1)
+                values.append(per_token if counted else torch.zeros_like(per_token))
         self._add_token_values("replayed", ("log_ratio_abs", "clip_frac"), values)
 
     def _add_token_values(self, group: str, names: tuple[str, ...], per_position: Sequence[Tensor] | None) -> None:
@@ -130,6 +130,7 @@ class RoutingMonitor:
                 values = torch.cat([values, values.new_zeros(values.shape[0], 1, values.shape[2])], dim=1)  # position s-1 scores nothing
                 local.append(self._local(values).transpose(0, 1))
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
+
     def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in STAT_GROUPS}
         self._masks = [self._local(_routing_mask(mb)) for mb in batches]
@@ -146,7 +147,7 @@ class RoutingMonitor:
         return self._start_probe() + ([self.replay] if self.replay else [])
 
     def _end_old_pass(self) -> None:
-        self._old = self.probe.stop()
+        self._old = self._stop_probe()
         if self.mode == "r2":
             self._replay_indices = self.replay.recorded()
         elif self.mode == "r3":
@@ -155,7 +156,7 @@ class RoutingMonitor:
         for i, old in enumerate(self._old):
             self._stats["load"].add_load(layers, old.used, self._masks[i])
             if self._engine is not None:
-                engine = torch.stack(self._engine[i], dim=1)
+                engine = torch.stack(self._engine[i], dim=1) if self._engine[i] else old.used  # no MoE layer here: empty
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
 
@@ -165,6 +166,15 @@ class RoutingMonitor:
             return []
         self.probe.start()
         return [self.probe]
+
+    def _stop_probe(self) -> list[ProbedRouting]:
+        """The pass's routing per micro-batch; on a pipeline stage without MoE layers, empty
+        routings of its tokens (so every stage adds the same token flags to the statistics)."""
+        probed = self.probe.stop()
+        if probed or self.probe.layer_numbers or not self.measure:
+            return probed
+        empty = lambda t: torch.zeros(t, 0, 0, dtype=torch.long, device=self._masks[0].device)  # noqa: E731
+        return [ProbedRouting(empty(len(m)), empty(len(m)), torch.zeros(len(m), 0, self.num_experts)) for m in self._masks]
 
     @contextlib.contextmanager
     def _cleanup_on_error(self) -> Iterator[None]:

@@ -137,7 +137,8 @@ class RoutingStats:
 
     def _split_values(self, flags: Tensor, pipeline_group: dist.ProcessGroup | None) -> Tensor:
         """``[C, 2]``: per row of the token values (the last: the weights themselves), its
-        weighted sums over routing-changed and routing-same tokens of this rank."""
+        weighted sums over routing-changed and routing-same tokens of this rank (values
+        summed over the pipeline stages first, flags already OR-ed over them)."""
         if not self._values:
             return torch.zeros(0, 2, dtype=torch.float64)
         values = torch.cat(self._values, dim=1)

@@ -37,6 +37,8 @@ SCALARS = (
     "logp_mismatch_routing_changed",
     "logp_mismatch_routing_same",
     "routing_changed_response_frac",
+    "routing_changed_tokens",
+    "routing_same_tokens",
 )
 
 

@@ -59,13 +59,18 @@ def use_engine_routing(cfg: Config, engine: RolloutEngine) -> bool:
     engine can return them (one warning when it cannot)."""
     if not wants_engine_routing(cfg):
         return False
-    if engine.returns_routed_experts():
-        return True
-    flag = "start SGLang with --enable-return-routed-experts"
-    if cfg.routing.replay == "r3":
-        raise RolloutError(f"routing.replay=r3 needs the rollout engine's routed experts: {flag}")
-    log.warning("the rollout engine does not return routed experts, so routing/train_vs_rollout/* (train-inference "
-                "routing drift) is not measured: %s to measure it", flag)  # fmt: skip
+    r3 = cfg.routing.replay == "r3"
+    try:
+        if engine.returns_routed_experts():
+            return True
+        why = "the rollout engine does not return routed experts: start SGLang with --enable-return-routed-experts"
+    except RolloutError as e:  # e.g. a router in front of the servers without /get_server_info
+        if r3:
+            raise
+        why = f"cannot tell whether the rollout engine returns routed experts ({e})"
+    if r3:
+        raise RolloutError(f"routing.replay=r3 needs the rollout engine's routed experts; {why}")
+    log.warning("routing/train_vs_rollout/* (train-inference routing drift) is not measured: %s", why)
     return False
 
 

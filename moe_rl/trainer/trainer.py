@@ -256,12 +256,18 @@ class Trainer:
             with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
             skipped += not result.updated
-            if self.monitor:  # |log-ratio| and clipping by routing change; a first update on recomputed old log-probs has ratio 1
-                off_policy = i > 0 or self.cfg.algorithm.old_logprobs != "recompute"
-                self.monitor.add_update_log_ratios(result.outputs or None, batch.micro_batches, counted=off_policy)
+            if self.monitor:  # |log-ratio| and clipping by routing change since the old pass
+                self.monitor.add_update_log_ratios(result.outputs or None, batch.micro_batches, counted=self._split_counts(i, result.updated))
         if skipped and is_first_rank():
             log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
         return UpdateResult(result.outputs, result.grad_norm, skipped)
+
+    def _split_counts(self, update: int, updated: bool) -> bool:
+        """Whether update pass ``update`` enters the log-ratio split by routing change: its
+        ratios are against the recomputed old pass (not the rollout's log-probs, whose
+        routing the split does not compare), after an optimizer step (the first pass's are
+        all 1), and finite (a skipped update's may be NaN)."""
+        return update > 0 and self.cfg.algorithm.old_logprobs == "recompute" and updated
 
     def measure_routing_after_update(self, batch: TrainBatch) -> None:
         """One more forward pass: how the updates changed routing (old -> new)."""
