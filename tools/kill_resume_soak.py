@@ -6,9 +6,11 @@ every logged step once and equal, nothing left behind but what a restart removes
 
 With ``--engine sglang`` the runs get their rollouts from the SGLang-protocol test server
 (tests/sglang_test_server.py) through the disk weight sync, so kills also land in weight
-syncs. Each restart is killed after it logs a new step, at a random moment within the
-next two steps (step time measured on the uninterrupted run), so kills fall into
-rollouts, updates, checkpoint writes and syncs; kills stop when the run is complete.
+syncs. Each restart is killed after it logs a new step, at a moment the kill's target
+picks, cycling through ``--targets``: ``random`` (within the next two steps, step time
+measured on the uninterrupted run), ``checkpoint`` (as soon as a checkpoint is being
+written) and ``sync`` (as soon as weights are being exported for the engine; sglang
+only). Kills stop when the run is complete.
 Prints one line per kill (when, what the run was doing, where it resumed) and a verdict;
 exit code 0 only when the final weights and logs equal the uninterrupted run's.
 """
@@ -62,9 +64,9 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: float) -> tuple[float, str, int]:
-    """Start the run, wait for a new logged step, kill -9 at a random moment in the next
-    ``window_s``; (seconds since start, what it was doing, steps logged)."""
+def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: float, target: str) -> tuple[float, str, int]:
+    """Start the run, wait for a new logged step, kill -9 at the ``target`` moment (random:
+    within the next ``window_s``); (seconds since start, what it was doing, steps logged)."""
     before = len(logged_steps(run_dir))
     start = time.monotonic()
     proc = moe_rl(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -74,7 +76,12 @@ def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: floa
         if proc.returncode != 0:
             raise SystemExit(f"a restart failed by itself (exit code {proc.returncode}) before logging a step")
         return time.monotonic() - start, "(ran to the end)", len(logged_steps(run_dir))
-    time.sleep(rng.uniform(0, window_s))
+    if target == "random":
+        time.sleep(rng.uniform(0, window_s))
+    else:
+        wanted = {"checkpoint": "checkpoint write", "sync": "weight sync"}[target]
+        while phase(run_dir) != wanted and proc.poll() is None:
+            time.sleep(0.001)
     when, doing = time.monotonic() - start, phase(run_dir)
     proc.kill()
     proc.wait()
@@ -119,6 +126,7 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=8)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--engine", choices=("local", "sglang"), default="local")
+    p.add_argument("--targets", default="random,checkpoint,sync", help="kill moments to cycle through")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     args = p.parse_args()
@@ -141,7 +149,8 @@ def main() -> int:
         for i in range(args.kills):
             if len(logged_steps(chaos)) >= args.steps:
                 break
-            when, doing, steps = kill_once(["train", *common, f"train.run_dir={chaos}"], chaos, rng, window)
+            targets = [t for t in args.targets.split(",") if t != "sync" or args.engine == "sglang"]
+            when, doing, steps = kill_once(["train", *common, f"train.run_dir={chaos}"], chaos, rng, window, targets[i % len(targets)])
             print(f"{i + 1:>4} {when:>6.1f}  {doing:<17} {steps}", flush=True)
         finish("train", *common, f"train.run_dir={chaos}")
     finally:
