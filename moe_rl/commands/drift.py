@@ -70,7 +70,7 @@ def _check_mode(args: argparse.Namespace) -> bool:
         return False
     if args.engine is None or args.checkpoint is None or args.prompts is None:
         raise ValueError("--engine needs --checkpoint and --prompts")
-    from moe_rl.commands.drift_engine import model_dir_of
+    from moe_rl.commands.export import model_dir_of
 
     model_dir_of(args.checkpoint)
     if not Path(args.prompts).is_file():

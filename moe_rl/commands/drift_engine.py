@@ -21,24 +21,16 @@ from transformers import PretrainedConfig
 from moe_rl.rollout.types import RolloutError, Sample
 
 
-def model_dir_of(checkpoint: str) -> str:
-    """An HF model directory, or a moe-rl checkpoint (``step_N/`` with ``model/``)."""
-    path = Path(checkpoint)
-    for candidate in (path, path / "model"):
-        if (candidate / "config.json").is_file():
-            return str(candidate.resolve())
-    raise ValueError(f"--checkpoint {checkpoint}: not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)")
-
-
 def run_rank(args: argparse.Namespace) -> int:
     """One process of the measurement (every rank of the layout runs it)."""
     from moe_rl.commands._distributed import layout_from
+    from moe_rl.commands.export import model_dir_of
     from moe_rl.models.architectures import model_dims
     from moe_rl.models.builder import load_hf_config
     from parallel.collectives import broadcast_object, is_first_rank
     from parallel.distributed import destroy_distributed, init_distributed
 
-    hf_dir = model_dir_of(args.checkpoint)
+    hf_dir = str(model_dir_of(args.checkpoint).resolve())  # absolute: --sync-weights hands it to the servers
     hf_config = load_hf_config(hf_dir)
     layout = layout_from(args)
     init_distributed(layout, model_dims(hf_config), seed=args.seed)
@@ -109,19 +101,16 @@ def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: li
     """Collective: the trainer's routing and log-probs of the samples on this rank's
     data-parallel share; the ``train_vs_rollout`` routing metrics and the log-prob mismatch."""
     from moe_rl.models.architectures import architecture_of
-    from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.forward import run_microbatches
-    from moe_rl.models.hf_weights import load_hf_weights
     from moe_rl.models.logprob_head import LogProbConfig
     from moe_rl.routing.monitor import RoutingMonitor
     from moe_rl.trainer.batch import Experience, build_train_batch
     from moe_rl.trainer.metrics import reduce_mismatch
     from moe_rl.trainer.objective import logprob_mismatch
+    from moe_rl.trainer.policy import build_reference
     from parallel.collectives import data_parallel_share, rank_device
 
-    model = build_model(hf_config, make_transformer_config(hf_config, layout), LogProbConfig(temperature=args.temperature))
-    load_hf_weights(model, hf_config, hf_dir)
-    model.eval()
+    model = build_reference(hf_config, hf_dir, layout, LogProbConfig(temperature=args.temperature))  # frozen, eval mode
     exp = Experience(samples, torch.zeros(len(samples), 0), [], torch.zeros(len(samples)))
     mine, rows_per_rank = data_parallel_share(len(samples))
     batch = build_train_batch(

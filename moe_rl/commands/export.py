@@ -27,7 +27,7 @@ def model_dir_of(checkpoint: str) -> Path:
         return path / "model"
     if (path / "config.json").exists():
         return path
-    raise FileNotFoundError(f"{checkpoint} holds neither model/config.json nor config.json")
+    raise FileNotFoundError(f"{checkpoint} is not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)")
 
 
 def run(args: argparse.Namespace) -> int:
