@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default="configs/compare/demo.yaml")
     demo.add_argument("overrides", nargs="*")
     demo.set_defaults(func=_demo)
-    from moe_rl.commands import compare, drift, export, parity, prepare, train
+    from moe_rl.commands import compare, drift, evaluate, export, parity, prepare, train
 
     train.add_parser(sub)
     compare.add_parser(sub)
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_parser(sub)
     export.add_parser(sub)
     drift.add_parser(sub)
+    evaluate.add_parser(sub)
     return parser
 
 

@@ -35,9 +35,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # built-in task, or a JSONL path with {"prompt", "answer"} lines
+    task: str = "arithmetic"  # the built-in task, or a dataset: .jsonl/.json/.parquet file, datasets dir (DIR[:split])
+    prompt_key: str = "prompt"  # a dataset's prompt field (dots reach nested fields); text or chat messages
+    answer_key: str = "answer"  # its reference-answer field, e.g. reward_model.ground_truth
+    prompt_template: str = "{prompt}"  # wraps the question, e.g. "{prompt} Put the answer in \\boxed{}."
+    chat_template: bool = False  # apply the tokenizer's chat template (with the generation prompt)
+    system_prompt: str = ""  # with chat_template: a system message before each prompt
     max_operand: int = 9
-    max_prompt_tokens: int = 64
+    max_prompt_tokens: int = 64  # longer prompts are left-truncated (counted)
+    eval_task: str | None = None  # held-out problems (same forms as task); evaluated every train.eval_every steps
+    eval_max_prompts: int = 0  # 0: every problem (the built-in task: 64)
+    eval_samples: int = 4  # responses per prompt: pass@1 and pass@<eval_samples>
+    eval_temperature: float = 1.0
+    eval_solved_reward: str = "correct"  # a reward: a response solves its problem when it scores >= 1
 
 
 @dataclass
@@ -57,6 +67,10 @@ class RolloutConfig:
     server_gpus: list[int] = field(default_factory=list)  # GPUs of a launched server (must not be the trainer's)
     mem_fraction_static: float = 0.8
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
+    # DAPO dynamic sampling: drop groups whose samples all got the same rewards (zero
+    # advantage) and sample more prompts, up to max_sampling_rounds rounds per step
+    filter_zero_std_groups: bool = False
+    max_sampling_rounds: int = 3
 
 
 @dataclass
@@ -127,6 +141,7 @@ class TrainConfig:
     resume_anyway: bool = False  # resume although the config differs from the checkpoint's run
     progress: bool = True
     max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
+    eval_every: int = 0  # with data.eval_task: evaluate before training, every N steps and at the end (0: only at the end)
 
 
 @dataclass
@@ -155,8 +170,10 @@ class Config:
 
 _FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "warm_start.", "train.seed",
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
-                  "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision")  # fmt: skip
-_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "warm_start.cache_dir", "reward.timeout_s"}
+                  "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
+                  "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
+_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
+                      "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -196,9 +213,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, _, text = item.partition("=")
         try:
-            value = yaml.safe_load(text) if text else ""
+            value = _Override(text, yaml.safe_load(text) if text else "")
         except yaml.YAMLError:
-            value = text
+            value = _Override(text, text)
         node = raw
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -225,8 +242,20 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
+@dataclass(frozen=True)
+class _Override:
+    """A command-line value: as written, and as YAML reads it. A string setting takes it as
+    written (``data.prompt_template={prompt} Answer:`` is no YAML mapping), others as read."""
+
+    text: str
+    parsed: Any
+
+
 def _coerce(tp, value: Any, key: str):
     origin = typing.get_origin(tp)
+    if isinstance(value, _Override):
+        wants_text = tp is str or (origin in (typing.Union, types.UnionType) and str in typing.get_args(tp) and value.parsed is not None)
+        value = value.parsed if isinstance(value.parsed, str) or not wants_text else value.text
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     if origin in (typing.Union, types.UnionType):
@@ -327,7 +356,7 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
     if any(g < 0 for g in r.server_gpus) or len(set(r.server_gpus)) != len(r.server_gpus):
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
-    for key in ("server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature"):
+    for key in ("server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")
@@ -375,14 +404,35 @@ def _validate_model_and_data(c: Config) -> None:
             raise ConfigError(f"model.hidden_size={m.hidden_size} must be a multiple of 4 (the built-in model has 4 heads)")
         if m.top_k > m.num_experts:
             raise ConfigError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
-    if c.data.task != "arithmetic" and not Path(c.data.task).is_file():
-        raise ConfigError(f"data.task={c.data.task!r} is neither 'arithmetic' nor a readable JSONL file")
-    _positive("data.max_operand", c.data.max_operand, allow_zero=True)
-    _positive("data.max_prompt_tokens", c.data.max_prompt_tokens)
+    _validate_data(c.data, [r.name for r in c.reward.rewards])
     w = c.warm_start
     _positive("warm_start.steps", w.steps, allow_zero=True)
     _positive("warm_start.lr", w.lr)
     _positive("warm_start.batch_size", w.batch_size)
+
+
+def _validate_data(d: DataConfig, reward_names: list[str]) -> None:
+    from moe_rl.data.prompts import check_prompt_settings
+    from moe_rl.data.tasks import ARITHMETIC, resolve_spec
+
+    for key in ("task", "eval_task"):
+        spec = getattr(d, key)
+        if spec is not None and spec != ARITHMETIC:
+            try:
+                resolve_spec(spec)
+            except ValueError as e:
+                raise ConfigError(f"data.{key}={e}") from None
+    try:
+        check_prompt_settings(d.prompt_template, d.system_prompt, d.chat_template)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _positive("data.max_operand", d.max_operand, allow_zero=True)
+    _positive("data.max_prompt_tokens", d.max_prompt_tokens)
+    _positive("data.eval_max_prompts", d.eval_max_prompts, allow_zero=True)
+    _positive("data.eval_samples", d.eval_samples)
+    _positive("data.eval_temperature", d.eval_temperature)
+    if d.eval_task is not None and d.eval_solved_reward not in reward_names:
+        raise ConfigError(f"data.eval_solved_reward={d.eval_solved_reward!r} is not a reward; rewards: {', '.join(reward_names)}")
 
 
 def _check_hf_dir(hf_dir: str) -> None:
@@ -406,11 +456,13 @@ def _validate_training(c: Config) -> None:
         _positive("parallel.etp", c.parallel.etp)
     try:
         c.optim.validate()
+        c.optim.check_horizon(c.train.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _positive("train.steps", c.train.steps)
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)
     _positive("train.max_skipped_updates", c.train.max_skipped_updates)
+    _positive("train.eval_every", c.train.eval_every, allow_zero=True)
     if not c.train.run_dir:
         raise ConfigError("train.run_dir is empty")

@@ -13,6 +13,8 @@ RESPONSE_LENGTH_MAX = "response/length_max"
 RESPONSE_FINISHED_FRAC = "response/finished_frac"
 DATA_TRUNCATED_PROMPTS = "data/truncated_prompts"
 DATA_SKIPPED_LINES = "data/skipped_lines"
+DATA_KEPT_GROUP_FRAC = "data/kept_group_frac"  # dynamic sampling: groups with unequal rewards / groups sampled
+DATA_SAMPLING_ROUNDS = "data/sampling_rounds"  # dynamic sampling: generation rounds this step
 
 
 def reward(name: str) -> str:
@@ -24,6 +26,22 @@ def reward_failures(name: str) -> str:
     """How many samples a named reward failed to score (raised, timed out, NaN)."""
     return f"reward/failures/{name}"
 
+
+# ---------------------------------------------------------------- evaluation (held-out problems)
+
+
+def eval_pass_at(k: int) -> str:
+    """pass@k over the held-out problems (k = 1 and k = data.eval_samples)."""
+    return f"eval/pass@{k}"
+
+
+def eval_reward(name: str) -> str:
+    return f"eval/reward/{name}"
+
+
+EVAL_REWARD_MEAN = "eval/reward_mean"  # the weighted total
+EVAL_RESPONSE_LENGTH_MEAN = "eval/response_length_mean"
+EVAL_PROMPTS = "eval/prompts"
 
 # ---------------------------------------------------------------- policy update
 
@@ -42,6 +60,7 @@ TRAIN_LOG_RATIO_HISTOGRAM = train("log_ratio")
 TRAIN_LOGP_MISMATCH_MEAN = train("logp_mismatch_mean")
 TRAIN_LOGP_MISMATCH_MAX = train("logp_mismatch_max")
 TRAIN_GRAD_NORM = train("grad_norm")
+TRAIN_LR = train("lr")
 TRAIN_UPDATE_SKIPPED = train("update_skipped")
 
 

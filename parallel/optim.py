@@ -33,6 +33,12 @@ class OptimSettings:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
+    # learning rate per RL step (constant over its updates): linear warmup, step s < warmup_steps
+    # at lr * (s + 1) / warmup_steps, then constant, or a linear / cosine decay that would
+    # reach min_lr one step after decay_steps (0: train.steps); min_lr after that
+    lr_schedule: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
+    decay_steps: int = 0
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
     extra: dict = field(default_factory=dict)
@@ -54,6 +60,21 @@ class OptimSettings:
                 raise ValueError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
         if not self.adam_eps > 0:
             raise ValueError(f"optim.adam_eps={self.adam_eps} must be > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule={self.lr_schedule!r} is not valid; valid: {', '.join(LR_SCHEDULES)}")
+        for key in ("warmup_steps", "decay_steps"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"optim.{key}={getattr(self, key)} must be >= 0")
+
+    def check_horizon(self, total_steps: int) -> None:
+        """``ValueError`` unless the warmup ends before the decay horizon."""
+        horizon = self.decay_steps or total_steps
+        if self.warmup_steps and self.warmup_steps >= horizon:
+            where = f"optim.decay_steps={self.decay_steps}" if self.decay_steps else f"train.steps={total_steps}"
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be below the decay horizon ({where})")
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, settings: OptimSettings) -> DistributedDataParallel:
@@ -90,6 +111,38 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimSettin
         **settings.extra,
     )
     return get_megatron_optimizer(opt_config, chunks)
+
+
+def build_lr_scheduler(optimizer: MegatronOptimizer, settings: OptimSettings, total_steps: int) -> LRSchedule:
+    """megatron-core's scheduler for ``settings`` over a run of ``total_steps`` RL steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    settings.check_horizon(total_steps)
+    horizon = settings.decay_steps or total_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_steps,
+        lr_decay_steps=horizon + 1, lr_decay_style=settings.lr_schedule,
+        start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+    )  # fmt: skip
+    return LRSchedule(scheduler)
+
+
+@dataclass
+class LRSchedule:
+    """The learning rate of each RL step, a function of the step alone (so a resumed run
+    continues the schedule exactly): ``set_step(s)`` before step ``s``'s updates (0-based)
+    sets every parameter group's rate for it."""
+
+    scheduler: object  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+
+    def set_step(self, step: int) -> float:
+        """Sets the learning rate of step ``step``; returns it as the optimizer holds it."""
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        self.scheduler.num_steps = 0
+        self.scheduler.step(step + 1)  # step s at point s + 1 of a horizon + 1 schedule: no step at rate 0
+        lr = get_canonical_lr_for_logging(self.scheduler.optimizer.param_groups)
+        return float(lr if lr is not None else self.scheduler.get_lr({}))
 
 
 @dataclass

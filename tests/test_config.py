@@ -19,6 +19,10 @@ def test_defaults_and_overrides() -> None:
     assert cfg.algorithm.loss == "gspo" and cfg.optim.lr == 1e-4 and cfg.rollout.group_size == 4
     assert cfg.routing.replay == "r2" and cfg.algorithm.loss_params == {"eps_low": 0.0003, "eps_high": 0.0004}
     assert [r.name for r in cfg.reward.rewards] == ["correct", "format", "short"]
+    # a string setting takes the text as written, even where YAML would read a mapping or a number
+    cfg = load_config(None, ["data.prompt_template={prompt}", "train.run_dir=123", "data.system_prompt='Be: brief'",
+                             "data.chat_template=true", "model.hf_dir=null"])  # fmt: skip
+    assert (cfg.data.prompt_template, cfg.train.run_dir, cfg.data.system_prompt, cfg.model.hf_dir) == ("{prompt}", "123", "Be: brief", None)
 
 
 def test_yaml_file(tmp_path: Path) -> None:
@@ -65,7 +69,16 @@ BAD = [
     (["train.progress=maybe"], "train.progress='maybe' must be true or false"),
     (["model.hf_dir=/nonexistent"], "model.hf_dir='/nonexistent' has no config.json"),
     (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
-    (["data.task=/no/such.jsonl"], "neither 'arithmetic' nor a readable JSONL file"),
+    (["data.task=/no/such.jsonl"], "data.task='/no/such.jsonl' is neither 'arithmetic' nor an existing dataset file"),
+    (["data.eval_task=/no/such.parquet"], "data.eval_task='/no/such.parquet' is neither 'arithmetic' nor an existing"),
+    ([f"data.task={__file__}"], "a dataset file must end in .jsonl, .json (JSON lines) or .parquet"),
+    (["data.prompt_template=Q: {question}"], "data.prompt_template='Q: {question}' must contain {prompt}"),
+    (["data.system_prompt=Be brief."], "data.system_prompt needs data.chat_template=true"),
+    (["data.eval_task=arithmetic", "data.eval_solved_reward=right"], "data.eval_solved_reward='right' is not a reward"),
+    (["data.eval_samples=0"], "data.eval_samples=0 must be > 0"),
+    (["optim.lr_schedule=step"], "optim.lr_schedule='step' is not valid; valid: constant, linear, cosine"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
+    (["train.steps=5", "optim.warmup_steps=5"], "optim.warmup_steps=5 must be below the decay horizon (train.steps=5)"),
     (["train"], "must look like key.sub=value"),
     (["model.hidden_size=0"], "model.hidden_size=0 must be > 0"),
     (["model.hidden_size=30"], "model.hidden_size=30 must be a multiple of 4"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.rewards import ConditionalSpec, RewardInput, RewardScorer, RewardSpec, resolve_reward_fn
-from moe_rl.rewards.rules import format_reward, length_reward, math_correct
+from moe_rl.rewards.rules import format_reward, length_reward, math_correct, overlong_penalty
 
 
 def sample(response: str, answer: str | None = None, n: int | None = None) -> RewardInput:
@@ -38,6 +38,16 @@ def test_format_and_length() -> None:
     assert length_reward(sample("x", n=150), budget=100) == pytest.approx(0.5)
     assert length_reward(sample("x", n=400), budget=100) == 0.0
     assert length_reward(sample("abcd"), budget=2) == 0.0  # characters when tokens unknown
+
+
+@pytest.mark.parametrize("n, expected", [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (16, -1.0), (20, -1.0)])
+def test_overlong_penalty_is_dapos_soft_punishment(n: int, expected: float) -> None:
+    # DAPO eq. 13 with L_max = 16, L_cache = 4: 0 below 12 tokens, (12 - n) / 4 up to 16, -1 past it
+    at_limit = RewardInput(prompt="q", response="r", num_response_tokens=n, max_response_tokens=16)
+    assert overlong_penalty(at_limit, buffer=4) == pytest.approx(expected)
+    assert overlong_penalty(sample("r", n=n), buffer=4, max_tokens=16) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="needs the response's token count and the sampling limit"):
+        overlong_penalty(sample("r", n=n), buffer=4)
 
 
 def _raises(s: RewardInput) -> float:

@@ -17,10 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
     import os
     import sys
 
+    from moe_rl.commands import configure_logging
     from moe_rl.commands._distributed import fail
     from moe_rl.config import ConfigError, load_config
 
@@ -35,9 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
         argv = ["-m", "moe_rl.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
         return spawn_local(args.nproc, argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("megatron", "math_verify", "httpx", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    configure_logging()
     from moe_rl.rollout.types import RolloutError
     from moe_rl.trainer.trainer import TrainingStopped, train
     from parallel.layout import LayoutError

@@ -1,5 +1,12 @@
-"""Prompt sources. Each yields :class:`Problem` s (prompt text + reference answer) for a
-step deterministically from (seed, step), so a resumed run sees the same data."""
+"""Prompt sources. Each yields :class:`Problem` s (a prompt + reference answer) for a step
+deterministically from (seed, step), so a resumed run sees the same data, and a fixed
+list of held-out problems for evaluation.
+
+Datasets are read from JSONL, Parquet (pyarrow) or a Hugging Face ``datasets`` directory
+(``save_to_disk``; ``DIR:split`` picks a split of a ``DatasetDict``), with configurable,
+optionally dotted field names (``reward_model.ground_truth``). A prompt field holds text,
+or a list of chat messages (``[{"role": "user", "content": ...}]``, as verl's data does).
+"""
 
 from __future__ import annotations
 
@@ -8,26 +15,40 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
+from typing import Any, Iterator, Protocol
 
 log = logging.getLogger(__name__)
+
+ARITHMETIC = "arithmetic"
+EVAL_SEED = 0x5EED  # the built-in task's held-out problems
+FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: str  # the question (for chat rows: the last user message)
     answer: str
+    messages: tuple[dict, ...] | None = None  # the row's chat messages, when it holds a chat
 
 
 class Task(Protocol):
     """A prompt source: the same ``count`` problems for the same (seed, step)."""
 
+    holds_messages: bool  # some problems are chats (they need a chat template)
+    skipped: list[str] | tuple[str, ...]  # rows left out, with where and why
+
     def problems(self, seed: int, step: int, count: int) -> list[Problem]: ...
+
+    def eval_problems(self, limit: int) -> list[Problem]:
+        """Up to ``limit`` problems (0: all) in a fixed order, for evaluation."""
+        ...
 
 
 class ArithmeticTask:
     """``a+b=`` with single-digit operands (by default); the answer goes in ``\\boxed{}``."""
+
+    holds_messages = False
+    skipped: tuple[str, ...] = ()
 
     def __init__(self, max_operand: int = 9) -> None:
         self.max_operand = max_operand
@@ -40,41 +61,48 @@ class ArithmeticTask:
             out.append(Problem(f"{a}+{b}=", str(a + b)))
         return out
 
+    def eval_problems(self, limit: int) -> list[Problem]:
+        return self.problems(EVAL_SEED, 0, limit or 64)
+
     @staticmethod
     def solution(problem: Problem) -> str:
         return f"\\boxed{{{problem.answer}}}"
 
 
-class JsonlTask:
-    """Lines of ``{"prompt": text, "answer": text}``; each step takes ``count`` lines of a
-    seeded permutation (epochs wrap around). Malformed, empty or non-UTF-8 lines are
-    skipped, each logged with file:line and counted (``skipped``)."""
+class DatasetTask:
+    """Rows of a dataset file or directory; each step takes ``count`` rows of a seeded
+    permutation (epochs wrap around). Rows without a usable prompt or answer (and, in
+    JSONL, lines that are not UTF-8 JSON objects) are skipped, each logged with where it
+    is and counted (``skipped``)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, spec: str, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+        self.spec = spec
+        self.prompt_key, self.answer_key = prompt_key, answer_key
         self.items: list[Problem] = []
-        self.skipped: list[str] = []  # "file:line: why" of every line left out
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):
-                where = f"{path}:{line_no}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    self._skip(f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    self._skip(f"{where}: not valid JSON ({e.msg})")
-                    continue
-                if not isinstance(record, dict) or not str(record.get("prompt", "")).strip() or "answer" not in record:
-                    self._skip(f'{where}: needs a non-empty "prompt" and an "answer"')
-                    continue
-                self.items.append(Problem(str(record["prompt"]), str(record["answer"])))
+        self.skipped: list[str] = []  # "where: why" of every row left out
+        for where, row in read_rows(spec, self._skip):
+            problem = self._problem(row)
+            if isinstance(problem, str):
+                self._skip(f"{where}: {problem}")
+            else:
+                self.items.append(problem)
         if not self.items:
-            raise ValueError(f"{path} holds no usable problems ({len(self.skipped)} lines skipped)")
+            raise ValueError(f"{spec} holds no usable problems ({len(self.skipped)} rows skipped)")
+        self.holds_messages = any(p.messages is not None for p in self.items)
+
+    def _problem(self, row: Any) -> Problem | str:
+        """The row's problem, or why it has none."""
+        if not isinstance(row, dict):
+            return "not an object"
+        prompt, answer = field_of(row, self.prompt_key), field_of(row, self.answer_key)
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            return f'needs an answer in "{self.answer_key}"'
+        if isinstance(prompt, str) and prompt.strip():
+            return Problem(prompt, str(answer))
+        if _is_chat(prompt):
+            users = [m["content"] for m in prompt if m["role"] == "user"]
+            return Problem(users[-1] if users else prompt[-1]["content"], str(answer), tuple(dict(m) for m in prompt))
+        return f'needs a non-empty prompt (text or chat messages) in "{self.prompt_key}"'
 
     def _skip(self, why: str) -> None:
         if len(self.skipped) < 20:
@@ -91,10 +119,100 @@ class JsonlTask:
             out.append(self.items[order[pos]])
         return out
 
+    def eval_problems(self, limit: int) -> list[Problem]:
+        return self.items[:limit] if limit else list(self.items)
 
-def make_task(spec: str, max_operand: int = 9):
-    if spec == "arithmetic":
+
+def field_of(row: dict, key: str) -> Any:
+    """``row[key]``, following dots into nested mappings (``None`` when missing)."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    )
+
+
+# ------------------------------------------------------------------ reading datasets
+
+
+def resolve_spec(spec: str) -> tuple[str, Path, str | None]:
+    """``(format, path, split)`` of a dataset spec: a ``.jsonl``/``.json``/``.parquet`` file,
+    or a ``datasets`` directory, ``DIR:split`` for one split. Raises ``ValueError`` saying
+    what is wrong."""
+    path, split = Path(spec), None
+    if not path.exists() and ":" in spec:
+        head, _, split = spec.rpartition(":")
+        path = Path(head)
+    if path.is_dir():
+        return "datasets", path, split
+    if not path.is_file():
+        raise ValueError(f"{spec!r} is neither {ARITHMETIC!r} nor an existing dataset file or directory")
+    if split is not None or path.suffix.lower() not in FILE_FORMATS:
+        raise ValueError(f"{spec!r}: a dataset file must end in .jsonl, .json (JSON lines) or .parquet")
+    return FILE_FORMATS[path.suffix.lower()], path, None
+
+
+def read_rows(spec: str, skip) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` of every row; unreadable JSONL lines go to ``skip(why)``."""
+    kind, path, split = resolve_spec(spec)
+    if kind == "jsonl":
+        yield from _jsonl_rows(path, skip)
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path}:row {i}", row
+    else:
+        for i, row in enumerate(_load_dataset_dir(path, split)):
+            yield f"{spec}:row {i}", row
+
+
+def _jsonl_rows(path: Path, skip) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                skip(f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                skip(f"{where}: not valid JSON ({e.msg})")
+
+
+def _load_dataset_dir(path: Path, split: str | None):
+    """A ``datasets`` ``save_to_disk`` directory (one split of a ``DatasetDict``)."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise ValueError(f"{path} is not a saved Hugging Face dataset ({e})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None or split not in loaded:
+            splits = ", ".join(loaded)
+            raise ValueError(f"{path} holds the splits {splits}: name one, as {path}:{next(iter(loaded))}")
+        return loaded[split]
+    if split is not None:
+        raise ValueError(f"{path} holds one dataset without splits: drop ':{split}'")
+    return loaded
+
+
+def make_task(spec: str, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer") -> Task:
+    """The built-in task, or a :class:`DatasetTask` (``ValueError`` if it cannot be read)."""
+    if spec == ARITHMETIC:
         return ArithmeticTask(max_operand)
-    if Path(spec).is_file():
-        return JsonlTask(spec)
-    raise ValueError(f"data.task={spec!r} is neither 'arithmetic' nor a JSONL file")
+    return DatasetTask(spec, prompt_key, answer_key)

@@ -38,6 +38,7 @@ class RewardInput:
     response: str
     answer: str | None = None
     num_response_tokens: int | None = None
+    max_response_tokens: int | None = None  # the sampling limit (rollout.max_new_tokens)
     metadata: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,4 +1,5 @@
-"""Rule rewards for verifiable tasks: math correctness (math-verify), format, length."""
+"""Rule rewards for verifiable tasks: math correctness (math-verify), format, length, and
+DAPO's soft overlong penalty."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def length_reward(sample: RewardInput, budget: int = 256) -> float:
         raise ValueError(f"length budget must be > 0, got {budget}")
     n = sample.num_response_tokens if sample.num_response_tokens is not None else len(sample.response)
     return max(0.0, min(1.0, 2.0 - n / budget))
+
+
+@REWARD_FUNCTIONS.register("overlong_penalty")
+def overlong_penalty(sample: RewardInput, buffer: int = 4, max_tokens: int | None = None) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_tokens - buffer`` response tokens, then
+    falling linearly to -1 at ``max_tokens`` (default: the sampling limit) and beyond."""
+    if buffer <= 0:
+        raise ValueError(f"overlong_penalty buffer must be > 0, got {buffer}")
+    limit = max_tokens if max_tokens is not None else sample.max_response_tokens
+    if limit is None or sample.num_response_tokens is None:
+        raise ValueError("overlong_penalty needs the response's token count and the sampling limit")
+    over = sample.num_response_tokens - (limit - buffer)
+    return -min(1.0, max(0.0, over / buffer))

@@ -1,22 +1,63 @@
 """The first rank's half of a step: prompts -> rollout -> rewards -> advantages.
 
 Advantages are computed over the whole batch here (so GDPO's batch statistics span
-every data-parallel rank) before the :class:`Experience` is broadcast.
+every data-parallel rank) before the :class:`Experience` is broadcast. With DAPO's dynamic
+sampling (``rollout.filter_zero_std_groups``) groups whose samples all got the same
+rewards are dropped and more prompts sampled, up to ``rollout.max_sampling_rounds``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
+import torch
 
 from moe_rl import tags
 from moe_rl.algorithms import compute_advantages
 from moe_rl.config import Config
+from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
 from moe_rl.trainer.batch import Experience
+
+log = logging.getLogger("moe_rl.train")
+
+
+@dataclass
+class SampledRound:
+    """One round of generation: its problems, samples (prompt-major) and rewards."""
+
+    problems: list[Problem]
+    samples: list[Sample]
+    rewards: RewardBatch
+    truncated: int  # prompts left-truncated to data.max_prompt_tokens
+
+
+def generate_and_score(
+    problems: list[Problem],
+    formatter: PromptFormatter,
+    engine: RolloutEngine,
+    scorer: RewardScorer,
+    sampling: SamplingParams,
+    group_size: int,
+    seed: int,
+    return_routing: bool = False,
+) -> SampledRound:
+    """``group_size`` responses to each problem, scored (training and evaluation alike)."""
+    encoded = [formatter.encode(p) for p in problems]
+    groups = engine.generate(
+        [ids for ids, _ in encoded], group_size, sampling, seed=seed, return_routed_experts=return_routing
+    )
+    samples = [s for g in groups for s in g]
+    eos = formatter.tokenizer.eos_token_id
+    inputs = []
+    for i, s in enumerate(samples):
+        problem = problems[i // group_size]
+        out = s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids
+        inputs.append(RewardInput(problem.prompt, formatter.tokenizer.decode(out), problem.answer, len(s.output_ids), sampling.max_new_tokens))
+    return SampledRound(problems, samples, scorer.score(inputs), sum(t for _, t in encoded))
 
 
 @dataclass
@@ -25,7 +66,7 @@ class ExperienceCollector:
 
     cfg: Config
     task: Task
-    tokenizer: PreTrainedTokenizerBase
+    formatter: PromptFormatter
     engine: RolloutEngine
     scorer: RewardScorer
     sampling: SamplingParams
@@ -33,56 +74,68 @@ class ExperienceCollector:
 
     def collect(self, step: int) -> tuple[Experience, dict[str, float]]:
         """The step's experience and its rollout-side scalars (rewards, advantages, lengths)."""
-        problems = self.task.problems(self.cfg.train.seed, step, self.cfg.rollout.prompts_per_step)
-        prompts, truncated = self._tokenize(problems)
-        groups = self.engine.generate(
-            prompts,
-            self.cfg.rollout.group_size,
-            self.sampling,
-            seed=self.cfg.train.seed * 100_003 + step,
-            return_routed_experts=self.return_routing,
-        )
-        samples = [s for g in groups for s in g]
-        rewards = self.scorer.score(self._reward_inputs(problems, samples))
-        advantages = compute_advantages(
-            self.cfg.algorithm.advantage, rewards.values, self.cfg.rollout.group_size, weights=rewards.weights
-        )
-        exp = Experience(samples, rewards.values, rewards.names, advantages)
-        return exp, self._scalars(exp, rewards, truncated)
+        r = self.cfg.rollout
+        rounds, kept = [], []  # kept: (round, group) of the groups trained on
+        for k in range(r.max_sampling_rounds if r.filter_zero_std_groups else 1):
+            rounds.append(self._sample(step, k))
+            kept += [(k, g) for g in self._groups_to_keep(rounds[-1].rewards)]
+            if len(kept) >= r.prompts_per_step:
+                break
+        kept_by_filter = len(kept)
+        if not kept:  # every group of every round had equal rewards: train on the first round
+            log.warning("step %d: every sampled group had equal rewards (zero advantage) in %d rounds", step + 1, len(rounds))
+            kept = [(0, g) for g in range(r.prompts_per_step)]
+        kept = kept[: r.prompts_per_step]
+        samples, values = self._select(rounds, kept)
+        rewards = rounds[0].rewards
+        advantages = compute_advantages(self.cfg.algorithm.advantage, values, r.group_size, weights=rewards.weights)
+        exp = Experience(samples, values, rewards.names, advantages)
+        return exp, self._scalars(exp, rounds, kept_by_filter)
 
-    def _tokenize(self, problems: list[Problem]) -> tuple[list[list[int]], int]:
-        """Prompt ids, long ones left-truncated to ``data.max_prompt_tokens`` (counted)."""
-        limit = self.cfg.data.max_prompt_tokens
-        prompts, truncated = [], 0
-        for p in problems:
-            ids = self.tokenizer(p.prompt)["input_ids"]
-            if len(ids) > limit:
-                ids, truncated = ids[-limit:], truncated + 1
-            prompts.append(ids)
-        return prompts, truncated
+    def _sample(self, step: int, round_: int) -> SampledRound:
+        """Round ``round_`` of step ``step``: the task's problems for (seed, step), from
+        another seed in later rounds (deterministic, so a resumed run samples the same)."""
+        seed = self.cfg.train.seed + 1_000_003 * round_
+        problems = self.task.problems(seed, step, self.cfg.rollout.prompts_per_step)
+        return generate_and_score(
+            problems, self.formatter, self.engine, self.scorer, self.sampling, self.cfg.rollout.group_size,
+            seed=seed * 100_003 + step, return_routing=self.return_routing,
+        )  # fmt: skip
 
-    def _reward_inputs(self, problems: list[Problem], samples: list[Sample]) -> list[RewardInput]:
-        eos = self.tokenizer.eos_token_id
-        inputs = []
-        for i, s in enumerate(samples):
-            problem = problems[i // self.cfg.rollout.group_size]
-            out = s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids
-            inputs.append(RewardInput(problem.prompt, self.tokenizer.decode(out), problem.answer, len(s.output_ids)))
-        return inputs
+    def _groups_to_keep(self, rewards: RewardBatch) -> list[int]:
+        """Every group, or (dynamic sampling) those whose samples' rewards are not all equal."""
+        grouped = rewards.values.view(-1, self.cfg.rollout.group_size, len(rewards.names))
+        if not self.cfg.rollout.filter_zero_std_groups:
+            return list(range(grouped.shape[0]))
+        varies = (grouped != grouped[:, :1]).any(dim=2).any(dim=1)
+        return varies.nonzero().flatten().tolist()
 
-    def _scalars(self, exp: Experience, rewards: RewardBatch, truncated: int) -> dict[str, float]:
+    def _select(self, rounds: list[SampledRound], kept: list[tuple[int, int]]) -> tuple[list[Sample], torch.Tensor]:
+        g = self.cfg.rollout.group_size
+        samples = [s for k, i in kept for s in rounds[k].samples[i * g : (i + 1) * g]]
+        values = torch.cat([rounds[k].rewards.values[i * g : (i + 1) * g] for k, i in kept])
+        return samples, values
+
+    def _scalars(self, exp: Experience, rounds: list[SampledRound], kept_groups: int) -> dict[str, float]:
+        """Rewards over every sample generated this step; the rest over the trained batch."""
         samples, advantages = exp.samples, exp.advantages
         grouped = advantages.view(-1, self.cfg.rollout.group_size)
-        return {
-            tags.REWARD_TOTAL: float(rewards.total().mean()),
-            **{tags.reward(n): float(rewards.values[:, j].mean()) for j, n in enumerate(rewards.names)},
-            **{tags.reward_failures(n): float(sum(c.values())) for n, c in rewards.failures.items()},
+        everything = RewardBatch(torch.cat([rd.rewards.values for rd in rounds]), rounds[0].rewards.names, rounds[0].rewards.weights)
+        failures = {n: sum(sum(rd.rewards.failures.get(n, {}).values()) for rd in rounds) for n in everything.names}
+        scalars = {
+            tags.REWARD_TOTAL: float(everything.total().mean()),
+            **{tags.reward(n): float(everything.values[:, j].mean()) for j, n in enumerate(everything.names)},
+            **{tags.reward_failures(n): float(c) for n, c in failures.items()},
             tags.ADVANTAGE_MEAN: float(advantages.mean()),
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),
             tags.RESPONSE_LENGTH_MEAN: float(sum(len(s.output_ids) for s in samples) / len(samples)),
             tags.RESPONSE_LENGTH_MAX: float(max(len(s.output_ids) for s in samples)),
             tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),
-            tags.DATA_TRUNCATED_PROMPTS: float(truncated),
-            tags.DATA_SKIPPED_LINES: float(len(getattr(self.task, "skipped", []))),
+            tags.DATA_TRUNCATED_PROMPTS: float(sum(rd.truncated for rd in rounds)),
+            tags.DATA_SKIPPED_LINES: float(len(self.task.skipped)),
         }
+        if self.cfg.rollout.filter_zero_std_groups:
+            scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
+            scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))
+        return scalars

@@ -108,6 +108,16 @@ class StepLogger:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{scalars.get(tags.REWARD_TOTAL, 0.0):.3f}", loss=f"{scalars.get(tags.TRAIN_LOSS, 0.0):.3f}")
 
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Scalars outside a training step (the evaluation before the first)."""
+        if not self.enabled or not scalars:
+            return
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+
     def _log_routing(self, step: int, routing: dict[str, dict[str, Tensor]]) -> dict[str, float]:
         """Each group under its tags; expert load goes with old->new (same prefix)."""
         from moe_rl.routing.tensorboard import log_routing

@@ -17,7 +17,7 @@ from moe_rl.models.hf_weights import HFWeights, load_hf_weights
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.routing.replay import replay_config_overrides
 from parallel.layout import ParallelLayout
-from parallel.optim import OptimSettings, StepResult, build_optimizer, train_step, wrap_ddp
+from parallel.optim import LRSchedule, OptimSettings, StepResult, build_lr_scheduler, build_optimizer, train_step, wrap_ddp
 
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
@@ -29,6 +29,7 @@ class Policy:
     model: GPTModel
     ddp: DistributedDataParallel
     optimizer: MegatronOptimizer
+    lr_schedule: LRSchedule
     hf_config: PretrainedConfig
 
     @property
@@ -53,17 +54,20 @@ def build_policy(
     layout: ParallelLayout,
     optim: OptimSettings,
     *,
+    total_steps: int,
     replay: str,
     recompute_activations: bool,
     logprob_config: LogProbConfig,
 ) -> Policy:
-    """The policy's stage with ``hf_dir``'s weights, megatron DDP and the optimizer."""
+    """The policy's stage with ``hf_dir``'s weights, megatron DDP, the optimizer and its
+    learning-rate schedule over ``total_steps`` RL steps."""
     overrides = {**replay_config_overrides(replay), **(FULL_RECOMPUTE if recompute_activations else {})}
     config = make_transformer_config(hf_config, layout, **overrides)
     model = build_model(hf_config, config, logprob_config)
     load_hf_weights(model, hf_config, hf_dir)
     ddp = wrap_ddp(model, config, optim)
-    return Policy(model, ddp, build_optimizer([ddp], optim), hf_config)
+    optimizer = build_optimizer([ddp], optim)
+    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, optim, total_steps), hf_config)
 
 
 def build_reference(hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> GPTModel:

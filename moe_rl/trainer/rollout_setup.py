@@ -9,9 +9,10 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
@@ -32,7 +33,7 @@ def build_collector(
     cfg: Config,
     hf_dir: str,
     hf_config: PretrainedConfig,
-    tokenizer: PreTrainedTokenizerBase,
+    formatter: PromptFormatter,
     task: Task,
     closing: contextlib.ExitStack,
 ) -> ExperienceCollector:
@@ -42,16 +43,21 @@ def build_collector(
     return ExperienceCollector(
         cfg=cfg,
         task=task,
-        tokenizer=tokenizer,
+        formatter=formatter,
         engine=engine,
         scorer=build_scorer(cfg),
-        sampling=SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
-        ),  # fmt: skip
+        sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
+
+
+def sampling_params(cfg: Config, eos_token_id: int | None, *, evaluation: bool = False) -> SamplingParams:
+    """The rollout's sampling (``evaluation``: at ``data.eval_temperature``); stops at EOS."""
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=cfg.data.eval_temperature if evaluation else r.temperature,
+        top_p=r.top_p, top_k=r.top_k, stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
+    )  # fmt: skip
 
 
 def use_engine_routing(cfg: Config, engine: RolloutEngine) -> bool:

@@ -23,7 +23,9 @@ from megatron.core.models.gpt import GPTModel
 
 from moe_rl import tags
 from moe_rl.config import Config, ConfigError
-from moe_rl.data.tasks import make_task
+from moe_rl.data.prompts import PromptFormatter
+from moe_rl.data.tasks import Task, make_task
+from moe_rl.evaluation import Evaluator
 from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
 from moe_rl.models.forward import run_microbatches
@@ -38,7 +40,7 @@ from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, build_policy, build_reference
 from moe_rl.trainer.run_dir import check_run_dir
-from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement
+from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement, sampling_params
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import bridge_paused, broadcast_object, data_parallel_share, is_first_rank, rank_device
 from parallel.distributed import init_distributed
@@ -73,6 +75,7 @@ class Trainer:
     start_step: int  # steps already done (resumed from a checkpoint)
     engine_routing: bool  # the engine returns routed experts
     collector: ExperienceCollector | None  # prompts -> rollout -> rewards -> advantages (first rank only)
+    evaluator: Evaluator | None  # held-out problems through the same engine (first rank, with data.eval_task)
     weight_sync: WeightSync  # trainer weights -> rollout engine (every rank)
     logger: StepLogger
     on_policy: bool  # one update on fresh samples: no separate old-log-prob pass
@@ -92,7 +95,9 @@ class Trainer:
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
         check_server_placement(cfg)
         check_run_dir(cfg)
-        task = _make_task(cfg)  # a data file without usable problems fails here, before any model
+        # a data file without usable problems fails here, before any model or process group
+        task = _make_task(cfg, cfg.data.task, "data.task")
+        eval_task = _make_task(cfg, cfg.data.eval_task, "data.eval_task") if cfg.data.eval_task else None
         init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
         torch.manual_seed(cfg.train.seed)
         # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
@@ -102,16 +107,18 @@ class Trainer:
         self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
         self.hf_config = load_hf_config(self.hf_dir)
         self.tokenizer = _load_tokenizer(self.hf_dir)
+        formatter = _make_formatter(cfg, self.tokenizer)
         self._write_config()
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
         self.policy = build_policy(
-            self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, replay=cfg.routing.replay,
+            self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
         )  # fmt: skip
         self.reference = build_reference(self.hf_config, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
-        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, self.tokenizer, task, self._closing) if is_first_rank() else None
+        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, self._closing) if is_first_rank() else None
+        self.evaluator = self._build_evaluator(eval_task, formatter) if eval_task and self.collector else None
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
         self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
@@ -139,6 +146,14 @@ class Trainer:
             recompute=routing.recompute_activations, measure=routing.metrics,
         )  # fmt: skip
 
+    def _build_evaluator(self, task: Task, formatter: PromptFormatter) -> Evaluator:
+        d = self.cfg.data
+        return Evaluator(
+            task.eval_problems(d.eval_max_prompts), formatter, self.collector.engine, self.collector.scorer,
+            sampling_params(self.cfg, self.tokenizer.eos_token_id, evaluation=True), d.eval_samples,
+            d.eval_solved_reward, progress=self.cfg.train.progress,
+        )  # fmt: skip
+
     def _resume(self) -> int:
         """The step to start from: the newest usable checkpoint's (restored), or 0."""
         if not self.cfg.train.resume:
@@ -162,6 +177,8 @@ class Trainer:
         if self.start_step >= self.cfg.train.steps and is_first_rank():
             log.warning("%s is already at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
                         self.run_dir, self.start_step, self.cfg.train.steps)  # fmt: skip
+        if self.start_step == 0 and self.cfg.train.eval_every:  # the starting policy, for reference
+            self.logger.log_scalars(0, self.evaluate())
         with StopRequests() as stop:
             for step in range(self.start_step, self.cfg.train.steps):
                 scalars = self.train_step(step)
@@ -177,10 +194,12 @@ class Trainer:
         batch = self.make_batch(exp, step)
         mismatch = self.compute_old_logprobs(batch)
         self.compute_reference_logprobs(batch)
+        lr = self.policy.lr_schedule.set_step(step)
         update = self.update_policy(batch)
         self.measure_routing_after_update(batch)
         train_time = time.perf_counter() - start - rollout_time
         self.weight_sync.push(self.policy.weights, version=str(step + 1))
+        evaluation = self.evaluate() if self._eval_due(step + 1) else {}
         train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(update.outputs if self.on_policy else mismatch)}
         routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
         step_time = time.perf_counter() - start
@@ -189,11 +208,13 @@ class Trainer:
             **{tags.train(k): v for k, v in train_scalars.items()},
             **routing_split_scalars(routing.get("replayed", {})),
             tags.TRAIN_GRAD_NORM: update.grad_norm,
+            tags.TRAIN_LR: lr,
             tags.TRAIN_UPDATE_SKIPPED: float(update.skipped),
             tags.PERF_STEP_TIME: step_time,
             tags.PERF_ROLLOUT_TIME: rollout_time,
             tags.PERF_TRAIN_TIME: train_time,
             tags.PERF_TOKENS_PER_S: exp.num_tokens / step_time,
+            **evaluation,
         }
         log_ratios = log_ratio_values(update.outputs)
         self.logger.log(step + 1, scalars, routing, {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {})
@@ -275,6 +296,18 @@ class Trainer:
             with self.monitor.after_update_pass() as hooks:
                 self.policy.logprobs(batch.micro_batches, hooks)
 
+    def evaluate(self) -> dict[str, float]:
+        """``eval/*`` of the weights the engine serves, on the first rank ({} elsewhere)."""
+        if self.evaluator is None:
+            return {}
+        with bridge_paused():
+            return self.evaluator.run()
+
+    def _eval_due(self, step: int) -> bool:
+        """After ``step`` steps: every ``train.eval_every`` steps, and at the end."""
+        every = self.cfg.train.eval_every
+        return self.cfg.data.eval_task is not None and (step == self.cfg.train.steps or bool(every and step % every == 0))
+
     # ------------------------------------------------------------------ checkpoints, stopping
 
     def _end_of_step(self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool) -> None:
@@ -321,8 +354,19 @@ def _load_tokenizer(hf_dir: str):
     return AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
 
 
-def _make_task(cfg: Config):
+def _make_task(cfg: Config, spec: str, key: str) -> Task:
+    d = cfg.data
     try:
-        return make_task(cfg.data.task, cfg.data.max_operand)
+        task = make_task(spec, d.max_operand, d.prompt_key, d.answer_key)
     except (ValueError, OSError) as e:
-        raise ConfigError(f"data.task: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
+    if task.holds_messages and not d.chat_template:
+        raise ConfigError(f"{key}: its prompts are chat messages ({d.prompt_key}); set data.chat_template=true")
+    return task
+
+
+def _make_formatter(cfg: Config, tokenizer) -> PromptFormatter:
+    try:
+        return PromptFormatter.from_config(cfg.data, tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

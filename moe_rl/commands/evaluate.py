@@ -1,0 +1,130 @@
+"""``moe-rl eval --checkpoint CKPT --task SPEC``: a checkpoint on held-out problems, as the
+trainer evaluates during a run (``data.eval_*`` settings): pass@1, pass@k and the mean
+rewards, with a progress bar; ``--out`` keeps ``eval.json`` and TensorBoard events.
+
+The prompt format, rewards and sampling come from ``--config``, else from the config the
+checkpoint's run wrote (``<run>/config.yaml``), else the built-in defaults; dotted
+overrides apply on top. Responses come from the local engine, or from SGLang servers
+(``--engine URL...``) that serve the checkpoint (``--sync-weights`` loads it into them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "evaluate a checkpoint on held-out problems: pass@1, pass@k, mean reward"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help=HELP, description=HELP)
+    p.add_argument("--checkpoint", required=True, help="a training checkpoint (step_N/) or a Hugging Face model directory")
+    p.add_argument("--task", help="held-out problems (data.eval_task): arithmetic, .jsonl/.json/.parquet, or a datasets DIR[:split]")
+    p.add_argument("--config", help="run config for the prompt format, rewards and sampling (default: the checkpoint's run's)")
+    p.add_argument("--engine", nargs="+", metavar="URL", help="SGLang server URL(s) (default: the local engine)")
+    p.add_argument("--sync-weights", action="store_true", help="with --engine: load the checkpoint into the servers first")
+    p.add_argument("--out", help="directory for eval.json and TensorBoard events")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.eval_samples=8")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_rl.commands import configure_logging
+    from moe_rl.commands._distributed import fail
+    from moe_rl.commands.export import model_dir_of
+    from moe_rl.config import ConfigError
+    from moe_rl.rollout.types import RolloutError
+
+    configure_logging()
+    try:
+        model_dir = model_dir_of(args.checkpoint)
+        cfg = _config(args)
+        if cfg.data.eval_task is None:
+            return fail("no held-out problems: give --task (or data.eval_task=...)")
+        scalars = _evaluate(args, cfg, model_dir)
+    except ConfigError as e:
+        return fail(str(e))
+    except (ValueError, OSError, RolloutError) as e:
+        return fail(f"eval: {e}")
+    _report(args, cfg, model_dir, scalars)
+    return 0
+
+
+def _config(args: argparse.Namespace):
+    """``--config``, else the checkpoint's run's ``config.yaml``, else defaults; then overrides."""
+    from moe_rl.config import load_config
+
+    path = args.config
+    run_config = Path(args.checkpoint).resolve().parent.parent / "config.yaml"  # <run>/checkpoints/step_N
+    if path is None and run_config.is_file():
+        path = str(run_config)
+    overrides = list(args.overrides) + ([f"data.eval_task={args.task}"] if args.task else [])
+    return load_config(path, overrides)
+
+
+def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from moe_rl.data.prompts import PromptFormatter
+    from moe_rl.data.tasks import make_task
+    from moe_rl.evaluation import Evaluator
+    from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
+
+    d = cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    formatter = PromptFormatter.from_config(d, tokenizer)
+    task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key)
+    engine = _engine(args, cfg, model_dir)
+    try:
+        evaluator = Evaluator(
+            task.eval_problems(d.eval_max_prompts), formatter, engine, build_scorer(cfg),
+            sampling_params(cfg, tokenizer.eos_token_id, evaluation=True), d.eval_samples, d.eval_solved_reward,
+            progress=sys.stderr.isatty(),
+        )  # fmt: skip
+        return evaluator.run(desc=f"eval {model_dir.parent.name if model_dir.name == 'model' else model_dir.name}")
+    finally:
+        engine.close()
+
+
+def _engine(args: argparse.Namespace, cfg, model_dir: Path):
+    """The local engine on the checkpoint, or the SGLang servers (synced when asked)."""
+    import torch
+
+    from moe_rl.models.architectures import architecture_of
+    from moe_rl.models.builder import load_hf_config
+
+    if not args.engine:
+        from moe_rl.rollout.local import LocalEngine
+
+        return LocalEngine(str(model_dir), weight_precision=torch.bfloat16 if cfg.rollout.precision == "bf16" else None)
+    from moe_rl.rollout.sglang import SGLangEngine
+
+    hf_config = load_hf_config(str(model_dir))
+    engine = SGLangEngine(
+        args.engine, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+        num_experts=architecture_of(hf_config).num_experts(hf_config),
+    )  # fmt: skip
+    engine.wait_healthy()
+    if args.sync_weights:
+        engine.update_weights_from_disk(str(model_dir.resolve()), "moe-rl-eval")
+    return engine
+
+
+def _report(args: argparse.Namespace, cfg, model_dir: Path, scalars: dict[str, float]) -> None:
+    """A table on stdout; ``eval.json`` and TensorBoard events in ``--out``."""
+    width = max(map(len, scalars))
+    print(f"{cfg.data.eval_task}  ({model_dir})")
+    for tag, value in scalars.items():
+        print(f"  {tag:<{width}}  {value:.4f}")
+    if args.out:
+        from torch.utils.tensorboard import SummaryWriter
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"checkpoint": str(args.checkpoint), "task": cfg.data.eval_task, "samples": cfg.data.eval_samples, "scalars": scalars}
+        (out / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+        with SummaryWriter(str(out / "tensorboard")) as writer:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, 0)

@@ -1,0 +1,73 @@
+"""Evaluation on held-out problems: ``samples`` responses per prompt from the rollout
+engine, scored by the run's rewards; pass@1 and pass@k (the unbiased estimator of Chen et
+al. 2021) over one reward's "solved" (>= 1), and the mean rewards."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl import tags
+from moe_rl.data.prompts import PromptFormatter
+from moe_rl.data.tasks import Problem
+from moe_rl.rewards import RewardScorer
+from moe_rl.rollout.types import RolloutEngine, SamplingParams
+from moe_rl.trainer.experience import generate_and_score
+
+EVAL_SEED = 20_261_130  # the same sampling seeds at every evaluation: runs and steps compare on equal terms
+SOLVED_AT = 1.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that ``k`` of ``n`` responses, ``c`` of them correct, drawn without
+    replacement, hold a correct one: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class Evaluator:
+    """Evaluates whatever weights ``engine`` serves on ``problems``."""
+
+    problems: list[Problem]
+    formatter: PromptFormatter
+    engine: RolloutEngine
+    scorer: RewardScorer
+    sampling: SamplingParams
+    samples: int  # responses per prompt (k of pass@k)
+    solved_reward: str  # a reward column of ``scorer``
+    prompts_per_request: int = 32
+    progress: bool = True
+
+    def run(self, desc: str = "eval") -> dict[str, float]:
+        """``eval/*`` scalars: pass@1, pass@<samples>, mean total and per-reward, length."""
+        from tqdm import tqdm
+
+        values, lengths = [], []
+        with tqdm(total=len(self.problems), desc=desc, unit="prompt", disable=not self.progress, leave=False) as bar:
+            for start in range(0, len(self.problems), self.prompts_per_request):
+                chunk = self.problems[start : start + self.prompts_per_request]
+                sampled = generate_and_score(
+                    chunk, self.formatter, self.engine, self.scorer, self.sampling, self.samples, seed=EVAL_SEED + start
+                )
+                values.append(sampled.rewards.values)
+                lengths += [len(s.output_ids) for s in sampled.samples]
+                bar.update(len(chunk))
+        return self._scalars(torch.cat(values), lengths)
+
+    def _scalars(self, values: torch.Tensor, lengths: list[int]) -> dict[str, float]:
+        names, n = self.scorer.names, self.samples
+        solved = (values[:, names.index(self.solved_reward)] >= SOLVED_AT).view(-1, n).sum(dim=1).tolist()
+        total = values @ torch.tensor(self.scorer.weights, dtype=values.dtype)
+        out = {
+            tags.eval_pass_at(1): sum(pass_at_k(n, c, 1) for c in solved) / len(solved),
+            tags.eval_pass_at(n): sum(pass_at_k(n, c, n) for c in solved) / len(solved),
+            tags.EVAL_REWARD_MEAN: float(total.mean()),
+            **{tags.eval_reward(name): float(values[:, j].mean()) for j, name in enumerate(names)},
+            tags.EVAL_RESPONSE_LENGTH_MEAN: sum(lengths) / len(lengths),
+            tags.EVAL_PROMPTS: float(len(solved)),
+        }
+        return out

@@ -1,0 +1,217 @@
+"""Datasets (JSONL, Parquet, `datasets` directories, field names, chat rows), prompt
+formatting with a chat template, DAPO dynamic sampling, pass@k evaluation and the
+learning-rate schedule, in process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.config import load_config
+from moe_rl.data.prompts import PromptFormatter
+from moe_rl.data.tasks import DatasetTask, Problem, make_task
+from moe_rl.data.tokenizer import demo_tokenizer
+from moe_rl.rollout.types import RolloutEngine, Sample
+
+# a chat template written in the demo tokenizer's characters
+CHAT = (
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = demo_tokenizer()
+    tok.chat_template = CHAT
+    return tok
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_parquet_and_datasets_dirs_with_custom_fields(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "1+2=", "meta": {"solution": 3}}, {"question": "", "meta": {"solution": 1}},
+            {"question": "4+4=", "meta": {}}, {"question": "5+1=", "meta": {"solution": 6}}]  # fmt: skip
+    expected = [Problem("1+2=", "3"), Problem("5+1=", "6")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "two"))
+    for spec in (str(tmp_path / "d.parquet"), str(tmp_path / "one"), f"{tmp_path / 'two'}:train",
+                 write_jsonl(tmp_path / "d.jsonl", rows)):  # fmt: skip
+        task = DatasetTask(spec, prompt_key="question", answer_key="meta.solution")
+        assert task.items == expected, spec
+        assert len(task.skipped) == 2 and ("row 1" in task.skipped[0] or ":2:" in task.skipped[0]), task.skipped
+    assert DatasetTask(f"{tmp_path / 'two'}:test", "question", "meta.solution").items == expected[:1]
+    with pytest.raises(ValueError, match="holds the splits train, test: name one, as .*two:train"):
+        make_task(str(tmp_path / "two"))
+    with pytest.raises(ValueError, match="holds no usable problems"):
+        make_task(str(tmp_path / "d.parquet"))  # the default field names are not there
+
+
+def test_chat_rows_and_the_step_order(tmp_path: Path) -> None:
+    verl_row = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+                "reward_model": {"ground_truth": "4"}}  # fmt: skip
+    path = write_jsonl(tmp_path / "chat.jsonl", [verl_row, {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}])
+    task = DatasetTask(path, answer_key="reward_model.ground_truth")
+    assert task.holds_messages and len(task.items) == 1 and len(task.skipped) == 1
+    assert task.items[0].prompt == "2+2=" and task.items[0].messages == tuple(verl_row["prompt"])
+    many = DatasetTask(write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"{i}=", "answer": i} for i in range(5)]))
+    seen = [p.prompt for step in range(5) for p in many.problems(seed=3, step=step, count=2)]
+    assert sorted(seen[:5]) == sorted(p.prompt for p in many.items)  # each row once per epoch
+    assert seen == [p.prompt for step in range(5) for p in many.problems(seed=3, step=step, count=2)]  # deterministic
+    assert many.eval_problems(3) == many.items[:3] and many.eval_problems(0) == many.items
+
+
+def test_prompt_formatting(tokenizer) -> None:
+    problem = Problem("1+2=", "3")
+    plain = PromptFormatter(tokenizer, template="{prompt} put it in \\boxed{}")
+    assert plain.text(problem) == "1+2= put it in \\boxed{}"
+    chat = PromptFormatter(tokenizer, system_prompt="Add.", chat_template=True)
+    assert chat.text(problem) == "s: Add. u: 1+2= a:"
+    chat_row = Problem("2+2=", "4", ({"role": "system", "content": "Sum."}, {"role": "user", "content": "2+2="}))
+    assert chat.text(chat_row) == "s: Sum. u: 2+2= a:"  # the row's own system message is kept
+    ids, truncated = chat.encode(problem)
+    assert tokenizer.decode(ids) == "s: Add. u: 1+2= a:" and not truncated
+    short = PromptFormatter(tokenizer, chat_template=True, max_tokens=4)
+    ids, truncated = short.encode(problem)
+    assert truncated and tokenizer.decode(ids) == "= a:"  # the end of the prompt is kept
+    with pytest.raises(ValueError, match="set data.chat_template=true"):
+        plain.text(chat_row)
+    with pytest.raises(ValueError, match="must contain \\{prompt\\}"):
+        PromptFormatter(tokenizer, template="Q:")
+    with pytest.raises(ValueError, match="the model's tokenizer has no chat template"):
+        PromptFormatter(demo_tokenizer(), chat_template=True)
+
+
+class ScriptedEngine(RolloutEngine):
+    """Prompt ``q<N>=``: sample 0 answers ``\\boxed{N}`` when N is even, every other sample
+    (and every sample of an odd N) answers ``no``."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[list[str]] = []
+
+    @property
+    def weight_version(self) -> str:
+        return "0"
+
+    def generate(self, prompts, n, params, *, seed, return_routed_experts=False):
+        texts = [self.tokenizer.decode(p) for p in prompts]
+        self.calls.append(texts)
+        groups = []
+        for prompt, text in zip(prompts, texts):
+            k = int(text[1:-1])
+            replies = [f"\\boxed{{{k}}}" if k % 2 == 0 and j == 0 else "no" for j in range(n)]
+            groups.append([Sample(list(prompt), ids, [0.0] * len(ids), "stop", "0", seed)
+                           for ids in (self.tokenizer(r)["input_ids"] for r in replies)])  # fmt: skip
+        return groups
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        raise AssertionError("not used")
+
+
+def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str):
+    from moe_rl.trainer.experience import ExperienceCollector
+    from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
+
+    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers])
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4", f"data.task={data}",
+                             "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]", *overrides])  # fmt: skip
+    engine = ScriptedEngine(tokenizer)
+    collector = ExperienceCollector(cfg, make_task(data), PromptFormatter(tokenizer), engine, build_scorer(cfg),
+                                    sampling_params(cfg, tokenizer.eos_token_id), return_routing=False)  # fmt: skip
+    return collector, engine
+
+
+def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, tokenizer) -> None:
+    dynamic = ["rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=4"]
+    collector, engine = collector_for(tmp_path, tokenizer, list(range(12)), *dynamic)
+    exp, scalars = collector.collect(step=0)
+    def even(texts: list[str]) -> list[str]:
+        return [t for t in texts if int(t[1:-1]) % 2 == 0]
+
+    sampled = [t for call in engine.calls for t in call]
+    mixed = even(sampled)
+    assert len(even(sampled[:-4])) < 4 and (len(mixed) >= 4 or len(engine.calls) == 4)  # rounds until 4 groups are kept
+    assert len(engine.calls) > 1 and len(set(map(tuple, engine.calls))) == len(engine.calls)  # other prompts each round
+    assert [tokenizer.decode(s.prompt_ids) for s in exp.samples[::4]] == mixed[:4]
+    assert all(float(exp.advantages[i * 4 : i * 4 + 4].abs().sum()) > 0 for i in range(4))
+    assert scalars["data/sampling_rounds"] == len(engine.calls)
+    assert scalars["data/kept_group_frac"] == pytest.approx(len(mixed) / len(sampled))
+    assert scalars["reward/correct"] == pytest.approx(len(mixed) / (4 * len(sampled)))  # over everything sampled
+
+    plain, engine = collector_for(tmp_path, tokenizer, list(range(12)))
+    exp, scalars = plain.collect(step=0)
+    assert len(engine.calls) == 1 and len(exp.samples) == 16 and "data/kept_group_frac" not in scalars
+
+    hopeless, engine = collector_for(tmp_path, tokenizer, [1, 3, 5, 7, 9], *dynamic)
+    exp, scalars = hopeless.collect(step=0)  # nothing to keep in 4 rounds: the first round, all zero advantage
+    assert len(engine.calls) == 4 and scalars["data/kept_group_frac"] == 0.0
+    assert [tokenizer.decode(s.prompt_ids) for s in exp.samples[::4]] == engine.calls[0] and float(exp.advantages.abs().sum()) == 0
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """The share of k-subsets of n responses (the first c correct) holding a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_is_the_unbiased_estimator(n: int) -> None:
+    from moe_rl.evaluation import pass_at_k
+
+    for c, k in itertools.product(range(n + 1), range(1, n + 1)):
+        assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k)), (n, c, k)
+    with pytest.raises(ValueError):
+        pass_at_k(n, n + 1, 1)
+
+
+def test_evaluator_scores_held_out_problems(tmp_path: Path, tokenizer) -> None:
+    from moe_rl.evaluation import Evaluator
+
+    collector, engine = collector_for(tmp_path, tokenizer, [0, 1, 2, 3, 4])
+    problems = collector.task.eval_problems(0)
+    evaluator = Evaluator(problems, collector.formatter, engine, collector.scorer, collector.sampling, samples=4,
+                          solved_reward="correct", prompts_per_request=2, progress=False)  # fmt: skip
+    scalars = evaluator.run()
+    assert engine.calls == [["q0=", "q1="], ["q2=", "q3="], ["q4="]]
+    solved = [1, 0, 1, 0, 1]  # correct responses of 4 per problem
+    assert scalars["eval/pass@1"] == pytest.approx(sum(brute_force_pass_at_k(4, c, 1) for c in solved) / 5)
+    assert scalars["eval/pass@4"] == pytest.approx(3 / 5)
+    assert scalars["eval/reward/correct"] == pytest.approx(3 / 20) and scalars["eval/prompts"] == 5
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedule_follows_its_definition(schedule: str) -> None:
+    from parallel.optim import OptimSettings, build_lr_scheduler
+
+    lr, min_lr, warmup, steps = 1e-3, 1e-4, 3, 10
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = build_lr_scheduler(optimizer, OptimSettings(lr=lr, min_lr=min_lr, lr_schedule=schedule, warmup_steps=warmup), steps)
+
+    def expected(s: int) -> float:  # the documented schedule (parallel/optim.py, OptimSettings)
+        if s < warmup:
+            return lr * (s + 1) / warmup
+        progress = (s + 1 - warmup) / (steps + 1 - warmup)  # reaches min_lr one step after the last
+        if schedule == "constant":
+            return lr
+        decay = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return min_lr + (lr - min_lr) * decay
+
+    for s in [7, 0, 9, 2, 3, 5]:  # any order: a resumed run starts anywhere
+        assert sched.set_step(s) == pytest.approx(expected(s)) and optimizer.param_groups[0]["lr"] == pytest.approx(expected(s))
+    assert expected(steps - 1) > min_lr or schedule == "constant"
+    with pytest.raises(ValueError, match="optim.warmup_steps=10 must be below the decay horizon \\(train.steps=10\\)"):
+        build_lr_scheduler(optimizer, OptimSettings(warmup_steps=10), steps)
