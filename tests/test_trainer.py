@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parents[1]
 TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "warm_start.steps=20",
@@ -30,8 +32,43 @@ def cache(demo_cache: str) -> str:
     return demo_cache  # conftest.py: its warm-start settings are TINY's
 
 
+CHAT = "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+
+
+def chat_model_and_data(cache: str, root: Path) -> list[str]:
+    """The built-in model with a chat template (in the tokenizer's characters) and Parquet
+    train / held-out sets with their own field names: the overrides that use them."""
+    import random
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from moe_rl.config import load_config
+    from moe_rl.trainer.demo_model import demo_model_dir
+
+    model = root / "chat-model"
+    shutil.copytree(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])), model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(model)
+    rng = random.Random(0)
+    for name, count in (("train", 24), ("heldout", 4)):
+        pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
+        rows = [{"question": f"{a}+{b}=", "meta": {"solution": str(a + b)}} for a, b in pairs]
+        pq.write_table(pa.Table.from_pylist(rows), root / f"{name}.parquet")
+    return [f"model.hf_dir={model}", f"data.task={root / 'train.parquet'}", "data.prompt_key=question",
+            "data.answer_key=meta.solution", "data.chat_template=true", "data.system_prompt=Add.",
+            f"data.eval_task={root / 'heldout.parquet'}", "data.eval_samples=2", "train.eval_every=2"]  # fmt: skip
+
+
 def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
-    common = [*TINY, f"warm_start.cache_dir={cache}", "routing.replay=r2"]
+    """Parquet data with its own field names, a chat template, evaluation on held-out
+    problems, a warmup + cosine learning rate, DAPO dynamic sampling and R2: a run resumed
+    from its step-2 checkpoint continues exactly as the uninterrupted run."""
+    common = [*TINY, *chat_model_and_data(cache, tmp_path), "routing.replay=r2", "optim.lr=1e-3", "optim.min_lr=1e-4",
+              "optim.lr_schedule=cosine", "optim.warmup_steps=1", "rollout.filter_zero_std_groups=true"]  # fmt: skip
     straight = moe_rl("train", *common, f"train.run_dir={tmp_path / 'a'}", "train.steps=4", "train.save_every=2")
     assert straight.returncode == 0, straight.stderr[-3000:]
     # a run that stopped after step 2: the straight run's checkpoint, and its log (which
@@ -44,18 +81,54 @@ def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
-    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
     for step in (3, 4):
-        for key in ("train/loss", "train/grad_norm", "reward/total", "train/clip_frac", "routing/expert_change_frac/mean"):
+        for key in ("train/loss", "train/grad_norm", "reward/total", "train/clip_frac", "routing/expert_change_frac/mean",
+                    "train/lr", "data/kept_group_frac"):  # fmt: skip
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+    for step in range(1, 5):  # warmup 1 step, then cosine towards min_lr (reached one step after the last)
+        assert a[step]["train/lr"] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 4)), rel=1e-6)
+    # evaluated before training, every 2 steps and at the end; identically after the resume
+    assert [s for s in sorted(a) if "eval/pass@1" in a[s]] == [0, 2, 4] and a[4]["eval/prompts"] == 4
+    assert {k: v for k, v in a[4].items() if k.startswith("eval/")} == {k: v for k, v in b[4].items() if k.startswith("eval/")}
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last=2, no temporary left
+    _eval_and_export_match_the_trainer(tmp_path / "b" / "checkpoints" / "step_000004", b[4], tmp_path)
     from moe_rl.config import ConfigError, load_config
     from moe_rl.trainer.run_dir import check_run_dir
 
     changed = load_config(None, [*common, f"train.run_dir={tmp_path / 'b'}", "train.steps=6", "algorithm.loss=gspo"])
     with pytest.raises(ConfigError, match="holds a run with another config \\(algorithm.loss: 'grpo' -> 'gspo'\\)"):
         check_run_dir(changed)  # what `moe-rl train` checks first: its checkpoints say which config wrote them
+
+
+def _eval_and_export_match_the_trainer(checkpoint: Path, logged: dict, tmp_path: Path) -> None:
+    """`moe-rl eval` of the checkpoint (its run's config: chat template, held-out set)
+    reproduces the trainer's last evaluation; `moe-rl export` output loads in transformers,
+    whose greedy generations equal the local engine's."""
+    out = moe_rl("eval", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "eval"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    scalars = json.loads((tmp_path / "eval" / "eval.json").read_text())["scalars"]
+    assert scalars == {k: v for k, v in logged.items() if k.startswith("eval/")}
+    out = moe_rl("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_rl.rollout.local import LocalEngine
+    from moe_rl.rollout.types import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("1+2=", "7+5=", "9+9=")]  # fmt: skip
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(tokenizer.eos_token_id,))
+    engine_out = [g[0].output_ids for g in LocalEngine(str(tmp_path / "hf")).generate(ids, 1, greedy, seed=0)]
+    for prompt, got in zip(ids, engine_out):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()  # fmt: skip
+        assert got == ref, (tokenizer.decode(prompt), got, ref)
 
 
 def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:
