@@ -81,6 +81,23 @@ def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
     return lines + [""]
 
 
+def eval_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+    """Held-out evaluation (``eval/*``) of the runs that have one: before training and at
+    the last evaluation; empty when no run evaluated."""
+    evaluated = {name: s for name, s in data.items() if s.get(tags.eval_pass_at(1))}
+    if not evaluated:
+        return []
+    pass_k = sorted({tag for s in evaluated.values() for tag in s if tag.startswith("eval/pass@") and tag != tags.eval_pass_at(1)})
+    columns = [tags.eval_pass_at(1), *pass_k, tags.EVAL_REWARD_MEAN]
+    lines = ["## Held-out evaluation", "", "At the first evaluation (step 0: before training) -> the last (its step).", "",
+             "| run | " + " | ".join(f"`{c}`" for c in columns) + " | step |", "|" + "---|" * (len(columns) + 2)]  # fmt: skip
+    for name, s in evaluated.items():
+        steps = sorted(s[tags.eval_pass_at(1)])
+        cells = [f"{_fmt(s.get(c, {}).get(steps[0]))} -> {_fmt(s.get(c, {}).get(steps[-1]))}" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {steps[-1]} |")
+    return lines + [""]
+
+
 def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "",
                  seeds: list[int] | None = None) -> Path:  # fmt: skip
     data = {name: read_scalars(path) for name, path in runs.items()}
@@ -124,6 +141,7 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
         )
     if seeds and len(seeds) > 1:
         lines += [""] + seed_table(summary, seeds)
+    lines += [""] + eval_table(data)
     lines += ["", "Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
     if extra_sections:
         lines += [extra_sections, ""]

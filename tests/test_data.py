@@ -215,3 +215,21 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
     assert expected(steps - 1) > min_lr or schedule == "constant"
     with pytest.raises(ValueError, match="optim.warmup_steps=10 must be below the decay horizon \\(train.steps=10\\)"):
         build_lr_scheduler(optimizer, OptimSettings(warmup_steps=10), steps)
+
+
+def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from moe_rl.report import write_report
+
+    for name, evals in (("plain", {}), ("evaluated", {0: (0.25, 0.5), 4: (0.5, 0.75)})):
+        with SummaryWriter(str(tmp_path / name / "tensorboard")) as writer:
+            for step in (1, 2, 3, 4):
+                writer.add_scalar("reward/total", step / 10, step)
+            for step, (p1, p4) in evals.items():
+                writer.add_scalar("eval/pass@1", p1, step)
+                writer.add_scalar("eval/pass@4", p4, step)
+                writer.add_scalar("eval/reward_mean", p1 * 2, step)
+    report = write_report(tmp_path, {n: tmp_path / n for n in ("plain", "evaluated")}, fixed_steps=[2]).read_text()
+    assert "## Held-out evaluation" in report and "| plain |" not in report.split("## Held-out evaluation")[1]
+    assert "| evaluated | 0.250 -> 0.500 | 0.500 -> 0.750 | 0.500 -> 1.000 | 4 |" in report
