@@ -114,7 +114,8 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
                 ax.plot(xs, [series[x] for x in xs], label=name)
         ax.set_title(f"{title} ({TAGS[key]})", fontsize=9)
         ax.set_xlabel("step")
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(plots / f"{key}.png", dpi=90)
         plt.close(fig)

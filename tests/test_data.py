@@ -126,7 +126,7 @@ def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str
     from moe_rl.trainer.experience import ExperienceCollector
     from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
 
-    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers])
+    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers] + ["not json"])
     cfg = load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4", f"data.task={data}",
                              "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]", *overrides])  # fmt: skip
     engine = ScriptedEngine(tokenizer)
@@ -151,6 +151,7 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, toke
     assert scalars["data/sampling_rounds"] == len(engine.calls)
     assert scalars["data/kept_group_frac"] == pytest.approx(len(mixed) / len(sampled))
     assert scalars["reward/correct"] == pytest.approx(len(mixed) / (4 * len(sampled)))  # over everything sampled
+    assert scalars["data/skipped_lines"] == 1
 
     plain, engine = collector_for(tmp_path, tokenizer, list(range(12)))
     exp, scalars = plain.collect(step=0)

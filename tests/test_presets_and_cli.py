@@ -35,7 +35,7 @@ def test_console_script_help_and_demo_errors(tmp_path) -> None:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moe_rl.cli"]
     bare = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2
-    for command in ("train", "compare", "demo", "parity", "export", "drift", "prepare"):
+    for command in ("train", "compare", "demo", "parity", "export", "drift", "prepare", "eval"):
         assert command in bare.stdout
     missing = subprocess.run(cmd + ["demo", "--config", str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "not found" in missing.stderr

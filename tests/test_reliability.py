@@ -159,7 +159,9 @@ def test_a_dead_rank_stops_the_job_and_is_named() -> None:
     assert out.returncode != 0 and "[moe-rl] rank 1 was killed by SIGKILL: stopping the job" in out.stderr, out.stderr[-2000:]
 
 
-def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path) -> None:
+def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path, caplog) -> None:
+    from moe_rl.data.tasks import DatasetTask
+
     data = tmp_path / "data.jsonl"
     data.write_bytes(
         b'{"prompt": "1+2=", "answer": "3"}\n'
@@ -168,12 +170,12 @@ def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path) -> 
         b'{"prompt": "3+\xff=", "answer": "3"}\n'
         b'{"prompt": "4+4=", "answer": "8"}\n'
     )
-    out = run("train", *base, f"train.run_dir={tmp_path / 'r'}", "train.steps=1", f"data.task={data}")
-    assert out.returncode == 0, out.stderr[-2000:]
+    with caplog.at_level("WARNING"):
+        task = DatasetTask(str(data))
     for line in (2, 3, 4):
-        assert f"{data}:{line}" in out.stderr
-    assert "not UTF-8" in out.stderr and "not valid JSON" in out.stderr
-    assert rows(tmp_path / "r")[1]["data/skipped_lines"] == 3
+        assert f"{data}:{line}" in caplog.text
+    assert "not UTF-8" in caplog.text and "not valid JSON" in caplog.text
+    assert [p.prompt for p in task.items] == ["1+2=", "4+4="] and len(task.skipped) == 3  # logged as data/skipped_lines
     empty = tmp_path / "empty.jsonl"
     empty.write_text("not json\n")
     from moe_rl.config import ConfigError, load_config

@@ -144,11 +144,13 @@ def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:
 
 
 def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
-    out = moe_rl("compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--only", "grpo,grpo_r2",
-                 *TINY, f"warm_start.cache_dir={cache}", "train.steps=2", cwd=tmp_path)  # fmt: skip
+    out = moe_rl("compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--only", "grpo,grpo_r2", *TINY,
+                 f"warm_start.cache_dir={cache}", "train.steps=2", "data.eval_max_prompts=4", "data.eval_samples=2", cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "runs/compare/report.md").read_text()
     assert "| grpo |" in report and "| grpo_r2 |" in report and "## The papers' claims" in report
+    evaluated = [line for line in report.split("## Held-out evaluation")[1].splitlines() if line.startswith("| grpo")]
+    assert len(evaluated) == 2 and all(line.endswith("| 2 |") for line in evaluated)  # evaluated at steps 0 and 2 (the end)
     assert (tmp_path / "runs/compare/plots/reward.png").is_file()
     from moe_rl.report import read_scalars
 
