@@ -1,120 +1,227 @@
 """The papers' claims, tested at small scale from the runs' own TensorBoard logs.
 
-Each claim names the runs and tags it reads, states the measured figures beside the
-paper's, and says whether the small-scale run agrees — or why it cannot show it.
-Nothing here is written by hand per run: it is all computed from the logs.
+A claim is one or more comparisons of a figure (computed from named tags) between two
+runs, or between two figures of one run. Each comparison is paired: by seed when the
+runs were repeated over seeds (``moe-rl compare --seeds``), else by step. The effect is
+the mean paired difference in the claimed direction, its noise the standard error of
+that mean; a comparison agrees only when the effect exceeds twice its standard error
+(strict claims), or, for "as well as" claims, when it is not worse by more than that.
+Nothing is written by hand per run: everything is computed from the logs.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from moe_rl import tags
-from moe_rl.report import read_scalars
+from moe_rl.report import group_by_run, read_scalars
+
+Scalars = dict[str, dict[int, float]]  # tag -> step -> value, of one run (one seed)
+Series = Callable[[Scalars], dict[int, float]]  # a per-step figure of one run
+Z = 2.0  # standard errors an effect must exceed
 
 
-def _mean(series: dict[int, float]) -> float | None:
-    return sum(series.values()) / len(series) if series else None
+def tag(name: str) -> Series:
+    return lambda s: s.get(name, {})
 
 
-def _f(x: float | None, d: int = 4) -> str:
-    return "n/a" if x is None else f"{x:.{d}f}"
+def ratio_spread(s: Scalars) -> dict[int, float]:
+    """Per step: the 99th minus the 1st percentile of the token log-ratios."""
+    lo, hi = s.get(tags.TRAIN_LOG_RATIO_P01, {}), s.get(tags.TRAIN_LOG_RATIO_P99, {})
+    return {step: hi[step] - lo[step] for step in lo if step in hi}
 
 
-def _routing_change_and_ratios(tag) -> str:
-    """The mechanism: tokens whose routing changed carry larger log-ratios; R2 removes them."""
-    changed = _mean(tag("grpo", tags.train_by_routing("log_ratio_abs", True)))
-    same = _mean(tag("grpo", tags.train_by_routing("log_ratio_abs", False)))
-    r2_changed = _mean(tag("grpo_r2", tags.train_by_routing("tokens", True)))
-    if changed is None or same is None or r2_changed is None:
-        verdict = "cannot be checked (runs missing, or no token changed routing inside an update)"
-    else:
-        verdict = "agrees" if changed > same and r2_changed == 0 else "does not agree"
-    return (
-        f"- **Tokens whose routing changed carry volatile importance ratios; R2 removes them** (the mechanism behind "
-        f"all three papers). Mean |log-ratio| in GRPO's off-policy updates over tokens whose experts changed since the old "
-        f"policy (`{tags.train_by_routing('log_ratio_abs', True)}`) {_f(changed)} vs the rest {_f(same)}; such tokens in "
-        f"a step's off-policy update passes under GRPO+R2 (`{tags.train_by_routing('tokens', True)}`) {_f(r2_changed, 1)}: {verdict}."
-    )
+def second_half(series: Series) -> Series:
+    """The figure over the second half of the run's steps (where learning shows)."""
+
+    def cut(s: Scalars) -> dict[int, float]:
+        values = series(s)
+        steps = sorted(values)
+        return {st: values[st] for st in steps[len(steps) // 2 :]}
+
+    return cut
 
 
-def claims_section(runs: dict[str, Path], seeds: list[int] | None = None) -> str:
-    data = {name: read_scalars(path) for name, path in runs.items()}
-    if seeds:  # pool each run's seeds: one series per step, averaged over seeds
-        pooled: dict[str, dict[str, dict[int, float]]] = {}
-        for name, scalars in data.items():
-            base = name.rsplit("_s", 1)[0]
-            for t, series in scalars.items():
-                for step, v in series.items():
-                    pooled.setdefault(base, {}).setdefault(t, {}).setdefault(step, []).append(v)
-        data = {b: {t: {st: sum(v) / len(v) for st, v in ser.items()} for t, ser in tags.items()} for b, tags in pooled.items()}
-    tag = lambda run, t: data.get(run, {}).get(t, {})  # noqa: E731
-    lines = ["## The papers' claims at small scale", ""]
-    if seeds:
-        lines += [f"Figures are averaged over seeds {', '.join(map(str, seeds))} (see the seed table for the spread).", ""]
+@dataclass(frozen=True)
+class Side:
+    run: str  # base run name (without the seed suffix)
+    series: Series
+    label: str  # the tag(s) it reads
 
-    # 1. GMPO keeps importance ratios in a narrower range than GRPO
-    def spread(run):
-        lo, hi = _mean(tag(run, tags.TRAIN_LOG_RATIO_P01)), _mean(tag(run, tags.TRAIN_LOG_RATIO_P99))
-        return None if lo is None or hi is None else hi - lo
 
-    g, m = spread("grpo"), spread("gmpo")
-    verdict = "agrees" if g is not None and m is not None and m < g else "does not agree" if g is not None and m is not None else "cannot be checked (runs missing)"
-    lines.append(
-        f"- **GMPO keeps token log-ratios in a narrower range than GRPO** (GMPO paper; it reports +4.1% Pass@1 on math "
-        f"over GRPO at 7B). Mean 1st-99th percentile spread of `{tags.TRAIN_LOG_RATIO_P01}..p99`: GRPO {_f(g)}, GMPO {_f(m)}: "
-        f"the small run {verdict}. (Pass@1 gains need real math benchmarks and models; not measurable here.)"
-    )
+@dataclass(frozen=True)
+class Comparison:
+    """``a`` is claimed larger than ``b`` (``at_least``: not smaller beyond the noise)."""
 
-    # 2. routing replay removes the routing change inside the update
-    r2, plain = _mean(tag("grpo_r2", tags.ROUTING_REPLAYED_CHANGED)), _mean(tag("grpo", tags.ROUTING_REPLAYED_CHANGED))
-    verdict = "agrees" if r2 == 0.0 and (plain or 0) > 0 else "agrees for R2 (GRPO's own update pass changed no routing)" if r2 == 0.0 else "does not agree" if r2 is not None else "cannot be checked"
-    lines.append(
-        f"- **Routing replay removes the routing change an update causes.** Share of tokens whose experts in the update "
-        f"pass differ from the old policy's (`{tags.ROUTING_REPLAYED_CHANGED}`): GRPO {_f(plain)}, GRPO+R2 {_f(r2)}: {verdict}."
-    )
-    lines.append(_routing_change_and_ratios(tag))
-    upd = {run: _mean(tag(run, tags.ROUTING_EXPERT_CHANGE)) for run in ("grpo", "gspo", "gmpo")}
-    lines.append(
-        f"- **An update changes a share of activated experts** (GSPO paper: ~10% per update, 48-layer Qwen3-30B-A3B). "
-        f"`{tags.ROUTING_EXPERT_CHANGE}`: " + ", ".join(f"{k} {_f(v)}" for k, v in upd.items())
-        + ". The tiny 2-layer model's learning rate is set for visible learning in minutes, so its per-update change is "
-        "not comparable in size; what carries over is that it is non-zero without replay."
-    )
+    a: Side
+    b: Side
+    at_least: bool = False
 
-    # 3. R3: engine numerics differ; replaying the engine's routing removes the disagreement
-    r3 = _mean(tag("grpo_r3", tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED))
-    twin = _mean(tag("grpo_bf16", tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED))
-    any_twin = _mean(tag("grpo_bf16", tags.ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER))
-    mm_r3, mm_twin = _mean(tag("grpo_r3", tags.TRAIN_LOGP_MISMATCH_MEAN)), _mean(tag("grpo_bf16", tags.TRAIN_LOGP_MISMATCH_MEAN))
-    verdict = "agrees" if r3 is not None and twin is not None and r3 < twin else "does not agree" if r3 is not None and twin is not None else "cannot be checked"
-    lines.append(
-        f"- **The engine's numerics change routing; R3 removes that disagreement** (R3 paper, Qwen3-30B-A3B: ~10% of router "
-        f"choices differ, 94% of tokens differ in at least one layer). With bf16-rounded rollout weights: router choices "
-        f"that differ (`{tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED}`) no replay {_f(twin)}, R3 {_f(r3)}; tokens differing in "
-        f"any layer without replay {_f(any_twin)}; log-prob mismatch (`{tags.TRAIN_LOGP_MISMATCH_MEAN}`) {_f(mm_twin, 5)} vs "
-        f"{_f(mm_r3, 5)}: {verdict}. A 2-layer model has fewer chances per token to differ than 48 layers."
-    )
 
-    # 4. GDPO keeps reward combinations apart
-    dg, dr = _mean(tag("gdpo", tags.ADVANTAGE_DISTINCT_PER_GROUP)), _mean(tag("grpo", tags.ADVANTAGE_DISTINCT_PER_GROUP))
-    verdict = "agrees" if dg is not None and dr is not None and dg >= dr else "does not agree" if dg is not None and dr is not None else "cannot be checked"
-    lines.append(
-        f"- **GDPO keeps reward combinations apart that GRPO collapses.** Distinct advantage values per group "
-        f"(`{tags.ADVANTAGE_DISTINCT_PER_GROUP}`): GRPO {_f(dr, 2)}, GDPO {_f(dg, 2)}: {verdict}."
-    )
+@dataclass(frozen=True)
+class Claim:
+    statement: str
+    paper: str  # the paper's own figure
+    comparisons: tuple[Comparison, ...]
+    caveat: str = ""
 
-    # 5. stability without replay
-    finals = {}
-    for run in ("grpo", "gspo", "gmpo"):
-        series = tag(run, tags.REWARD_TOTAL)
-        if series:
-            steps = sorted(series)
-            k = max(1, len(steps) // 6)
-            finals[run] = (sum(series[s] for s in steps[:k]) / k, sum(series[s] for s in steps[-k:]) / k)
-    lines.append(
-        f"- **GSPO and GMPO train stably on MoE without routing replay.** First vs last reward (`{tags.REWARD_TOTAL}`): "
-        + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in finals.items())
-        + ". At this scale no run collapses, so the claim's contrast (GRPO collapsing without replay) cannot show."
-    )
+
+@dataclass
+class Outcome:
+    mean_a: float
+    mean_b: float
+    spread_a: float  # std over seeds (or steps)
+    spread_b: float
+    effect: float  # mean paired difference a - b
+    stderr: float
+    pairs: int
+    agrees: bool
+
+
+CLAIMS = (
+    Claim(
+        "Tokens whose routing changed since the old policy carry larger importance ratios (GRPO, no replay)",
+        "the mechanism behind GSPO, R2 and R3: routing changes make token ratios volatile",
+        (Comparison(Side("grpo", tag(tags.train_by_routing("log_ratio_abs", True)), "|log-ratio|, routing changed"),
+                    Side("grpo", tag(tags.train_by_routing("log_ratio_abs", False)), "|log-ratio|, routing same")),),
+    ),
+    Claim(
+        "R2 removes the routing change inside the update",
+        "R3 paper: replaying the old policy's experts keeps the update on the routing that generated the ratios",
+        (Comparison(Side("grpo", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
+                    Side("grpo_r2", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED)),
+         Comparison(Side("grpo", tag(tags.train_by_routing("tokens", True)), "tokens with changed routing per update"),
+                    Side("grpo_r2", tag(tags.train_by_routing("tokens", True)), "the same under R2"))),
+    ),
+    Claim(
+        "GSPO clips a far larger share of tokens than GRPO, yet learns as well",
+        "GSPO paper: ~15% of tokens clipped vs ~0.13% for GRPO, with better training efficiency",
+        (Comparison(Side("gspo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC), Side("grpo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC)),
+         Comparison(Side("gspo", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"),
+                    Side("grpo", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"), at_least=True)),
+    ),
+    Claim(
+        "GMPO keeps token log-ratios in a narrower range than GRPO",
+        "GMPO paper: a more stable importance-sampling range (and +4.1% Pass@1 on math at 7B, not measurable here)",
+        (Comparison(Side("grpo", ratio_spread, "log-ratio p99 - p01"), Side("gmpo", ratio_spread, "log-ratio p99 - p01")),),
+    ),
+    Claim(
+        "The engine's numerics change routing; R3 removes that disagreement and lowers the log-prob mismatch",
+        "R3 paper, Qwen3-30B-A3B: ~10% of router choices differ between inference and training",
+        (Comparison(Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                    Side("grpo_r3", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED)),
+         Comparison(Side("grpo", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN),
+                    Side("grpo_r3", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN))),
+        caveat="the rollout engine rounds its weights to bf16 (rollout.precision=bf16) in both runs; the trainer computes in fp32",
+    ),
+    Claim(
+        "GDPO keeps reward combinations apart that GRPO's weighted sum collapses",
+        "GDPO paper: with several binary rewards, group-normalising their sum maps distinct combinations to one advantage",
+        (Comparison(Side("gdpo", tag(tags.ADVANTAGE_DISTINCT_PER_GROUP), tags.ADVANTAGE_DISTINCT_PER_GROUP),
+                    Side("gdpo", tag(tags.REWARD_DISTINCT_TOTALS_PER_GROUP), f"{tags.REWARD_DISTINCT_TOTALS_PER_GROUP} (what GRPO separates)")),),
+        caveat="compared on the same samples (GRPO's advantage is a function of the weighted total); needs rewards whose "
+        "weighted sum collides, e.g. equal weights on two binary rewards",
+    ),
+    Claim(
+        "GSPO and GMPO without replay learn as well as GRPO with R2",
+        "GSPO and GMPO papers: sequence-level (geometric) ratios make routing replay unnecessary",
+        (Comparison(Side("gspo", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"),
+                    Side("grpo_r2", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"), at_least=True),
+         Comparison(Side("gmpo", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"),
+                    Side("grpo_r2", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"), at_least=True)),
+        caveat="the contrast the papers draw (GRPO collapsing without replay) needs a model large enough to collapse",
+    ),
+)  # fmt: skip
+
+
+def compare(c: Comparison, data: dict[str, list[Scalars]]) -> Outcome | None:
+    """The paired comparison over seeds (several) or steps (one seed); ``None`` when a
+    run or figure is missing."""
+    runs_a, runs_b = data.get(c.a.run), data.get(c.b.run)
+    if not runs_a or not runs_b:
+        return None
+    series_a, series_b = [c.a.series(s) for s in runs_a], [c.b.series(s) for s in runs_b]
+    if len(runs_a) > 1 and len(runs_a) == len(runs_b):  # one pair per seed: the run's mean figure
+        a = [statistics.fmean(s.values()) for s in series_a if s]
+        b = [statistics.fmean(s.values()) for s in series_b if s]
+        if len(a) != len(runs_a) or len(b) != len(runs_b):
+            return None
+    else:  # one seed: one pair per step both runs logged
+        steps = sorted(set(series_a[0]) & set(series_b[0]))
+        a, b = [series_a[0][st] for st in steps], [series_b[0][st] for st in steps]
+    if not a:
+        return None
+    diffs = [x - y for x, y in zip(a, b)]
+    effect = statistics.fmean(diffs)
+    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
+    agrees = effect >= -Z * stderr if c.at_least else effect > Z * stderr and effect > 0
+    return Outcome(statistics.fmean(a), statistics.fmean(b), _sd(a), _sd(b), effect, stderr, len(diffs), agrees)
+
+
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass
+class ClaimResult:
+    claim: Claim
+    outcomes: list[Outcome | None]  # one per comparison; None: its runs or tags are missing
+
+    @property
+    def checkable(self) -> bool:
+        return all(o is not None for o in self.outcomes)
+
+    @property
+    def agrees(self) -> bool:
+        return self.checkable and all(o.agrees for o in self.outcomes)
+
+
+def evaluate_claims(runs: dict[str, Path], seeds: list[int] | None = None) -> list[ClaimResult]:
+    """Every claim's comparisons on the runs' logs (run names ``<base>_s<seed>`` with seeds)."""
+    data = group_by_run({name: read_scalars(path) for name, path in runs.items()}, seeds)
+    return [ClaimResult(claim, [compare(c, data) for c in claim.comparisons]) for claim in CLAIMS]
+
+
+def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -> str:
+    """The report's claims table: each comparison's figures, effect ± SE and verdict."""
+    paired_by = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds and len(seeds) > 1 else "steps (one seed)"
+    lines = [
+        "## The papers' claims at small scale",
+        "",
+        f"Each row compares a figure of run A with run B, paired by {paired_by}: A and B as mean ± std, the effect as "
+        f"the mean paired difference A − B ± its standard error. A row agrees when the effect is in the claimed direction "
+        f"by more than {Z:g} standard errors (\"≥\" rows: when A is not below B by more than that). A claim agrees when "
+        "all its rows do.",
+        "",
+        "| claim | figure (tag) | A | B | A − B ± SE | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, result in enumerate(results, 1):
+        lines += [_row(i, c, o) for c, o in zip(result.claim.comparisons, result.outcomes)]
+    lines += ["", f"**{summary_line(results)}**", ""]
+    lines += [f"{i}. {r.claim.statement}: **{'agrees' if r.agrees else 'does not agree' if r.checkable else 'cannot be checked'}**. "
+              f"Paper: {r.claim.paper}." + (f" Caveat: {r.claim.caveat}." if r.claim.caveat else "")
+              for i, r in enumerate(results, 1)]  # fmt: skip
     return "\n".join(lines)
+
+
+def summary_line(results: list[ClaimResult]) -> str:
+    checkable = [r for r in results if r.checkable]
+    missing = len(results) - len(checkable)
+    return f"{sum(r.agrees for r in checkable)} of {len(checkable)} checkable claims agree" + (f" ({missing} lack their runs)" if missing else "")
+
+
+def _row(i: int, c: Comparison, o: Outcome | None) -> str:
+    relation = "≥" if c.at_least else ">"
+    head = f"{i}. {c.a.run} {relation} {c.b.run}"
+    figure = c.a.label if c.a.label == c.b.label else f"{c.a.label} vs {c.b.label}"
+    if o is None:
+        return f"| {head} | {figure} | — | — | — | cannot be checked (run or tag missing) |"
+    verdict = "agrees" if o.agrees else "does not agree"
+    se = "n/a" if math.isinf(o.stderr) else f"{o.stderr:.4g}"
+    return (f"| {head} | {figure} | {o.mean_a:.4g} ± {o.spread_a:.2g} | {o.mean_b:.4g} ± {o.spread_b:.2g} "
+            f"| {o.effect:+.4g} ± {se} | {verdict} |")  # fmt: skip

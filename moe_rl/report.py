@@ -98,31 +98,105 @@ def eval_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
     return lines + [""]
 
 
-def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "",
-                 seeds: list[int] | None = None) -> Path:  # fmt: skip
-    data = {name: read_scalars(path) for name, path in runs.items()}
-    summary = {name: summarize_run(s, window) for name, s in data.items()}
-    plots = out_dir / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
-    for key, title in (("reward", "mean reward"), ("expert_change", "share of activated experts changed per update"),
-                       ("mismatch", "train-vs-rollout |log-prob difference|"), ("clip_frac", "clip fraction")):  # fmt: skip
+def group_by_run(data: dict[str, dict], seeds: list[int] | None) -> dict[str, list]:
+    """``{base run: [each seed's value]}``: run names carry ``_s<seed>`` when there are seeds."""
+    out: dict[str, list] = {}
+    for name, value in data.items():
+        out.setdefault(name.rsplit("_s", 1)[0] if seeds else name, []).append(value)
+    return out
+
+
+def ema(values: list[float], alpha: float = 0.3) -> list[float]:
+    """Exponential moving average (the smoothed training curve)."""
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else alpha * v + (1 - alpha) * out[-1])
+    return out
+
+
+def _banded(ax, name: str, seed_series: list[dict[int, float]], smooth: bool) -> None:
+    """Mean over seeds (smoothed when asked) with a min..max band over seeds."""
+    steps = sorted(set().union(*seed_series))
+    per_step = [[s[st] for s in seed_series if st in s] for st in steps]
+    mean = [sum(v) / len(v) for v in per_step]
+    line = ax.plot(steps, ema(mean) if smooth else mean, label=name)[0]
+    if len(seed_series) > 1:
+        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15)
+    if smooth:
+        ax.plot(steps, mean, color=line.get_color(), alpha=0.3, linewidth=0.8)
+
+
+def plot_curves(plots: Path, by_run: dict[str, list[dict]]) -> None:
+    """One PNG per figure: each run's mean over seeds with a seed band (training reward
+    also smoothed, the raw mean faint behind it)."""
+    figures = [("reward", TAGS["reward"], "training reward (EMA 0.3; band: seeds min..max)", True),
+               ("eval_reward", tags.EVAL_REWARD_MEAN, "held-out reward (fixed prompts and sampling seeds)", False),
+               ("eval_pass1", tags.eval_pass_at(1), "held-out pass@1", False),
+               ("expert_change", TAGS["expert_change"], "share of activated experts changed per update", False),
+               ("mismatch", TAGS["mismatch"], "train-vs-rollout |log-prob difference|", False),
+               ("clip_frac", TAGS["clip_frac"], "clip fraction", False)]  # fmt: skip
+    for key, tag, title, smooth in figures:
+        if not any(s.get(tag) for seeds in by_run.values() for s in seeds):
+            continue
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, s in data.items():
-            series = s.get(TAGS[key], {})
+        for name, seeds in by_run.items():
+            series = [s[tag] for s in seeds if s.get(tag)]
             if series:
-                xs = sorted(series)
-                ax.plot(xs, [series[x] for x in xs], label=name)
-        ax.set_title(f"{title} ({TAGS[key]})", fontsize=9)
-        ax.set_xlabel("step")
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(plots / f"{key}.png", dpi=90)
-        plt.close(fig)
+                _banded(ax, name, series, smooth)
+        _finish(fig, ax, f"{title} ({tag})", "step", plots / f"{key}.png")
+
+
+def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
+    """Per MoE layer: the share of activated experts an update changed, mean over steps
+    and seeds (``routing/expert_change_frac/layer_<l>``)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, seeds in by_run.items():
+        layers = sorted({int(t.rsplit("_", 1)[1]) for s in seeds for t in s if t.startswith("routing/expert_change_frac/layer_")})
+        values = []
+        for layer in layers:
+            series = [v for s in seeds for v in s.get(tags.routing("expert_change_frac", layer=layer), {}).values()]
+            values.append(sum(series) / len(series) if series else float("nan"))
+        if layers:
+            ax.plot(layers, values, marker="o", label=name)
+    _finish(fig, ax, "experts changed per update, per layer (routing/expert_change_frac/layer_<l>)", "MoE layer",
+            plots / "layer_drift.png")
+
+
+def _finish(fig, ax, title: str, xlabel: str, path: Path) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[str]:
+    """Step time, train time and peak memory per run (means over steps and seeds), and
+    their ratio to ``baseline``: what routing replay (R2, R3) costs."""
+    keys = [(tags.PERF_STEP_TIME, "step s"), (tags.PERF_TRAIN_TIME, "train s"), (tags.PERF_PEAK_MEMORY_MB, "peak MB")]
+    means = {}
+    for name, seeds in by_run.items():
+        means[name] = {}
+        for tag, _ in keys:
+            values = [v for s in seeds for v in s.get(tag, {}).values()]
+            means[name][tag] = sum(values) / len(values) if values else None
+    base = means.get(baseline, {})
+    lines = ["## Cost", "", f"Means over steps and seeds; in brackets the ratio to `{baseline}` (same machine, same runs).", "",
+             "| run | " + " | ".join(f"{label} (`{tag}`)" for tag, label in keys) + " |", "|" + "---|" * (len(keys) + 1)]  # fmt: skip
+    for name, m in means.items():
+        cells = []
+        for tag, _ in keys:
+            ratio = f" ({m[tag] / base[tag]:.2f}x)" if m[tag] is not None and base.get(tag) else ""
+            cells.append(_fmt(m[tag], 2) + ratio)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) -> list[str]:
+    summary = {name: summarize_run(s, window) for name, s in data.items()}
     lines = [
-        "# moe-rl compare report",
-        "",
-        "Generated from each run's TensorBoard events (`<run>/tensorboard`); column headers name the tag.",
         f"Reward at fixed steps, and first/last {window}-step means of `{TAGS['reward']}`; other columns are "
         "means over all steps.",
         "",
@@ -140,10 +214,25 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
             + f" | {_fmt(s['expert_change'], 4)} | {_fmt(s['any_layer'], 4)} | {_fmt(s['replayed'], 4)}"
             f" | {_fmt(s['train_vs_rollout'], 4)} | {_fmt(s['mismatch'], 5)} | {_fmt(s['clip_frac'], 4)} | {_fmt(s['step_time'], 2)} |"
         )
+    return lines
+
+
+def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "",
+                 seeds: list[int] | None = None) -> Path:  # fmt: skip
+    """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' TensorBoard logs."""
+    data = {name: read_scalars(path) for name, path in runs.items()}
+    by_run = group_by_run(data, seeds)
+    plots = out_dir / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    plot_curves(plots, by_run)
+    plot_layer_drift(plots, by_run)
+    lines = ["# moe-rl compare report", "",
+             "Generated from each run's TensorBoard events (`<run>/tensorboard`); column headers name the tag.",
+             *summary_table(data, fixed_steps, window)]  # fmt: skip
     if seeds and len(seeds) > 1:
-        lines += [""] + seed_table(summary, seeds)
-    lines += [""] + eval_table(data)
-    lines += ["", "Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
+        lines += [""] + seed_table({name: summarize_run(s, window) for name, s in data.items()}, seeds)
+    lines += [""] + eval_table(data) + cost_table(by_run)
+    lines += ["Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
     if extra_sections:
         lines += [extra_sections, ""]
     path = out_dir / "report.md"

@@ -8,6 +8,7 @@ REWARD_TOTAL = "reward/total"
 ADVANTAGE_MEAN = "advantage/mean"
 ADVANTAGE_STD = "advantage/std"
 ADVANTAGE_DISTINCT_PER_GROUP = "advantage/distinct_per_group"
+REWARD_DISTINCT_TOTALS_PER_GROUP = "reward/distinct_totals_per_group"  # what a sum-based advantage (GRPO) can tell apart
 RESPONSE_LENGTH_MEAN = "response/length_mean"
 RESPONSE_LENGTH_MAX = "response/length_max"
 RESPONSE_FINISHED_FRAC = "response/finished_frac"
@@ -76,6 +77,7 @@ PERF_STEP_TIME = "perf/step_time_s"
 PERF_ROLLOUT_TIME = "perf/rollout_time_s"
 PERF_TRAIN_TIME = "perf/train_time_s"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
+PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"  # the largest over ranks: CUDA allocated, or peak RSS on CPU
 
 # ---------------------------------------------------------------- routing
 # the RoutingMonitor's groups and where each is logged

@@ -17,6 +17,16 @@ def rank_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def peak_memory_mb() -> float:
+    """This rank's peak memory so far: CUDA memory allocated on its device, else the
+    process's peak resident set (which includes everything the process holds)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(rank_device()) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 

@@ -5,6 +5,7 @@ learning-rate schedule, in process."""
 from __future__ import annotations
 
 import itertools
+import statistics
 import json
 import math
 from pathlib import Path
@@ -152,6 +153,7 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, toke
     assert scalars["data/kept_group_frac"] == pytest.approx(len(mixed) / len(sampled))
     assert scalars["reward/correct"] == pytest.approx(len(mixed) / (4 * len(sampled)))  # over everything sampled
     assert scalars["data/skipped_lines"] == 1
+    assert scalars["reward/distinct_totals_per_group"] == 2.0 == scalars["advantage/distinct_per_group"]  # 1 right, 3 wrong
 
     plain, engine = collector_for(tmp_path, tokenizer, list(range(12)))
     exp, scalars = plain.collect(step=0)
@@ -232,5 +234,35 @@ def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
                 writer.add_scalar("eval/pass@4", p4, step)
                 writer.add_scalar("eval/reward_mean", p1 * 2, step)
     report = write_report(tmp_path, {n: tmp_path / n for n in ("plain", "evaluated")}, fixed_steps=[2]).read_text()
-    assert "## Held-out evaluation" in report and "| plain |" not in report.split("## Held-out evaluation")[1]
+    section = report.split("## Held-out evaluation")[1].split("## Cost")[0]
+    assert "| plain |" not in section and "| plain |" in report.split("## Cost")[1]  # costs: every run
     assert "| evaluated | 0.250 -> 0.500 | 0.500 -> 0.750 | 0.500 -> 1.000 | 4 |" in report
+
+
+def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
+    from moe_rl.claims import Comparison, Side, compare, tag
+
+    def runs(values: dict[str, list[list[float]]]) -> dict[str, list[dict]]:  # run -> seeds -> per-step values
+        return {name: [{"m": dict(enumerate(steps, 1))} for steps in seeds] for name, seeds in values.items()}
+
+    clear = runs({"a": [[1.0, 1.2], [2.0, 2.2], [3.0, 3.1]], "b": [[0.9, 1.0], [1.8, 2.0], [2.9, 3.0]]})
+    out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), clear)
+    # paired by seed: per-seed means a = 1.1, 2.1, 3.05 and b = 0.95, 1.9, 2.95 -> differences .15, .2, .1
+    diffs = [0.15, 0.2, 0.1]
+    se = statistics.stdev(diffs) / math.sqrt(3)
+    assert out.pairs == 3 and out.effect == pytest.approx(0.15) and out.stderr == pytest.approx(se) and out.agrees
+    assert out.spread_a == pytest.approx(statistics.stdev([1.1, 2.1, 3.05]))  # the seeds' spread is large ...
+    # ... but pairing by seed removes it; a difference inside the paired noise does not agree
+    noisy = runs({"a": [[1.0], [2.0], [3.0]], "b": [[0.5], [2.4], [2.9]]})
+    assert not compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), noisy).agrees
+    # "as well as" (at_least): not worse beyond the noise agrees; clearly worse does not
+    assert compare(Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), at_least=True), noisy).agrees
+    assert not compare(Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), at_least=True), clear).agrees
+    # equal figures are no effect in the claimed direction
+    same = runs({"a": [[1.0], [2.0]], "b": [[1.0], [2.0]]})
+    assert not compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), same).agrees
+    # one seed: paired by step
+    one = runs({"a": [[1.0, 2.0, 3.0, 4.0]], "b": [[0.0, 1.1, 1.9, 3.0]]})
+    out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), one)
+    assert out.pairs == 4 and out.effect == pytest.approx(1.0) and out.agrees
+    assert compare(Comparison(Side("a", tag("m"), "m"), Side("missing", tag("m"), "m")), one) is None

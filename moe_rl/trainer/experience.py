@@ -120,6 +120,7 @@ class ExperienceCollector:
         """Rewards over every sample generated this step; the rest over the trained batch."""
         samples, advantages = exp.samples, exp.advantages
         grouped = advantages.view(-1, self.cfg.rollout.group_size)
+        totals = (exp.rewards @ torch.tensor(rounds[0].rewards.weights, dtype=exp.rewards.dtype)).view(-1, self.cfg.rollout.group_size)
         everything = RewardBatch(torch.cat([rd.rewards.values for rd in rounds]), rounds[0].rewards.names, rounds[0].rewards.weights)
         failures = {n: sum(sum(rd.rewards.failures.get(n, {}).values()) for rd in rounds) for n in everything.names}
         scalars = {
@@ -129,6 +130,7 @@ class ExperienceCollector:
             tags.ADVANTAGE_MEAN: float(advantages.mean()),
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),
+            tags.REWARD_DISTINCT_TOTALS_PER_GROUP: float(sum(len(set(t.tolist())) for t in totals) / len(totals)),
             tags.RESPONSE_LENGTH_MEAN: float(sum(len(s.output_ids) for s in samples) / len(samples)),
             tags.RESPONSE_LENGTH_MAX: float(max(len(s.output_ids) for s in samples)),
             tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),

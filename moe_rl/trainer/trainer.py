@@ -42,7 +42,9 @@ from moe_rl.trainer.policy import Policy, build_policy, build_reference
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement, sampling_params
 from moe_rl.trainer.stop import StopRequests
-from parallel.collectives import bridge_paused, broadcast_object, data_parallel_share, is_first_rank, rank_device
+from parallel.collectives import (
+    all_reduce, bridge_paused, broadcast_object, data_parallel_share, is_first_rank, peak_memory_mb, rank_device,
+)  # fmt: skip
 from parallel.distributed import init_distributed
 
 log = logging.getLogger("moe_rl.train")
@@ -214,6 +216,7 @@ class Trainer:
             tags.PERF_ROLLOUT_TIME: rollout_time,
             tags.PERF_TRAIN_TIME: train_time,
             tags.PERF_TOKENS_PER_S: exp.num_tokens / step_time,
+            tags.PERF_PEAK_MEMORY_MB: float(all_reduce(torch.tensor([peak_memory_mb()]), "max")[0]),
             **evaluation,
         }
         log_ratios = log_ratio_values(update.outputs)
