@@ -86,8 +86,8 @@ CLAIMS = (
     Claim(
         "Tokens whose routing changed since the old policy carry larger importance ratios (GRPO, no replay)",
         "the mechanism behind GSPO, R2 and R3: routing changes make token ratios volatile",
-        (Comparison(Side("grpo", tag(tags.train_by_routing("log_ratio_abs", True)), "|log-ratio|, routing changed"),
-                    Side("grpo", tag(tags.train_by_routing("log_ratio_abs", False)), "|log-ratio|, routing same")),),
+        (Comparison(Side("grpo", tag(tags.train_by_routing("log_ratio_abs", True)), "mean abs log-ratio, routing changed"),
+                    Side("grpo", tag(tags.train_by_routing("log_ratio_abs", False)), "mean abs log-ratio, routing same")),),
     ),
     Claim(
         "R2 removes the routing change inside the update",
@@ -138,18 +138,18 @@ CLAIMS = (
 )  # fmt: skip
 
 
-def compare(c: Comparison, data: dict[str, list[Scalars]]) -> Outcome | None:
-    """The paired comparison over seeds (several) or steps (one seed); ``None`` when a
-    run or figure is missing."""
-    runs_a, runs_b = data.get(c.a.run), data.get(c.b.run)
-    if not runs_a or not runs_b:
+def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | None:
+    """The paired comparison over the seeds both runs have (several), or over the steps
+    both logged (one seed); ``None`` when a run or figure is missing."""
+    seeds = sorted(set(data.get(c.a.run, {})) & set(data.get(c.b.run, {})))
+    if not seeds:
         return None
-    series_a, series_b = [c.a.series(s) for s in runs_a], [c.b.series(s) for s in runs_b]
-    if len(runs_a) > 1 and len(runs_a) == len(runs_b):  # one pair per seed: the run's mean figure
-        a = [statistics.fmean(s.values()) for s in series_a if s]
-        b = [statistics.fmean(s.values()) for s in series_b if s]
-        if len(a) != len(runs_a) or len(b) != len(runs_b):
+    series_a = [c.a.series(data[c.a.run][seed]) for seed in seeds]
+    series_b = [c.b.series(data[c.b.run][seed]) for seed in seeds]
+    if len(seeds) > 1:  # one pair per seed: the run's mean figure
+        if not all(series_a) or not all(series_b):
             return None
+        a, b = [statistics.fmean(s.values()) for s in series_a], [statistics.fmean(s.values()) for s in series_b]
     else:  # one seed: one pair per step both runs logged
         steps = sorted(set(series_a[0]) & set(series_b[0]))
         a, b = [series_a[0][st] for st in steps], [series_b[0][st] for st in steps]

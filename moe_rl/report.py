@@ -98,11 +98,13 @@ def eval_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
     return lines + [""]
 
 
-def group_by_run(data: dict[str, dict], seeds: list[int] | None) -> dict[str, list]:
-    """``{base run: [each seed's value]}``: run names carry ``_s<seed>`` when there are seeds."""
-    out: dict[str, list] = {}
+def group_by_run(data: dict[str, dict], seeds: list[int] | None) -> dict[str, dict[str, dict]]:
+    """``{base run: {seed: value}}``: run names carry ``_s<seed>`` when there are seeds
+    (without seeds every run is its own base, under seed ``""``)."""
+    out: dict[str, dict[str, dict]] = {}
     for name, value in data.items():
-        out.setdefault(name.rsplit("_s", 1)[0] if seeds else name, []).append(value)
+        base, _, seed = name.rpartition("_s") if seeds else (name, "", "")
+        out.setdefault(base, {})[seed] = value
     return out
 
 
@@ -221,7 +223,7 @@ def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], w
                  seeds: list[int] | None = None) -> Path:  # fmt: skip
     """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' TensorBoard logs."""
     data = {name: read_scalars(path) for name, path in runs.items()}
-    by_run = group_by_run(data, seeds)
+    by_run = {name: list(per_seed.values()) for name, per_seed in group_by_run(data, seeds).items()}
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     plot_curves(plots, by_run)

@@ -242,8 +242,8 @@ def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
 def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     from moe_rl.claims import Comparison, Side, compare, tag
 
-    def runs(values: dict[str, list[list[float]]]) -> dict[str, list[dict]]:  # run -> seeds -> per-step values
-        return {name: [{"m": dict(enumerate(steps, 1))} for steps in seeds] for name, seeds in values.items()}
+    def runs(values: dict[str, list[list[float]]]) -> dict[str, dict[str, dict]]:  # run -> seeds -> per-step values
+        return {name: {str(seed): {"m": dict(enumerate(steps, 1))} for seed, steps in enumerate(seeds, 1)} for name, seeds in values.items()}
 
     clear = runs({"a": [[1.0, 1.2], [2.0, 2.2], [3.0, 3.1]], "b": [[0.9, 1.0], [1.8, 2.0], [2.9, 3.0]]})
     out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), clear)
@@ -266,3 +266,6 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), one)
     assert out.pairs == 4 and out.effect == pytest.approx(1.0) and out.agrees
     assert compare(Comparison(Side("a", tag("m"), "m"), Side("missing", tag("m"), "m")), one) is None
+    # pairs are matched by seed, whatever order the runs were listed in
+    shuffled = {"a": dict(reversed(clear["a"].items())), "b": clear["b"]}
+    assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(0.15)
