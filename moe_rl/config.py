@@ -111,7 +111,10 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     updates_per_batch: int = 2
-    micro_batch_size: int = 32
+    micro_batch_size: int = 32  # rows per micro-batch (with max_tokens_per_micro_batch: at most)
+    # > 0: pack samples by length into micro-batches of at most this many padded tokens
+    # (each padded to its own longest), data-parallel ranks balanced by tokens
+    max_tokens_per_micro_batch: int = 0
 
 
 @dataclass
@@ -172,7 +175,7 @@ _FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "rout
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
                   "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
-_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
+_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
                       "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
 
 
@@ -337,6 +340,7 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     _positive("algorithm.entropy_coef", a.entropy_coef, allow_zero=True)
     _positive("algorithm.updates_per_batch", a.updates_per_batch)
     _positive("algorithm.micro_batch_size", a.micro_batch_size)
+    _positive("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch, allow_zero=True)
     if a.advantage != "dr_grpo" and group_size < 2:
         raise ConfigError(f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
 

@@ -77,6 +77,7 @@ PERF_STEP_TIME = "perf/step_time_s"
 PERF_ROLLOUT_TIME = "perf/rollout_time_s"
 PERF_TRAIN_TIME = "perf/train_time_s"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
+PERF_PADDING_FRAC = "perf/padding_frac"  # padding tokens / micro-batch tokens (all ranks)
 PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"  # the largest over ranks: CUDA allocated, or peak RSS on CPU
 
 # ---------------------------------------------------------------- routing

@@ -102,6 +102,15 @@ def data_parallel_share(count: int) -> tuple[list[int], int]:
     return list(range(ps.get_data_parallel_rank(), count, size)), -(-count // size)
 
 
+def data_parallel_position() -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel size); (0, 1) without megatron's groups."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
 def reports_loss() -> bool:
     """Exactly one rank per data-parallel replica holds the loss outputs: the last pipeline
     stage's tensor-parallel rank 0."""

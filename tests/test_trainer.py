@@ -149,7 +149,7 @@ def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "runs/compare/report.md").read_text()
     assert "| grpo |" in report and "| grpo_r2 |" in report and "## The papers' claims" in report
-    evaluated = [line for line in report.split("## Held-out evaluation")[1].splitlines() if line.startswith("| grpo")]
+    evaluated = [line for line in report.split("## Held-out evaluation")[1].split("## Cost")[0].splitlines() if line.startswith("| grpo")]
     assert len(evaluated) == 2 and all(line.endswith("| 2 |") for line in evaluated)  # evaluated at steps 0 and 2 (the end)
     assert (tmp_path / "runs/compare/plots/reward.png").is_file()
     from moe_rl.report import read_scalars
@@ -230,7 +230,8 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant (tests/trainer_layouts_worker.py)
     1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl"],
-    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3:1,1,2,1:r3", "pp2-kl:1,2,1,1:kl"],
+    # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
+    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn"],
     4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
 }
 
@@ -251,7 +252,7 @@ def layout_runs(cache, tmp_path_factory) -> Path:
 def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: str) -> None:
     """Same model, data and seed: rank 0's rollouts are identical, and the first update's
     loss, grad norm and KL agree with the one-process run to float error."""
-    variant = run.rsplit("-", 1)[1]
+    variant, *packing = run.rsplit("-", 1)[1].split("+")
     ref = json.loads((layout_runs / f"one-{variant}.json").read_text())
     got = json.loads((layout_runs / f"{run}.json").read_text())
     assert got["reward/total"] == ref["reward/total"] and got["advantage/std"] == ref["advantage/std"]
@@ -261,6 +262,8 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
     assert got["train/logp_mismatch_mean"] == pytest.approx(ref["train/logp_mismatch_mean"], abs=1e-6)
     if variant == "kl":
         assert got["train/kl_ref"] == pytest.approx(ref["train/kl_ref"], abs=1e-6)
+    if packing:  # packed by tokens: the same losses as fixed micro-batches, with less padding
+        assert got["perf/padding_frac"] < ref["perf/padding_frac"]
     row, ref_row = rows(layout_runs / run)[1], rows(layout_runs / f"one-{variant}")[1]
     if variant == "r2":  # the update pass used the recorded experts (the logged row has the routing tags)
         assert row["routing/replayed/changed_frac/mean"] == 0.0

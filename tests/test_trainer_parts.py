@@ -13,6 +13,7 @@ from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.rollout.types import RolloutEngine, Sample
 from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
 from moe_rl.trainer.batch import Experience, build_train_batch
+from moe_rl.trainer.packing import fixed_plan
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings
@@ -31,7 +32,7 @@ def experience() -> Experience:
 
 def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     exp = experience()
-    batch = build_train_batch(exp, 7, [0, 2, 3], rows_per_rank=4, micro_batch_size=2, seq_len_multiple=4, pad_id=0,
+    batch = build_train_batch(exp, 7, fixed_plan([0, 2, 3], 4, 2), seq_len_multiple=4, pad_id=0,
                               device=torch.device("cpu"), with_routing=True)  # fmt: skip
     assert batch.step == 7 and batch.num_tokens == 6.0 and batch.num_seqs == 3.0
     # another rank has 4 samples: this one gets as many micro-batches, topped up with an empty row
@@ -50,7 +51,7 @@ def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     assert [r.shape[0] for r in first.routed_experts] == [4, 4]
     assert second.routed_experts[1].shape == (0, 2, 2) and (second.input_ids[1] == 0).all()
     assert first.old_logp is None and first.ref_logp is None
-    without = build_train_batch(exp, 0, [0], rows_per_rank=1, micro_batch_size=2, seq_len_multiple=1, pad_id=0,
+    without = build_train_batch(exp, 0, fixed_plan([0], 1, 2), seq_len_multiple=1, pad_id=0,
                                 device=torch.device("cpu"), with_routing=False)  # fmt: skip
     assert without.micro_batches[0].routed_experts is None and without.micro_batches[0].input_ids.shape == (1, 5)
 
@@ -60,7 +61,7 @@ def test_any_batch_splits_into_equal_micro_batches(rows: int, micro_batch_size: 
     samples = [sample([1, 2], [3] * (1 + i % 3), i) for i in range(rows)]
     exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 1, rows))
     for indices in (list(range(rows)), list(range(rows - 1))):  # this rank's share, or one fewer
-        batch = build_train_batch(exp, 0, indices, rows_per_rank=rows, micro_batch_size=micro_batch_size,
+        batch = build_train_batch(exp, 0, fixed_plan(indices, rows, micro_batch_size),
                                   seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
         assert (len(batch.micro_batches), batch.micro_batches[0].input_ids.shape[0]) == shape
         assert all(mb.input_ids.shape == batch.micro_batches[0].input_ids.shape for mb in batch.micro_batches)
@@ -76,7 +77,7 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) 
     algo = AlgorithmConfig(loss=loss, loss_params=params)
 
     def total(micro_batch_size: int) -> tuple[float, torch.Tensor]:
-        batch = build_train_batch(exp, 0, list(range(rows)), rows_per_rank=rows, micro_batch_size=micro_batch_size,
+        batch = build_train_batch(exp, 0, fixed_plan(list(range(rows)), rows, micro_batch_size),
                                   seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
         objective = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)
         weights = torch.zeros(rows, batch.micro_batches[0].mask.shape[1], requires_grad=True)
@@ -100,7 +101,7 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) 
 def objective_inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     exp = experience()
-    batch = build_train_batch(exp, 0, [0, 1, 2], rows_per_rank=3, micro_batch_size=3, seq_len_multiple=1, pad_id=0,
+    batch = build_train_batch(exp, 0, fixed_plan([0, 1, 2], 3, 3), seq_len_multiple=1, pad_id=0,
                               device=torch.device("cpu"), with_routing=False)  # fmt: skip
     mb = batch.micro_batches[0]
     logp = (-torch.rand(mb.mask.shape, generator=gen)).requires_grad_()
@@ -292,3 +293,65 @@ def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> No
     make(8, meta=json.dumps({"step": 8, "world_size": 4}))
     with pytest.raises(CheckpointMismatch, match="written by 4 processes, this run has 1"):
         select_checkpoint(tmp_path)
+
+
+def test_token_budget_plans_balance_ranks_and_bound_micro_batches() -> None:
+    from moe_rl.trainer.packing import fixed_plan, round_up, token_budget_plan
+
+    lengths = [10 + (i * 7919) % 491 for i in range(64)]  # 10..500 tokens, spread
+    budget, ranks = 1024, 4
+    plans = [token_budget_plan(lengths, r, ranks, budget, max_rows=32, multiple=8) for r in range(ranks)]
+    placed = [i for plan in plans for mb in plan for i in mb if i is not None]
+    assert sorted(placed) == list(range(64))  # every sample once
+    assert len({len(plan) for plan in plans}) == 1  # every rank runs as many micro-batches
+    for plan in plans:
+        for mb in plan:
+            real = [lengths[i] for i in mb if i is not None]
+            assert len(real) == 1 or len(real) * round_up(max(real), 8) <= budget
+    loads = [sum(lengths[i] for mb in plan for i in mb if i is not None) for plan in plans]
+    assert max(loads) - min(loads) <= max(lengths)  # longest-first to the least loaded rank
+
+    def padding(plan_of_rank, pad_each: bool) -> float:
+        longest_all = round_up(max(lengths), 8)
+        padded = sum(len(mb) * (round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if pad_each else longest_all)
+                     for plan in plan_of_rank for mb in plan)  # fmt: skip
+        return 1 - sum(lengths) / padded
+
+    fixed = [fixed_plan(range(r, 64, ranks), 16, 8) for r in range(ranks)]
+    assert padding(plans, True) < 0.2 < 0.4 < padding(fixed, False)
+
+
+def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
+    from moe_rl.trainer.packing import token_budget_plan
+
+    rows = 9
+    samples = [sample([1, 2], [3] * (1 + (i * 5) % 7), i) for i in range(rows)]
+    exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 2, rows))
+    width = max(exp.lengths) - 1
+
+    def total(plan, pad_each: bool) -> tuple[float, torch.Tensor]:
+        batch = build_train_batch(exp, 0, plan, seq_len_multiple=1, pad_id=0, device=torch.device("cpu"),
+                                  with_routing=True, pad_each=pad_each)  # fmt: skip
+        objective = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)
+        weights = torch.zeros(rows, width, requires_grad=True)
+        value = 0.0
+        for mb in batch.micro_batches:
+            real = [i for i in mb.sample_indices if i >= 0]
+            t = mb.mask.shape[1]
+            logp = torch.zeros(mb.mask.shape)
+            logp[: len(real)] = weights[real, :t] - 0.5
+            mb.old_logp = -0.45 + 0.05 * torch.arange(t).expand(mb.mask.shape)
+            loss, _ = objective(torch.stack([logp, torch.zeros_like(logp)], -1), mb)
+            loss.backward()
+            value += float(loss.detach())
+        return value, weights.grad, batch
+
+    whole, grad_whole, _ = total([list(range(rows))], False)
+    packed, grad_packed, batch = total(token_budget_plan(exp.lengths, 0, 1, 20, 8, 1), True)
+    assert len(batch.micro_batches) > 2 and len({mb.input_ids.shape for mb in batch.micro_batches}) > 1
+    for mb in batch.micro_batches:  # each padded to its own longest sample
+        assert mb.input_ids.shape[1] == max(exp.lengths[i] for i in mb.sample_indices if i >= 0)
+    assert packed == pytest.approx(whole, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad_packed, grad_whole)
+    real, padded = batch.padding
+    assert real == sum(exp.lengths) and padded < rows * max(exp.lengths)

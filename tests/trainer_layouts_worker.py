@@ -3,7 +3,8 @@ processes (started N times by ``spawn_local``); rank 0 writes each run's step sc
 
     python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT ...
 
-VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy).
+VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
+``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``).
 The pytest side compares every layout with the one-process run of the same variant.
 """
 
@@ -28,6 +29,7 @@ VARIANTS = {
     "r2": ["routing.replay=r2"],
     "r3": ["routing.replay=r3", "routing.recompute_activations=true"],
     "kl": ["algorithm.kl_coef=0.1"],
+    "dyn": ["algorithm.max_tokens_per_micro_batch=24"],  # micro-batches of varying shapes (pipeline: shapes exchanged)
 }
 
 
@@ -36,7 +38,8 @@ def main() -> None:
     for spec in sys.argv[3:]:
         name, layout, variant = spec.split(":")
         tp, pp, ep, etp = layout.split(",")
-        overrides = [*TINY, *VARIANTS[variant], f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
+        chosen = [o for part in variant.split("+") for o in VARIANTS[part]]
+        overrides = [*TINY, *chosen, f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
                      f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]  # fmt: skip
         RouterReplay.clear_global_router_replay_instances()  # the previous run's model
         with Trainer(load_config(None, overrides)) as trainer:

@@ -108,15 +108,13 @@ def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: li
     from moe_rl.trainer.metrics import reduce_mismatch
     from moe_rl.trainer.objective import logprob_mismatch
     from moe_rl.trainer.policy import build_reference
-    from parallel.collectives import data_parallel_share, rank_device
+    from moe_rl.trainer.packing import MicroBatchPlanner
+    from parallel.collectives import rank_device
 
     model = build_reference(hf_config, hf_dir, layout, LogProbConfig(temperature=args.temperature))  # frozen, eval mode
     exp = Experience(samples, torch.zeros(len(samples), 0), [], torch.zeros(len(samples)))
-    mine, rows_per_rank = data_parallel_share(len(samples))
-    batch = build_train_batch(
-        exp, 0, mine, rows_per_rank=rows_per_rank, micro_batch_size=args.micro_batch_size,
-        seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True,
-    )  # fmt: skip
+    plan = MicroBatchPlanner(args.micro_batch_size, seq_len_multiple=layout.seq_len_multiple).plan(exp.lengths)
+    batch = build_train_batch(exp, 0, plan, seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True)
     mbs = batch.micro_batches
     num_experts = architecture_of(hf_config).num_experts(hf_config)
     monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts)

@@ -68,26 +68,26 @@ def run_microbatches(
     """
     if not micro_batches:
         return []
-    shape = micro_batches[0].input_ids.shape
-    if any(mb.input_ids.shape != shape for mb in micro_batches):
-        raise ValueError("all micro-batches must share one [batch, seq] shape (pad them)")
+    shapes = [tuple(mb.input_ids.shape) for mb in micro_batches]
     chunks = model if isinstance(model, list) else [model]
     config = _unwrap(chunks[0]).config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = None  # the caller finalizes (no token-count scaling)
+    config.variable_seq_lengths = len(set(shapes)) > 1  # pipeline stages then exchange each tensor's shape first
     device = next(chunks[0].parameters()).device
     batches = iter(enumerate(micro_batches))
-    tokens_here = shape[0] * shape[1] // (ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1)
-
-    # explicit (True = masked), so that no pass, activation recompute included, builds one
-    causal_mask = torch.ones(shape[1], shape[1], dtype=torch.bool, device=device).triu(1)[None, None]
+    sp_size = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    causal_masks: dict[int, Tensor] = {}
 
     def forward_step(data_iterator, model_chunk):
         index, mb = next(data_iterator)
         ids = mb.input_ids.to(device)
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        b, s = ids.shape
+        positions = torch.arange(s, device=device).unsqueeze(0).expand_as(ids)
+        # explicit (True = masked), so that no pass, activation recompute included, builds one
+        causal_mask = causal_masks.setdefault(s, torch.ones(s, s, dtype=torch.bool, device=device).triu(1)[None, None])
         for hook in hooks:
-            hook.before_forward(index, tokens_here)
+            hook.before_forward(index, b * s // sp_size)
         out = model_chunk(ids, positions, attention_mask=causal_mask, labels=mb.targets.to(device))
         for hook in hooks:
             hook.after_forward(index)
@@ -99,8 +99,8 @@ def run_microbatches(
             data_iterator=batches,
             model=chunks,
             num_microbatches=len(micro_batches),
-            seq_length=shape[1],
-            micro_batch_size=shape[0],
+            seq_length=max(s for _, s in shapes),  # with variable lengths only a first guess
+            micro_batch_size=max(b for b, _ in shapes),
             forward_only=forward_only,
         )
     return list(results) if ps.is_pipeline_last_stage() else []

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from moe_rl.models.forward import MicroBatch
 from moe_rl.rollout.types import Sample
+from moe_rl.trainer.packing import Plan, round_up
 
 
 @dataclass
@@ -39,10 +40,14 @@ class Experience:
         """Prompt and response tokens of every sample."""
         return sum(len(s.prompt_ids) + len(s.output_ids) for s in self.samples)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Prompt + response tokens of each sample."""
+        return [len(s.prompt_ids) + len(s.output_ids) for s in self.samples]
+
     def padded_length(self, multiple: int) -> int:
         """The longest sample, rounded up to ``multiple`` (equal on every rank)."""
-        longest = max(len(s.prompt_ids) + len(s.output_ids) for s in self.samples)
-        return -(-longest // multiple) * multiple
+        return -(-max(self.lengths) // multiple) * multiple
 
 
 @dataclass(kw_only=True)
@@ -69,39 +74,37 @@ class TrainBatch:
     num_seqs: float  # responses of the whole step with at least one token
     experience: Experience = field(repr=False)
 
+    @property
+    def padding(self) -> tuple[float, float]:
+        """(real tokens, padded tokens) of this rank's micro-batches."""
+        real = sum(float(mb.lengths.sum()) for mb in self.micro_batches)
+        return real, float(sum(mb.input_ids.numel() for mb in self.micro_batches))
+
 
 def build_train_batch(
     exp: Experience,
     step: int,
-    indices: list[int],
+    plan: Plan,
     *,
-    rows_per_rank: int,
-    micro_batch_size: int,
     seq_len_multiple: int,
     pad_id: int,
     device: torch.device,
     with_routing: bool,
+    pad_each: bool = False,
 ) -> TrainBatch:
-    """Micro-batches of the samples ``indices`` (this data-parallel rank's share).
-
-    Every rank gets the same number of micro-batches of the same shape, whatever the batch,
-    micro-batch and data-parallel sizes: ``rows_per_rank`` (the largest share of any rank)
-    is split into ``ceil(rows_per_rank / micro_batch_size)`` micro-batches of equal rows,
-    and a share that falls short is topped up with empty rows (no response tokens: they add
-    nothing to any loss or metric). Sequences are padded to the step's longest sample.
-    Built on the CPU and moved to ``device`` in one place (:func:`_on_device`).
-    """
-    if len(indices) > rows_per_rank:
-        raise ValueError(f"{len(indices)} samples on this rank exceed rows_per_rank={rows_per_rank}")
-    count = -(-rows_per_rank // micro_batch_size)
-    rows = -(-rows_per_rank // count)
-    padded: list[int | None] = [*indices, *[None] * (count * rows - len(indices))]
-    seq_len = exp.padded_length(seq_len_multiple)
+    """This rank's micro-batches, one per entry of ``plan`` (:mod:`moe_rl.trainer.packing`:
+    sample indices, ``None`` for an empty row that adds nothing to any loss or metric).
+    Sequences are padded to the step's longest sample (every micro-batch one shape), or
+    with ``pad_each`` to each micro-batch's own longest; lengths are rounded up to
+    ``seq_len_multiple``. Built on the CPU and moved to ``device`` in one place
+    (:func:`_on_device`)."""
     routing_shape = _routing_shape(exp) if with_routing else None
-    micro_batches = [
-        _on_device(_micro_batch(exp, padded[start : start + rows], seq_len, pad_id, routing_shape), device)
-        for start in range(0, len(padded), rows)
-    ]
+    step_len = exp.padded_length(seq_len_multiple)
+    micro_batches = []
+    for rows in plan:
+        longest = max((len(exp.samples[i].prompt_ids) + len(exp.samples[i].output_ids) for i in rows if i is not None), default=0)
+        seq_len = round_up(max(longest, 2), seq_len_multiple) if pad_each else step_len
+        micro_batches.append(_on_device(_micro_batch(exp, rows, seq_len, pad_id, routing_shape), device))
     return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp)
 
 

@@ -51,6 +51,13 @@ def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
     return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
 
 
+def padding_frac(batch) -> float:
+    """Collective. The share of the step's micro-batch tokens (all ranks) that are padding."""
+    real, padded = batch.padding
+    totals = all_reduce(torch.tensor([real, padded], dtype=torch.float64))
+    return 1.0 - float(totals[0]) / max(float(totals[1]), 1.0)
+
+
 def routing_split_scalars(replayed: dict[str, Tensor]) -> dict[str, float]:
     """The update passes' ``|log-ratio|``, clip fraction and token counts over tokens whose
     routing changed since the old policy and over the rest (the monitor's ``replayed``

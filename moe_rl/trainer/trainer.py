@@ -33,17 +33,20 @@ from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
+from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience import ExperienceCollector
-from moe_rl.trainer.metrics import StepLogger, log_ratio_values, reduce_mismatch, reduce_update_metrics, routing_split_scalars
+from moe_rl.trainer.metrics import (
+    StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
+)  # fmt: skip
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, build_policy, build_reference
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement, sampling_params
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
-    all_reduce, bridge_paused, broadcast_object, data_parallel_share, is_first_rank, peak_memory_mb, rank_device,
+    all_reduce, bridge_paused, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
 )  # fmt: skip
 from parallel.distributed import init_distributed
 
@@ -79,6 +82,7 @@ class Trainer:
     collector: ExperienceCollector | None  # prompts -> rollout -> rewards -> advantages (first rank only)
     evaluator: Evaluator | None  # held-out problems through the same engine (first rank, with data.eval_task)
     weight_sync: WeightSync  # trainer weights -> rollout engine (every rank)
+    planner: MicroBatchPlanner  # which samples go into which micro-batch (rows, or a token budget)
     logger: StepLogger
     on_policy: bool  # one update on fresh samples: no separate old-log-prob pass
 
@@ -127,6 +131,8 @@ class Trainer:
         # before the first rollout the engine serves exactly the trainer's weights (a resumed
         # run's checkpoint; servers attached by URL may serve anything until then)
         self.weight_sync.push(self.policy.weights, str(self.start_step))
+        a = cfg.algorithm
+        self.planner = MicroBatchPlanner(a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.parallel.seq_len_multiple)
         self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
         self._closing.callback(self.logger.close)
         # strictly on-policy (one update, nothing to record or measure): the update pass's
@@ -217,6 +223,7 @@ class Trainer:
             tags.PERF_TRAIN_TIME: train_time,
             tags.PERF_TOKENS_PER_S: exp.num_tokens / step_time,
             tags.PERF_PEAK_MEMORY_MB: float(all_reduce(torch.tensor([peak_memory_mb()]), "max")[0]),
+            tags.PERF_PADDING_FRAC: padding_frac(batch),
             **evaluation,
         }
         log_ratios = log_ratio_values(update.outputs)
@@ -236,11 +243,10 @@ class Trainer:
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
         """This data-parallel rank's share as micro-batches on its device (as many, and of
         the same shape, as every other rank's)."""
-        mine, rows_per_rank = data_parallel_share(len(exp.samples))
         return build_train_batch(
-            exp, step, mine, rows_per_rank=rows_per_rank, micro_batch_size=self.cfg.algorithm.micro_batch_size,
-            seq_len_multiple=self.cfg.parallel.seq_len_multiple,
+            exp, step, self.planner.plan(exp.lengths), seq_len_multiple=self.cfg.parallel.seq_len_multiple,
             pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
+            pad_each=self.planner.pad_each,
         )  # fmt: skip
 
     def compute_old_logprobs(self, batch: TrainBatch) -> list[dict]:

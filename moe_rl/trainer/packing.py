@@ -1,0 +1,108 @@
+"""Which samples go into which micro-batch, on which data-parallel rank.
+
+A *plan* is this rank's micro-batches as lists of sample indices (``None``: an empty row).
+Every data-parallel rank gets a plan with the same number of micro-batches (the
+expert-parallel all-to-all and the pipeline schedule run in lockstep).
+
+- :func:`fixed_plan`: ``micro_batch_size`` rows each, equal shapes (padded to the step's
+  longest sample).
+- :func:`token_budget_plan`: samples spread over ranks by tokens (longest first to the
+  least loaded rank), then packed longest-first into micro-batches whose padded size
+  ``rows x longest`` stays within ``max_tokens`` (a longer sample goes alone); each
+  micro-batch is padded only to its own longest sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+Plan = list[list[int | None]]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fixed_plan(indices: Sequence[int], rows_per_rank: int, micro_batch_size: int) -> Plan:
+    """``ceil(rows_per_rank / micro_batch_size)`` micro-batches of equal rows; a share
+    shorter than ``rows_per_rank`` (the largest share of any rank) gets empty rows."""
+    if len(indices) > rows_per_rank:
+        raise ValueError(f"{len(indices)} samples on this rank exceed rows_per_rank={rows_per_rank}")
+    count = -(-rows_per_rank // micro_batch_size)
+    rows = -(-rows_per_rank // count)
+    padded: list[int | None] = [*indices, *[None] * (count * rows - len(indices))]
+    return [padded[start : start + rows] for start in range(0, len(padded), rows)]
+
+
+def balance_by_tokens(lengths: Sequence[int], ranks: int) -> list[list[int]]:
+    """Sample indices per rank: longest first, each to the rank with the fewest tokens so
+    far (ties: the lower rank); each rank's list in sample order."""
+    loads, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[r] += lengths[i]
+        shares[r].append(i)
+    return [sorted(s) for s in shares]
+
+
+def pack_by_tokens(indices: Sequence[int], lengths: Sequence[int], max_tokens: int, max_rows: int, multiple: int) -> list[list[int]]:
+    """First-fit decreasing: each sample, longest first, joins the first micro-batch whose
+    padded size ``(rows + 1) x round_up(longest, multiple)`` stays within ``max_tokens``
+    and rows within ``max_rows``, else opens a new one."""
+    bins: list[list[int]] = []
+    longest: list[int] = []  # padded length of each bin (its first sample is its longest)
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, members in enumerate(bins):
+            if len(members) < max_rows and (len(members) + 1) * longest[b] <= max_tokens:
+                members.append(i)
+                break
+        else:
+            bins.append([i])
+            longest.append(round_up(max(lengths[i], 2), multiple))
+    return bins
+
+
+def equalize(bins: list[list[int]], count: int) -> Plan:
+    """``count`` micro-batches: the one with most rows split in two until there are
+    enough; single rows cannot split, so empty micro-batches make up the rest."""
+    plan: Plan = [list(b) for b in bins]
+    while len(plan) < count:
+        widest = max(range(len(plan)), key=lambda b: len(plan[b])) if plan else None
+        if widest is None or len(plan[widest]) < 2:
+            plan.append([None])
+            continue
+        rows = plan.pop(widest)
+        plan[widest:widest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return plan
+
+
+def token_budget_plan(lengths: Sequence[int], rank: int, ranks: int, max_tokens: int, max_rows: int, multiple: int) -> Plan:
+    """This data-parallel rank's plan under a token budget (see the module docstring).
+    Every rank computes every rank's packing (cheap), so the counts agree without a
+    collective."""
+    packed = [pack_by_tokens(share, lengths, max_tokens, max_rows, multiple) for share in balance_by_tokens(lengths, ranks)]
+    return equalize(packed[rank], max(1, *(len(p) for p in packed)))
+
+
+@dataclass(frozen=True)
+class MicroBatchPlanner:
+    """The run's way of planning micro-batches, chosen once: by rows (``max_tokens=0``) or
+    by a token budget; ``pad_each``: each micro-batch is padded to its own longest."""
+
+    micro_batch_size: int
+    max_tokens: int = 0
+    seq_len_multiple: int = 1
+
+    @property
+    def pad_each(self) -> bool:
+        return self.max_tokens > 0
+
+    def plan(self, lengths: Sequence[int]) -> Plan:
+        """This data-parallel rank's plan for a step's samples of ``lengths``."""
+        from parallel.collectives import data_parallel_position
+
+        rank, size = data_parallel_position()
+        if self.max_tokens:
+            return token_budget_plan(lengths, rank, size, self.max_tokens, self.micro_batch_size, self.seq_len_multiple)
+        return fixed_plan(range(rank, len(lengths), size), -(-len(lengths) // size), self.micro_batch_size)
