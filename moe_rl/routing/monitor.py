@@ -33,7 +33,7 @@ from megatron.core import parallel_state as ps
 from torch import Tensor
 
 from moe_rl.models.forward import MicroBatch
-from moe_rl.routing.probe import ProbedRouting, RouterProbe
+from moe_rl.routing.probe import Consumer, ProbedRouting, RouterProbe
 from moe_rl.routing.replay import REPLAY_MODES, RoutingReplay, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
@@ -79,21 +79,28 @@ class RoutingMonitor:
         """One policy-update pass (forward and backward) over the old pass's batches."""
         if self.replay is not None:
             self.replay.start_replay(self._replay_indices)
+
+        def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
+            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
+
         with self._cleanup_on_error():
-            yield self._start_probe() + ([self.replay] if self.replay else [])
+            yield self._start_probe(compare) + ([self.replay] if self.replay else [])
         if self.replay is not None:
             self.replay.finish()
-        for i, new in enumerate(self._stop_probe()):
-            self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
+        self._stop_probe(compare)
 
     @contextlib.contextmanager
     def after_update_pass(self) -> Iterator[list]:
         """A forward-only pass after the optimizer step: old -> updated routing."""
-        with self._cleanup_on_error():
-            yield self._start_probe()
-        for i, new in enumerate(self._stop_probe()):
+
+        def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
             old = self._old[i]
-            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old.probs, new.probs)
+            old_probs = old.probs.to(new.probs.device)  # kept off the accelerator between the passes
+            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
+
+        with self._cleanup_on_error():
+            yield self._start_probe(compare)
+        self._stop_probe(compare)
 
     def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
         """The old pass's log-probs ``[b, s-1]`` per micro-batch (``None`` off the last
@@ -144,7 +151,7 @@ class RoutingMonitor:
             self.replay.start_replay(self._engine, forward_only=True)
         elif self.mode == "r2":
             self.replay.start_record()
-        return self._start_probe() + ([self.replay] if self.replay else [])
+        return self._start_probe(probs_device=torch.device("cpu")) + ([self.replay] if self.replay else [])
 
     def _end_old_pass(self) -> None:
         self._old = self._stop_probe()
@@ -160,21 +167,28 @@ class RoutingMonitor:
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
 
-    def _start_probe(self) -> list:
-        """The probe's hooks for a pass (none when not measuring: it then captures nothing)."""
+    def _start_probe(self, consume: Consumer | None = None, probs_device: torch.device | None = None) -> list:
+        """The probe's hooks for a pass (none when not measuring: it then captures nothing);
+        see :meth:`RouterProbe.start`."""
         if not self.measure:
             return []
-        self.probe.start()
+        self.probe.start(consume, probs_device)
         return [self.probe]
 
-    def _stop_probe(self) -> list[ProbedRouting]:
-        """The pass's routing per micro-batch; on a pipeline stage without MoE layers, empty
-        routings of its tokens (so every stage adds the same token flags to the statistics)."""
+    def _stop_probe(self, consume: Consumer | None = None) -> list[ProbedRouting]:
+        """The pass's kept routing per micro-batch. On a pipeline stage without MoE layers,
+        empty routings of its tokens (kept, or handed to ``consume``), so every stage adds
+        the same token flags to the statistics."""
         probed = self.probe.stop()
         if probed or self.probe.layer_numbers or not self.measure:
             return probed
         empty = lambda t: torch.zeros(t, 0, 0, dtype=torch.long, device=self._masks[0].device)  # noqa: E731
-        return [ProbedRouting(empty(len(m)), empty(len(m)), torch.zeros(len(m), 0, self.num_experts)) for m in self._masks]
+        probed = [ProbedRouting(empty(len(m)), empty(len(m)), torch.zeros(len(m), 0, self.num_experts)) for m in self._masks]
+        if consume is None:
+            return probed
+        for i, routing in enumerate(probed):
+            consume(i, routing)
+        return []
 
     @contextlib.contextmanager
     def _cleanup_on_error(self) -> Iterator[None]:

@@ -10,6 +10,7 @@ Tensors are ``[T, L_local, ...]`` in megatron's token order for this rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,13 @@ class ProbedRouting:
     probs: Tensor  # [T, L, E] float32
 
 
+Consumer = Callable[[int, "ProbedRouting"], None]  # (micro-batch index, its routing)
+
+
 class RouterProbe:
-    """Forward hooks on this rank's routers; use as ``run_microbatches`` hooks."""
+    """Forward hooks on this rank's routers; use as ``run_microbatches`` hooks. A pass
+    either keeps every micro-batch's routing (:meth:`stop` returns them) or hands each to
+    a consumer as soon as its forward ends, keeping none (memory of one micro-batch)."""
 
     def __init__(self, model: torch.nn.Module, *, with_probs: bool = True) -> None:
         layers = moe_layers(model)
@@ -36,6 +42,8 @@ class RouterProbe:
         self.enabled = False
         self._current: list[tuple[Tensor, Tensor, Tensor | None]] = []
         self.captured: dict[int, ProbedRouting] = {}
+        self._consume: Consumer | None = None
+        self._probs_device: torch.device | None = None
         self._handles = [router.register_forward_hook(self._hook) for _, router in layers]
 
     def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
@@ -57,18 +65,28 @@ class RouterProbe:
         if not self.enabled or not self._current:
             return
         natural, used, probs = zip(*self._current)
-        self.captured[index] = ProbedRouting(
+        routing = ProbedRouting(
             natural=torch.stack(natural, dim=1),
             used=torch.stack(used, dim=1),
             probs=torch.stack(probs, dim=1) if self.with_probs else torch.empty(0),
         )
         self._current = []
+        if self._consume is not None:
+            self._consume(index, routing)
+            return
+        if self._probs_device is not None:
+            routing.probs = routing.probs.to(self._probs_device)
+        self.captured[index] = routing
 
-    def start(self) -> None:
+    def start(self, consume: Consumer | None = None, probs_device: torch.device | None = None) -> None:
+        """Capture a pass: hand each micro-batch's routing to ``consume``, or keep them
+        (the router distributions on ``probs_device`` when given, e.g. off the GPU)."""
         self.captured, self.enabled = {}, True
+        self._consume, self._probs_device = consume, probs_device
 
     def stop(self) -> list[ProbedRouting]:
-        self.enabled = False
+        """The kept routings in micro-batch order (none when a consumer took them)."""
+        self.enabled, self._consume = False, None
         return [self.captured[i] for i in sorted(self.captured)]
 
     def remove(self) -> None:
