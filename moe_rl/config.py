@@ -108,6 +108,7 @@ class AlgorithmConfig:
     loss_params: dict = field(default_factory=dict)
     old_logprobs: str = "recompute"  # recompute | rollout
     kl_coef: float = 0.0
+    reference: str = "host"  # KL reference: host (starting weights swapped into the policy) | device (a second model)
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     updates_per_batch: int = 2
@@ -175,7 +176,7 @@ _FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "rout
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
                   "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
-_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
+_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.reference", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
                       "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
 
 
@@ -335,6 +336,7 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     except ValueError as e:
         raise ConfigError(f"algorithm.loss_params.{e}") from None
     _choice("algorithm.old_logprobs", a.old_logprobs, ("recompute", "rollout"))
+    _choice("algorithm.reference", a.reference, ("host", "device"))
     _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
     _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
     _positive("algorithm.entropy_coef", a.entropy_coef, allow_zero=True)

@@ -229,7 +229,7 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 
 
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant (tests/trainer_layouts_worker.py)
-    1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl"],
+    1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2"],
     # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
     2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn"],
     4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
@@ -246,6 +246,14 @@ def layout_runs(cache, tmp_path_factory) -> Path:
         code = spawn_local(nproc, ["-W", "ignore", worker, str(out), cache, *runs], timeout_s=600)
         assert code == 0, f"{nproc}-process trainer worker failed with exit code {code}"
     return out
+
+
+def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path) -> None:
+    # step 2: the policy has moved off the reference (step 1's update), so the KL is not 0
+    host, device = (json.loads((layout_runs / f"one-{v}.json").read_text()) for v in ("kl2", "kldev2"))
+    assert host["train/kl_ref"] == device["train/kl_ref"] > 0 and host["train/loss"] == device["train/loss"]
+    assert host["train/grad_norm"] == device["train/grad_norm"]  # and the policy's own weights came back exactly
+    assert host["reward/total"] == device["reward/total"]  # the rollout engine got the trained weights, not the reference
 
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n]])

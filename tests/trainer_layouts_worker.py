@@ -1,7 +1,9 @@
 """One training step of the built-in model under several parallel layouts, in one set of
 processes (started N times by ``spawn_local``); rank 0 writes each run's step scalars.
 
-    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT ...
+    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT[:STEPS] ...
+
+(STEPS: steps to run, default 1; the last step's scalars are written).
 
 VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
 ``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``).
@@ -28,7 +30,8 @@ VARIANTS = {
     "none": [],
     "r2": ["routing.replay=r2"],
     "r3": ["routing.replay=r3", "routing.recompute_activations=true"],
-    "kl": ["algorithm.kl_coef=0.1"],
+    "kl": ["algorithm.kl_coef=0.1"],  # the reference swapped in from host memory (the default)
+    "kldev": ["algorithm.kl_coef=0.1", "algorithm.reference=device"],  # ... or a second model
     "dyn": ["algorithm.max_tokens_per_micro_batch=24"],  # micro-batches of varying shapes (pipeline: shapes exchanged)
 }
 
@@ -36,14 +39,15 @@ VARIANTS = {
 def main() -> None:
     out, cache = Path(sys.argv[1]), sys.argv[2]
     for spec in sys.argv[3:]:
-        name, layout, variant = spec.split(":")
+        name, layout, variant, *steps = spec.split(":")
         tp, pp, ep, etp = layout.split(",")
         chosen = [o for part in variant.split("+") for o in VARIANTS[part]]
         overrides = [*TINY, *chosen, f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
                      f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]  # fmt: skip
         RouterReplay.clear_global_router_replay_instances()  # the previous run's model
         with Trainer(load_config(None, overrides)) as trainer:
-            scalars = trainer.train_step(0)
+            for step in range(int(steps[0]) if steps else 1):
+                scalars = trainer.train_step(step)
         if is_first_rank():
             (out / f"{name}.json").write_text(json.dumps(scalars))
     destroy_distributed()

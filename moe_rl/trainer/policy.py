@@ -4,7 +4,9 @@ wrapper and optimizer) and of the frozen reference policy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
+
+import torch
 
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
@@ -75,3 +77,57 @@ def build_reference(hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLa
     model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config)
     load_hf_weights(model, hf_config, hf_dir)
     return model.eval()
+
+
+class Reference(Protocol):
+    """The frozen starting policy's log-probs (for the KL penalty)."""
+
+    def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]: ...
+
+
+@dataclass
+class DeviceReference:
+    """A second, frozen model stage on the device (fast; costs a model's memory)."""
+
+    model: GPTModel
+
+    def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]:
+        return run_microbatches(self.model, list(batches))
+
+
+@dataclass
+class HostReference:
+    """The starting weights of this rank's stage kept in host memory and swapped into the
+    policy's own parameters for the reference pass, then swapped back (as slime does): no
+    second model on the device, four host-device copies of the stage per step. The
+    optimizer's state is not touched."""
+
+    policy: Policy
+    weights: list[torch.Tensor]  # host copies, in ``policy.model.parameters()`` order
+
+    @classmethod
+    def snapshot(cls, policy: Policy) -> HostReference:
+        """The policy's current (starting) weights."""
+        return cls(policy, [p.detach().to("cpu", copy=True) for p in policy.model.parameters()])
+
+    def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]:
+        params = list(self.policy.model.parameters())
+        trained = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            _load_into(params, self.weights)
+            return self.policy.logprobs(batches)
+        finally:
+            _load_into(params, trained)
+
+
+def _load_into(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for param, value in zip(params, values):
+            param.copy_(value, non_blocking=False)
+
+
+def build_reference_for(policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> Reference:
+    """``algorithm.reference``: ``host`` (swapped into the policy) or ``device`` (a second model)."""
+    if mode == "host":
+        return HostReference.snapshot(policy)
+    return DeviceReference(build_reference(policy.hf_config, hf_dir, layout, logprob_config))

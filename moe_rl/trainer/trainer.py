@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from megatron.core.models.gpt import GPTModel
 
 from moe_rl import tags
 from moe_rl.config import Config, ConfigError
@@ -28,7 +27,6 @@ from moe_rl.data.tasks import Task, make_task
 from moe_rl.evaluation import Evaluator
 from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
-from moe_rl.models.forward import run_microbatches
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.monitor import RoutingMonitor
@@ -41,7 +39,7 @@ from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
-from moe_rl.trainer.policy import Policy, build_policy, build_reference
+from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement, sampling_params
 from moe_rl.trainer.stop import StopRequests
@@ -75,7 +73,7 @@ class Trainer:
     device: torch.device  # this rank's: batches are built on it
     hf_dir: str  # the starting weights (a HF directory)
     policy: Policy  # this rank's stage of the trained model, its DDP wrapper and optimizer
-    reference: GPTModel | None  # frozen starting policy, for the KL penalty
+    reference: Reference | None  # frozen starting policy, for the KL penalty
     monitor: RoutingMonitor | None  # routing replay and drift
     start_step: int  # steps already done (resumed from a checkpoint)
     engine_routing: bool  # the engine returns routed experts
@@ -120,7 +118,10 @@ class Trainer:
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
         )  # fmt: skip
-        self.reference = build_reference(self.hf_config, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
+        # the starting weights (taken before a resumed run loads its checkpoint)
+        self.reference = (
+            build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
+        )  # fmt: skip
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
         self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, self._closing) if is_first_rank() else None
@@ -270,7 +271,7 @@ class Trainer:
         """Sets each micro-batch's ``ref_logp`` when there is a KL penalty."""
         if self.reference is None:
             return
-        for mb, out in zip(batch.micro_batches, run_microbatches(self.reference, batch.micro_batches)):
+        for mb, out in zip(batch.micro_batches, self.reference.logprobs(batch.micro_batches)):
             mb.ref_logp = out["logprobs"]
 
     def objective_for(self, batch: TrainBatch) -> PolicyObjective:
