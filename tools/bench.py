@@ -4,7 +4,7 @@
 
 Sections: the machine's fp32 matmul peak; an RL training step of a small MoE under
 megatron-core (tokens/s, MFU against that peak); routing-replay and drift-metric
-overhead; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
+overhead; padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
 local-engine throughput and the SGLang client's overhead per request; TRL's
 GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE; the policy losses;
 and a GPU section when a GPU is present. ``--quick`` keeps it under 5 minutes on 2 cores.
@@ -94,6 +94,23 @@ def client_overhead(requests: int) -> dict:
     return out
 
 
+def padding_fractions(samples: int = 256, ranks: int = 4, micro_batch_size: int = 8, max_tokens: int = 4096) -> dict:
+    """Padding share of the micro-batches of one step whose samples are spread 10-500
+    tokens: fixed rows (padded to the step's longest) vs packed under a token budget."""
+    from moe_rl.trainer.packing import fixed_plan, round_up, token_budget_plan
+
+    lengths = [10 + (i * 7919) % 491 for i in range(samples)]
+
+    def padding(plans, pad_each: bool) -> float:
+        width = lambda mb: round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if pad_each else round_up(max(lengths), 8)  # noqa: E731
+        return 1 - sum(lengths) / sum(len(mb) * width(mb) for plan in plans for mb in plan)
+
+    fixed = [fixed_plan(range(r, samples, ranks), -(-samples // ranks), micro_batch_size) for r in range(ranks)]
+    packed = [token_budget_plan(lengths, r, ranks, max_tokens, 64, 8) for r in range(ranks)]
+    return {"samples": samples, "ranks": ranks, "fixed": padding(fixed, False), "packed": padding(packed, True),
+            "fixed_micro_batches": len(fixed[0]), "packed_micro_batches": len(packed[0]), "max_tokens": max_tokens}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -120,6 +137,9 @@ def main() -> None:
         "mfu": flops / plain_s / (peak * 1e9), "active_params": routing["active_params"],
     }  # fmt: skip
     results["routing_overhead"] = {k: v["ratio"] for k, v in routing["variants"].items()}
+
+    print("== padding: fixed micro-batches vs packed under a token budget", flush=True)
+    results["padding"] = padding_fractions()
 
     print("== log-prob memory and time: chunked vs full-vocabulary logits", flush=True)
     seq = "1024" if q else "4096"
@@ -186,6 +206,9 @@ def _print_table(r: dict) -> None:
         ("fp32 matmul peak (this machine)", f"{r['matmul_peak_gflops']:.1f} GFLOP/s"),
         ("RL step, megatron-core, small MoE", f"{t['tokens_per_s']:.0f} tokens/s, MFU {100 * t['mfu']:.2f}%"),
         ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
+        (f"padding, {r['padding']['samples']} samples of 10-500 tokens on {r['padding']['ranks']} ranks",
+         f"fixed {r['padding']['fixed_micro_batches']} x 8 rows {100 * r['padding']['fixed']:.0f}% vs packed "
+         f"<= {r['padding']['max_tokens']} tokens ({r['padding']['packed_micro_batches']} micro-batches) {100 * r['padding']['packed']:.0f}%"),
         ("drift metrics on / + after-update pass", f"{r['routing_overhead']['drift metrics']:.3f}x / {r['routing_overhead']['drift + after-update pass']:.3f}x"),
         (f"log-probs vocab 151,936 x seq {lp['seq']}: memory", f"chunked {lp['chunked_growth_mib']:.0f} MiB vs full logits {lp['naive_growth_mib']:.0f} MiB = {lp['memory_ratio_chunked_over_naive']:.3f}x"),
         ("  time", f"{lp['chunked_seconds']:.1f}s vs {lp['naive_seconds']:.1f}s = {lp['time_ratio_chunked_over_naive']:.2f}x"),
