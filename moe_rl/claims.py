@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from moe_rl import tags
-from moe_rl.report import group_by_run, read_scalars
+from moe_rl.report import group_by_run
 
 Scalars = dict[str, dict[int, float]]  # tag -> step -> value, of one run (one seed)
 Series = Callable[[Scalars], dict[int, float]]  # a per-step figure of one run
@@ -180,9 +179,10 @@ class ClaimResult:
         return self.checkable and all(o.agrees for o in self.outcomes)
 
 
-def evaluate_claims(runs: dict[str, Path], seeds: list[int] | None = None) -> list[ClaimResult]:
-    """Every claim's comparisons on the runs' logs (run names ``<base>_s<seed>`` with seeds)."""
-    data = group_by_run({name: read_scalars(path) for name, path in runs.items()}, seeds)
+def evaluate_claims(runs: dict[str, Scalars], seeds: list[int] | None = None) -> list[ClaimResult]:
+    """Every claim's comparisons on the runs' scalars (:func:`moe_rl.report.read_scalars`;
+    run names ``<base>_s<seed>`` with seeds)."""
+    data = group_by_run(runs, seeds)
     return [ClaimResult(claim, [compare(c, data) for c in claim.comparisons]) for claim in CLAIMS]
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from moe_rl import tags
+from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
-from moe_rl.data.tasks import Problem
-from moe_rl.rewards import RewardScorer
+from moe_rl.data.tasks import Problem, Task
+from moe_rl.rewards import RewardBatch, RewardScorer
 from moe_rl.rollout.types import RolloutEngine, SamplingParams
 from moe_rl.trainer.experience import generate_and_score
 
@@ -46,28 +45,39 @@ class Evaluator:
         """``eval/*`` scalars: pass@1, pass@<samples>, mean total and per-reward, length."""
         from tqdm import tqdm
 
-        values, lengths = [], []
+        rewards, lengths = [], []
         with tqdm(total=len(self.problems), desc=desc, unit="prompt", disable=not self.progress, leave=False) as bar:
             for start in range(0, len(self.problems), self.prompts_per_request):
                 chunk = self.problems[start : start + self.prompts_per_request]
                 sampled = generate_and_score(
                     chunk, self.formatter, self.engine, self.scorer, self.sampling, self.samples, seed=EVAL_SEED + start
                 )
-                values.append(sampled.rewards.values)
+                rewards.append(sampled.rewards)
                 lengths += [len(s.output_ids) for s in sampled.samples]
                 bar.update(len(chunk))
-        return self._scalars(torch.cat(values), lengths)
+        return self._scalars(RewardBatch.concat(rewards), lengths)
 
-    def _scalars(self, values: torch.Tensor, lengths: list[int]) -> dict[str, float]:
-        names, n = self.scorer.names, self.samples
-        solved = (values[:, names.index(self.solved_reward)] >= SOLVED_AT).view(-1, n).sum(dim=1).tolist()
-        total = values @ torch.tensor(self.scorer.weights, dtype=values.dtype)
+    def _scalars(self, rewards: RewardBatch, lengths: list[int]) -> dict[str, float]:
+        n = self.samples
+        solved = (rewards.column(self.solved_reward) >= SOLVED_AT).view(-1, n).sum(dim=1).tolist()
         out = {
             tags.eval_pass_at(1): sum(pass_at_k(n, c, 1) for c in solved) / len(solved),
             tags.eval_pass_at(n): sum(pass_at_k(n, c, n) for c in solved) / len(solved),
-            tags.EVAL_REWARD_MEAN: float(total.mean()),
-            **{tags.eval_reward(name): float(values[:, j].mean()) for j, name in enumerate(names)},
+            tags.EVAL_REWARD_MEAN: float(rewards.total().mean()),
+            **{tags.eval_reward(name): float(rewards.values[:, j].mean()) for j, name in enumerate(rewards.names)},
             tags.EVAL_RESPONSE_LENGTH_MEAN: sum(lengths) / len(lengths),
             tags.EVAL_PROMPTS: float(len(solved)),
         }
         return out
+
+
+def build_evaluator(
+    cfg: Config, task: Task, formatter: PromptFormatter, engine: RolloutEngine, scorer: RewardScorer, *, progress: bool
+) -> Evaluator:
+    """The ``data.eval_*`` evaluation of ``task`` through ``engine`` (training and ``moe-rl eval``)."""
+    from moe_rl.trainer.rollout_setup import sampling_params
+
+    d = cfg.data
+    sampling = sampling_params(cfg, formatter.tokenizer.eos_token_id, evaluation=True)
+    return Evaluator(task.eval_problems(d.eval_max_prompts), formatter, engine, scorer, sampling, d.eval_samples,
+                     d.eval_solved_reward, progress=progress)  # fmt: skip

@@ -219,10 +219,9 @@ def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) ->
     return lines
 
 
-def write_report(out_dir: Path, runs: dict[str, Path], fixed_steps: list[int], window: int = 5, extra_sections: str = "",
-                 seeds: list[int] | None = None) -> Path:  # fmt: skip
-    """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' TensorBoard logs."""
-    data = {name: read_scalars(path) for name, path in runs.items()}
+def write_report(out_dir: Path, data: dict[str, dict[str, dict[int, float]]], fixed_steps: list[int], window: int = 5,
+                 extra_sections: str = "", seeds: list[int] | None = None) -> Path:  # fmt: skip
+    """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' scalars (:func:`read_scalars`)."""
     by_run = {name: list(per_seed.values()) for name, per_seed in group_by_run(data, seeds).items()}
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)

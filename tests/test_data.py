@@ -223,7 +223,7 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
 def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    from moe_rl.report import write_report
+    from moe_rl.report import read_scalars, write_report
 
     for name, evals in (("plain", {}), ("evaluated", {0: (0.25, 0.5), 4: (0.5, 0.75)})):
         with SummaryWriter(str(tmp_path / name / "tensorboard")) as writer:
@@ -233,7 +233,7 @@ def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
                 writer.add_scalar("eval/pass@1", p1, step)
                 writer.add_scalar("eval/pass@4", p4, step)
                 writer.add_scalar("eval/reward_mean", p1 * 2, step)
-    report = write_report(tmp_path, {n: tmp_path / n for n in ("plain", "evaluated")}, fixed_steps=[2]).read_text()
+    report = write_report(tmp_path, {n: read_scalars(tmp_path / n) for n in ("plain", "evaluated")}, fixed_steps=[2]).read_text()
     section = report.split("## Held-out evaluation")[1].split("## Cost")[0]
     assert "| plain |" not in section and "| plain |" in report.split("## Cost")[1]  # costs: every run
     assert "| evaluated | 0.250 -> 0.500 | 0.500 -> 0.750 | 0.500 -> 1.000 | 4 |" in report

@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
                 if proc.returncode != 0:
                     failed.append(name)
     from moe_rl.claims import claims_section, evaluate_claims, summary_line
-    from moe_rl.report import write_report
+    from moe_rl.report import read_scalars, write_report
 
-    done = {name: Path(cfg.train.run_dir) for name, (_, cfg) in configs.items() if name not in failed}
+    done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
     claims = evaluate_claims(done, seeds=seeds)
     report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(claims, seeds), seeds=seeds)
     print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}")

@@ -78,6 +78,12 @@ class RewardBatch:
         """Weighted sum of the columns ``[B]``."""
         return self.values @ torch.tensor(self.weights, dtype=self.values.dtype)
 
+    @classmethod
+    def concat(cls, batches: Sequence[RewardBatch]) -> RewardBatch:
+        """The rows of ``batches`` (same columns) one after another, failures summed."""
+        failures = {n: sum((b.failures.get(n, Counter()) for b in batches), Counter()) for n in batches[0].names}
+        return cls(torch.cat([b.values for b in batches]), list(batches[0].names), list(batches[0].weights), failures)
+
 
 def resolve_reward_fn(fn: str) -> RewardFn:
     """A registered reward name, or ``"package.module:function"`` for a user function."""

@@ -45,10 +45,6 @@ class Experience:
         """Prompt + response tokens of each sample."""
         return [len(s.prompt_ids) + len(s.output_ids) for s in self.samples]
 
-    def padded_length(self, multiple: int) -> int:
-        """The longest sample, rounded up to ``multiple`` (equal on every rank)."""
-        return -(-max(self.lengths) // multiple) * multiple
-
 
 @dataclass(kw_only=True)
 class PolicyMicroBatch(MicroBatch):
@@ -99,10 +95,11 @@ def build_train_batch(
     ``seq_len_multiple``. Built on the CPU and moved to ``device`` in one place
     (:func:`_on_device`)."""
     routing_shape = _routing_shape(exp) if with_routing else None
-    step_len = exp.padded_length(seq_len_multiple)
+    lengths = exp.lengths
+    step_len = round_up(max(lengths), seq_len_multiple)
     micro_batches = []
     for rows in plan:
-        longest = max((len(exp.samples[i].prompt_ids) + len(exp.samples[i].output_ids) for i in rows if i is not None), default=0)
+        longest = max((lengths[i] for i in rows if i is not None), default=0)
         seq_len = round_up(max(longest, 2), seq_len_multiple) if pad_each else step_len
         micro_batches.append(_on_device(_micro_batch(exp, rows, seq_len, pad_id, routing_shape), device))
     return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp)

@@ -120,13 +120,13 @@ class ExperienceCollector:
         """Rewards over every sample generated this step; the rest over the trained batch."""
         samples, advantages = exp.samples, exp.advantages
         grouped = advantages.view(-1, self.cfg.rollout.group_size)
-        totals = (exp.rewards @ torch.tensor(rounds[0].rewards.weights, dtype=exp.rewards.dtype)).view(-1, self.cfg.rollout.group_size)
-        everything = RewardBatch(torch.cat([rd.rewards.values for rd in rounds]), rounds[0].rewards.names, rounds[0].rewards.weights)
-        failures = {n: sum(sum(rd.rewards.failures.get(n, {}).values()) for rd in rounds) for n in everything.names}
+        everything = RewardBatch.concat([rd.rewards for rd in rounds])
+        trained = RewardBatch(exp.rewards, everything.names, everything.weights)
+        totals = trained.total().view(-1, self.cfg.rollout.group_size)
         scalars = {
             tags.REWARD_TOTAL: float(everything.total().mean()),
             **{tags.reward(n): float(everything.values[:, j].mean()) for j, n in enumerate(everything.names)},
-            **{tags.reward_failures(n): float(c) for n, c in failures.items()},
+            **{tags.reward_failures(n): float(sum(c.values())) for n, c in everything.failures.items()},
             tags.ADVANTAGE_MEAN: float(advantages.mean()),
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),

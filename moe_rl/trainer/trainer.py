@@ -24,7 +24,7 @@ from moe_rl import tags
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task, make_task
-from moe_rl.evaluation import Evaluator
+from moe_rl.evaluation import Evaluator, build_evaluator
 from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
 from moe_rl.models.logprob_head import LogProbConfig
@@ -41,7 +41,7 @@ from moe_rl.trainer.metrics import (
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
-from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement, sampling_params
+from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
     all_reduce, bridge_paused, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
@@ -125,7 +125,10 @@ class Trainer:
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
         self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, self._closing) if is_first_rank() else None
-        self.evaluator = self._build_evaluator(eval_task, formatter) if eval_task and self.collector else None
+        self.evaluator = (
+            build_evaluator(cfg, eval_task, formatter, self.collector.engine, self.collector.scorer, progress=cfg.train.progress)
+            if eval_task and self.collector else None
+        )  # fmt: skip
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
         self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
@@ -153,14 +156,6 @@ class Trainer:
         return RoutingMonitor(
             self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
             recompute=routing.recompute_activations, measure=routing.metrics,
-        )  # fmt: skip
-
-    def _build_evaluator(self, task: Task, formatter: PromptFormatter) -> Evaluator:
-        d = self.cfg.data
-        return Evaluator(
-            task.eval_problems(d.eval_max_prompts), formatter, self.collector.engine, self.collector.scorer,
-            sampling_params(self.cfg, self.tokenizer.eos_token_id, evaluation=True), d.eval_samples,
-            d.eval_solved_reward, progress=self.cfg.train.progress,
         )  # fmt: skip
 
     def _resume(self) -> int:
@@ -242,8 +237,8 @@ class Trainer:
         return broadcast_object((exp, scalars))
 
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
-        """This data-parallel rank's share as micro-batches on its device (as many, and of
-        the same shape, as every other rank's)."""
+        """This data-parallel rank's share as micro-batches on its device, as many as every
+        other rank's (:class:`MicroBatchPlanner`: fixed rows, or packed by a token budget)."""
         return build_train_batch(
             exp, step, self.planner.plan(exp.lengths), seq_len_multiple=self.cfg.parallel.seq_len_multiple,
             pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
