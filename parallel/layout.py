@@ -21,6 +21,7 @@ class ModelDims:
     num_experts: int | None
     vocab_size: int
     ffn_hidden_size: int | None = None  # expert FFN size (split by ETP)
+    shared_ffn_hidden_size: int | None = None  # shared expert FFN size (split by TP)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class ParallelLayout:
             checks.append(("model.num_experts", model.num_experts, "ep", self.ep))
             if model.ffn_hidden_size:
                 checks.append(("model.moe_ffn_hidden_size", model.ffn_hidden_size, "etp", self.expert_tp))
+            if model.shared_ffn_hidden_size:
+                checks.append(("model.shared_expert_ffn_hidden_size", model.shared_ffn_hidden_size, "tp", self.tp))
         elif self.ep > 1:
             raise LayoutError(f"parallel.ep={self.ep} but the model has no experts")
         for what, size, name, value in checks:

@@ -20,48 +20,142 @@ from parallel.layout import ModelDims
 
 @dataclass(frozen=True)
 class ExpertKeys:
-    """HF key templates of one layer's MoE block (``{l}`` layer, ``{e}`` expert)."""
+    """HF key templates of one layer's MoE block (``{l}`` layer, ``{e}`` expert);
+    ``expert_bias``: the router's score-correction bias, where the model has one."""
 
     router: str
     gate: str
     up: str
     down: str
+    expert_bias: str | None = None
+
+
+@dataclass(frozen=True)
+class SharedExpertKeys:
+    """HF key templates (``{l}``) of a layer's always-on shared expert; ``gate``: its
+    sigmoid gate (Qwen2-MoE), else ``None``."""
+
+    gate_proj: str
+    up_proj: str
+    down_proj: str
+    gate: str | None = None
 
 
 @dataclass(frozen=True)
 class Architecture:
+    """One HF MoE family. ``router`` gives megatron's router settings, ``shared_size``
+    the shared expert's FFN size (``None``: no shared expert), ``qk_norm`` one of
+    ``none`` | ``head`` (per head, Qwen3) | ``full`` (over all heads, OLMoE),
+    ``unsupported`` the first setting of a config moe-rl cannot reproduce (or ``None``)."""
+
     model_type: str
     experts: ExpertKeys
-    qk_norm: bool
     num_experts: Callable[[PretrainedConfig], int]
     moe_ffn_hidden_size: Callable[[PretrainedConfig], int]
-    normalize_topk: Callable[[PretrainedConfig], bool]
     moe_layer_pattern: Callable[[PretrainedConfig], list[int]]
+    router: Callable[[PretrainedConfig], dict[str, Any]]
+    qk_norm: Callable[[PretrainedConfig], str] = lambda c: "none"
+    qkv_bias: Callable[[PretrainedConfig], bool] = lambda c: bool(getattr(c, "attention_bias", False))
+    shared: SharedExpertKeys | None = None
+    shared_size: Callable[[PretrainedConfig], int | None] = lambda c: None
+    unsupported: Callable[[PretrainedConfig], str | None] = lambda c: None
+
+    def has_expert_bias(self, cfg: PretrainedConfig) -> bool:
+        return bool(self.router(cfg).get("moe_router_enable_expert_bias"))
 
 
 ARCHITECTURES: Registry[Architecture] = Registry("model architecture (HF model_type)")
 
 
-def _qwen3_moe_pattern(cfg: PretrainedConfig) -> list[int]:
+def softmax_router(normalize_topk: bool) -> dict[str, Any]:
+    """Softmax over all experts, top-k; renormalised over the k when ``normalize_topk``
+    (megatron: softmax over the top-k logits, the same numbers)."""
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not normalize_topk)
+
+
+def sigmoid_router(cfg: PretrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; the top-k of scores plus a per-expert
+    bias (``e_score_correction_bias``) picks the experts, within the best ``topk_group``
+    of ``n_group`` groups (a group scores the sum of its top two); the unbiased scores
+    at those experts, renormalised and times ``routed_scaling_factor``, weight them."""
+    settings: dict[str, Any] = dict(
+        moe_router_score_function="sigmoid",
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+    )
+    groups = getattr(cfg, "n_group", None) or 1
+    if groups > 1:
+        settings.update(moe_router_num_groups=groups, moe_router_group_topk=cfg.topk_group)
+    return settings
+
+
+def _sigmoid_router_problem(cfg: PretrainedConfig) -> str | None:
+    k, groups = cfg.num_experts_per_tok, getattr(cfg, "n_group", None) or 1
+    if k > 1 and not getattr(cfg, "norm_topk_prob", True):
+        return "norm_topk_prob=False with a sigmoid router (megatron-core always renormalises the top-k)"
+    if groups > 1 and k // cfg.topk_group != 2:
+        return (f"n_group={groups} with num_experts_per_tok // topk_group = {k // cfg.topk_group}: a group scores "
+                "the sum of its top 2 experts in transformers, of its top k/topk_group in megatron-core")  # fmt: skip
+    return None
+
+
+def _sparse_step_pattern(cfg: PretrainedConfig) -> list[int]:
+    """Qwen-MoE: every ``decoder_sparse_step``-th layer is MoE, except ``mlp_only_layers``."""
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     dense = set(getattr(cfg, "mlp_only_layers", None) or [])
     return [int(l not in dense and (l + 1) % step == 0) for l in range(cfg.num_hidden_layers)]
 
 
+def _first_dense_pattern(cfg: PretrainedConfig) -> list[int]:
+    """DeepSeek-V3 / GLM-4.5: the first ``first_k_dense_replace`` layers are dense."""
+    first = getattr(cfg, "first_k_dense_replace", 0) or 0
+    return [int(l >= first) for l in range(cfg.num_hidden_layers)]
+
+
+def _mlp_expert_keys(block: str = "mlp", **extra: str) -> ExpertKeys:
+    return ExpertKeys(
+        router=f"model.layers.{{l}}.{block}.gate.weight",
+        gate=f"model.layers.{{l}}.{block}.experts.{{e}}.gate_proj.weight",
+        up=f"model.layers.{{l}}.{block}.experts.{{e}}.up_proj.weight",
+        down=f"model.layers.{{l}}.{block}.experts.{{e}}.down_proj.weight",
+        **extra,
+    )
+
+
+def _shared_keys(name: str, gate: str | None = None) -> SharedExpertKeys:
+    p = f"model.layers.{{l}}.mlp.{name}."
+    return SharedExpertKeys(p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight", gate)
+
+
+def _deepseek_shared_size(cfg: PretrainedConfig) -> int | None:
+    n = getattr(cfg, "n_shared_experts", 0) or 0
+    return cfg.moe_intermediate_size * n if n else None
+
+
 ARCHITECTURES.register("qwen3_moe")(
     Architecture(
         model_type="qwen3_moe",
-        experts=ExpertKeys(
-            router="model.layers.{l}.mlp.gate.weight",
-            gate="model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
-            up="model.layers.{l}.mlp.experts.{e}.up_proj.weight",
-            down="model.layers.{l}.mlp.experts.{e}.down_proj.weight",
-        ),
-        qk_norm=True,
+        experts=_mlp_expert_keys(),
         num_experts=lambda c: c.num_experts,
         moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
-        normalize_topk=lambda c: bool(c.norm_topk_prob),
-        moe_layer_pattern=_qwen3_moe_pattern,
+        moe_layer_pattern=_sparse_step_pattern,
+        router=lambda c: softmax_router(bool(c.norm_topk_prob)),
+        qk_norm=lambda c: "head",
+    )
+)
+
+ARCHITECTURES.register("qwen2_moe")(
+    Architecture(
+        model_type="qwen2_moe",
+        experts=_mlp_expert_keys(),
+        num_experts=lambda c: c.num_experts,
+        moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
+        moe_layer_pattern=_sparse_step_pattern,
+        router=lambda c: softmax_router(bool(c.norm_topk_prob)),
+        qkv_bias=lambda c: bool(getattr(c, "qkv_bias", True)),
+        shared=_shared_keys("shared_expert", gate="model.layers.{l}.mlp.shared_expert_gate.weight"),
+        shared_size=lambda c: c.shared_expert_intermediate_size or None,
     )
 )
 
@@ -74,11 +168,56 @@ ARCHITECTURES.register("mixtral")(
             up="model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
             down="model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
         ),
-        qk_norm=False,
         num_experts=lambda c: c.num_local_experts,
         moe_ffn_hidden_size=lambda c: c.intermediate_size,
-        normalize_topk=lambda c: True,  # Mixtral renormalises its top-k probabilities
         moe_layer_pattern=lambda c: [1] * c.num_hidden_layers,
+        router=lambda c: softmax_router(True),  # Mixtral renormalises its top-k probabilities
+    )
+)
+
+ARCHITECTURES.register("olmoe")(
+    Architecture(
+        model_type="olmoe",
+        experts=_mlp_expert_keys(),
+        num_experts=lambda c: c.num_experts,
+        moe_ffn_hidden_size=lambda c: c.intermediate_size,
+        moe_layer_pattern=lambda c: [1] * c.num_hidden_layers,
+        router=lambda c: softmax_router(bool(c.norm_topk_prob)),
+        qk_norm=lambda c: "full",
+        unsupported=lambda c: f"clip_qkv={c.clip_qkv}" if getattr(c, "clip_qkv", None) is not None else None,
+    )
+)
+
+ARCHITECTURES.register("glm4_moe")(
+    Architecture(
+        model_type="glm4_moe",
+        experts=_mlp_expert_keys(expert_bias="model.layers.{l}.mlp.gate.e_score_correction_bias"),
+        num_experts=lambda c: c.n_routed_experts,
+        moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
+        moe_layer_pattern=_first_dense_pattern,
+        router=sigmoid_router,
+        qk_norm=lambda c: "head" if getattr(c, "use_qk_norm", False) else "none",
+        shared=_shared_keys("shared_experts"),
+        shared_size=_deepseek_shared_size,
+        unsupported=_sigmoid_router_problem,
+    )
+)
+
+
+ARCHITECTURES.register("deepseek_v3")(
+    Architecture(
+        model_type="deepseek_v3",
+        experts=_mlp_expert_keys(expert_bias="model.layers.{l}.mlp.gate.e_score_correction_bias"),
+        num_experts=lambda c: c.n_routed_experts,
+        moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
+        moe_layer_pattern=_first_dense_pattern,
+        router=sigmoid_router,
+        shared=_shared_keys("shared_experts"),
+        shared_size=_deepseek_shared_size,
+        unsupported=lambda c: (
+            "multi-head latent attention (DeepSeek-V3's q_lora/kv_lora attention); its router, shared and dense "
+            "layers are supported (GLM-4.5 uses them with standard attention)"
+        ),
     )
 )
 
@@ -91,12 +230,22 @@ def head_dim(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def _rope_parameters(cfg: PretrainedConfig) -> dict:
+    """transformers 5 keeps RoPE settings in ``rope_parameters``; 4.x in attributes."""
+    return getattr(cfg, "rope_parameters", None) or {}
+
+
 def rope_theta(cfg: PretrainedConfig) -> float:
-    """transformers 5 keeps it in ``rope_parameters``; 4.x in ``rope_theta``."""
-    params = getattr(cfg, "rope_parameters", None) or {}
+    params = _rope_parameters(cfg)
     if params.get("rope_type", "default") not in ("default", None):
         raise ValueError(f"rope_type={params['rope_type']!r} is not supported yet (only default RoPE)")
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def rotary_fraction(cfg: PretrainedConfig) -> float:
+    """The share of each head's dimensions that RoPE rotates (GLM-4.5: 0.5, the first half)."""
+    fraction = _rope_parameters(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    return float(fraction or 1.0)
 
 
 def model_dims(hf_config: PretrainedConfig) -> ModelDims:
@@ -108,18 +257,28 @@ def model_dims(hf_config: PretrainedConfig) -> ModelDims:
         num_experts=arch.num_experts(hf_config),
         vocab_size=hf_config.vocab_size,
         ffn_hidden_size=arch.moe_ffn_hidden_size(hf_config),
+        shared_ffn_hidden_size=arch.shared_size(hf_config),
     )
+
+
+def unsupported_setting(hf_config: PretrainedConfig) -> str | None:
+    """Why moe-rl cannot reproduce ``hf_config`` exactly, or ``None``."""
+    arch = architecture_of(hf_config)
+    if getattr(hf_config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        return f"hidden_act={hf_config.hidden_act!r} (only silu)"
+    return arch.unsupported(hf_config)
 
 
 def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
     """``TransformerConfig`` settings that reproduce ``hf_config`` (parallel sizes,
     dtypes and training knobs are added by the builder)."""
     arch = architecture_of(hf_config)
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported (only silu)")
-    pattern = arch.moe_layer_pattern(hf_config)
+    problem = unsupported_setting(hf_config)
+    if problem:
+        raise ValueError(f"{hf_config.model_type}: {problem} is not supported")
+    shared = arch.shared_size(hf_config)
     return dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -129,9 +288,9 @@ def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
         ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
-        qk_layernorm=arch.qk_norm,
+        qk_layernorm=arch.qk_norm(hf_config) != "none",
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=arch.qkv_bias(hf_config),
         gated_linear_unit=True,
         activation_func=F.silu,
         hidden_dropout=0.0,
@@ -139,11 +298,12 @@ def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
         num_moe_experts=arch.num_experts(hf_config),
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
-        moe_router_pre_softmax=not arch.normalize_topk(hf_config),
-        moe_router_score_function="softmax",
-        moe_layer_freq=pattern,
+        moe_layer_freq=arch.moe_layer_pattern(hf_config),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None and arch.shared is not None and arch.shared.gate is not None,
         moe_grouped_gemm=False,
         moe_router_dtype="fp32",
+        **arch.router(hf_config),
     )
 
 

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from transformers import AutoConfig, PretrainedConfig
 
-from moe_rl.models.architectures import rope_theta, transformer_config_kwargs
+from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
 from moe_rl.models.layers import decoder_block_spec
 from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
 from parallel.layout import ParallelLayout
@@ -62,6 +62,14 @@ def make_transformer_config(
     return TransformerConfig(**kwargs)
 
 
+def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters and the routers' expert biases (buffers that training
+    changes and checkpoints, exports and weight syncs must carry), in a fixed order."""
+    weights: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    weights += [(name, b) for name, b in model.named_buffers() if name.endswith("router.expert_bias")]
+    return weights
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Megatron splits the vocabulary rows evenly over tensor-parallel ranks; a vocabulary
     that does not divide gets padding rows (never scored, stripped on export)."""
@@ -79,7 +87,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_
     post = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config),
+        transformer_layer_spec=decoder_block_spec(config, architecture_of(hf_config).qk_norm(hf_config)),
         vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre,
@@ -88,6 +96,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
+        rotary_percent=rotary_fraction(hf_config),
     )
     if post:
         logprob_config = dataclasses.replace(logprob_config or LogProbConfig(), vocab_size=hf_config.vocab_size)

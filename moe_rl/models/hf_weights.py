@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
-from moe_rl.models.builder import padded_vocab_size
+from moe_rl.models.builder import named_weights, padded_vocab_size
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, gather_objects
 
 _TOKENIZER_FILES = (
@@ -69,6 +69,7 @@ class ParamMapper:
     """Maps this rank's megatron parameter names to :class:`Recipe` s."""
 
     _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+    _SHARED = re.compile(r"mlp\.shared_experts\.(linear_fc1\.weight|linear_fc2\.weight|gate_weight)")
     _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
     def __init__(self, hf_config: PretrainedConfig, model: GPTModel) -> None:
@@ -93,11 +94,12 @@ class ParamMapper:
         l = self.layer_offset + int(m.group(1))
         rest = m.group(2)
         p = f"model.layers.{l}."
+        qk_norm_shard = 0 if self.arch.qk_norm(self.cfg) == "full" else None  # OLMoE: all heads' weights
         simple = {
             "input_layernorm.weight": Recipe((p + "input_layernorm.weight",)),
             "pre_mlp_layernorm.weight": Recipe((p + "post_attention_layernorm.weight",)),
-            "self_attention.q_layernorm.weight": Recipe((p + "self_attn.q_norm.weight",)),
-            "self_attention.k_layernorm.weight": Recipe((p + "self_attn.k_norm.weight",)),
+            "self_attention.q_layernorm.weight": Recipe((p + "self_attn.q_norm.weight",), shard_dim=qk_norm_shard),
+            "self_attention.k_layernorm.weight": Recipe((p + "self_attn.k_norm.weight",), shard_dim=qk_norm_shard),
             "self_attention.linear_proj.weight": Recipe((p + "self_attn.o_proj.weight",), shard_dim=1),
             "mlp.router.weight": Recipe((self.arch.experts.router.format(l=l),)),
             "mlp.linear_fc1.weight": Recipe((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "glu", 0),
@@ -105,6 +107,16 @@ class ParamMapper:
         }
         if rest in simple:
             return simple[rest]
+        if rest == "mlp.router.expert_bias" and self.arch.experts.expert_bias:
+            return Recipe((self.arch.experts.expert_bias.format(l=l),))
+        shared = self._SHARED.fullmatch(rest)
+        if shared and self.arch.shared:
+            keys = self.arch.shared
+            return {
+                "linear_fc1.weight": Recipe((keys.gate_proj.format(l=l), keys.up_proj.format(l=l)), "glu", 0),
+                "linear_fc2.weight": Recipe((keys.down_proj.format(l=l),), shard_dim=1),
+                "gate_weight": Recipe(((keys.gate or "").format(l=l),)),
+            }[shared.group(1)]
         if rest.startswith("self_attention.linear_qkv."):
             suffix = rest.rsplit(".", 1)[1]  # weight | bias
             keys = tuple(f"{p}self_attn.{x}_proj.{suffix}" for x in "qkv")
@@ -213,7 +225,7 @@ def load_hf_weights(model: GPTModel, hf_config: PretrainedConfig, hf_dir: str | 
     reader = SafetensorsDir(hf_dir)
     mapper = ParamMapper(hf_config, model)
     used: set[str] = set()
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         recipe = mapper.recipe(name)
         missing = [k for k in recipe.hf_keys if k not in reader.weight_map]
         if missing:
@@ -245,11 +257,13 @@ def gather_hf_tensors(
     """Full HF-named tensors of the parameters this rank writes (others get ``{}``).
 
     ``source(name, param)`` picks what to gather (default: the parameter itself; e.g.
-    ``lambda n, p: p.main_grad`` gathers gradients). Collective over TP groups."""
+    ``lambda n, p: p.main_grad`` gathers gradients, of parameters only: the routers'
+    expert biases are buffers). Collective over TP groups."""
     mapper = ParamMapper(hf_config, model)
+    weights = named_weights(model) if source is None else list(model.named_parameters())
     source = source or (lambda name, param: param)
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in weights:
         if name == "output_layer.weight" and mapper.tied:
             continue
         recipe = mapper.recipe(name)

@@ -1,10 +1,12 @@
 """The megatron-core layer spec moe-rl builds models with: the local (pure torch) spec
-with an RMSNorm that works under sequence parallelism."""
+with an RMSNorm that works under sequence parallelism, and OLMoE's QK-norm over all
+heads."""
 
 from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -33,19 +35,53 @@ class RMSNorm(torch.nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def decoder_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
+class FullWidthQKNorm(torch.nn.Module):
+    """RMSNorm of all query (or key) heads of a token together, as OLMoE normalises
+    ``q_proj``'s whole output (megatron's ``qk_layernorm`` normalises each head).
+
+    Input ``[s, b, heads on this rank, head_dim]``; under tensor parallelism each rank
+    holds its heads' slice of the weight and the sum of squares is all-reduced (forward
+    and backward: every rank's output depends on every rank's heads)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, *, num_heads: int, **_unused) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = config.tensor_model_parallel_size
+        self.width = num_heads * hidden_size  # hidden_size: megatron passes the head dim
+        local = num_heads // self.tp * hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(dim=(-2, -1), keepdim=True)
+        if self.tp > 1:
+            squares = reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(squares))
+        normed = x32 * torch.rsqrt(squares / self.width + self.eps)
+        return self.weight.view(x.shape[-2:]) * normed.to(x.dtype)
+
+
+def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none") -> TransformerBlockSubmodules:
     """This pipeline stage's local-spec decoder layers (MoE or dense, by
     ``config.moe_layer_freq``) whose input, pre-MLP, QK and final norms are
-    :class:`RMSNorm` (the stock torch norm refuses sequence parallelism)."""
+    :class:`RMSNorm` (the stock torch norm refuses sequence parallelism).
+    ``qk_norm``: ``none``, ``head`` (each head) or ``full`` (:class:`FullWidthQKNorm`)."""
     norm = ModuleSpec(module=RMSNorm)
+    q_norm, k_norm = {
+        "none": (None, None),
+        "head": (norm, norm),
+        "full": (
+            ModuleSpec(module=FullWidthQKNorm, params={"num_heads": config.num_attention_heads}),
+            ModuleSpec(module=FullWidthQKNorm, params={"num_heads": config.num_query_groups}),
+        ),
+    }[qk_norm]
     layer_specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")
     for spec in {id(s): s for s in layer_specs}.values():
         sub = spec.submodules
         sub.input_layernorm = norm
         sub.pre_mlp_layernorm = norm
         if config.qk_layernorm:
-            sub.self_attention.submodules.q_layernorm = norm
-            sub.self_attention.submodules.k_layernorm = norm
+            sub.self_attention.submodules.q_layernorm = q_norm
+            sub.self_attention.submodules.k_layernorm = k_norm
     offset = get_transformer_layer_offset(config)
     local = layer_specs[offset : offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)

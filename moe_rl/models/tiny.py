@@ -7,7 +7,29 @@ import os
 from typing import Any
 
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, PretrainedConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               num_experts_per_tok=2, max_position_embeddings=128)  # fmt: skip
+# DeepSeek-V3 / GLM-4.5 style: a dense first layer, 8 experts in 2 groups (one picked per
+# token), a shared expert, a routed scaling factor, sigmoid scores with a bias
+_DEEPSEEK_STYLE = dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                       n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                       routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
 
 _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "qwen3_moe": (
@@ -43,11 +65,27 @@ _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
             max_position_embeddings=128,
         ),
     ),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(_COMMON, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4),
+    ),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(_COMMON, intermediate_size=16, num_experts=4, eos_token_id=1, pad_token_id=0)),
+    "glm4_moe": (
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        dict(_COMMON, **_DEEPSEEK_STYLE, head_dim=8, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+    ),
+    "deepseek_v3": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(_COMMON, **_DEEPSEEK_STYLE, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
+    ),
 }
 
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides: Any) -> PretrainedConfig:
-    """A tiny config of ``model_type`` (``qwen3_moe`` or ``mixtral``)."""
+    """A tiny config of ``model_type`` (any key of ``TINY_ARCHITECTURES``)."""
     if model_type not in _TINY:
         raise ValueError(f"no tiny config for {model_type!r}; available: {sorted(_TINY)}")
     config_cls, _, defaults = _TINY[model_type]
@@ -61,11 +99,17 @@ def save_tiny_checkpoint(path: str | os.PathLike, model_type: str = "qwen3_moe",
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_cls(config)
-    # HF's default init leaves norms at exactly 1; perturb them so loading bugs show
+    # HF's default init leaves norms at exactly 1 and router biases at 0; perturb them so
+    # loading bugs show (a bias as large as the scores' spread changes which experts win)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
-        for name, param in model.named_parameters():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
     model.save_pretrained(path)
     return str(path)
+
+
+TINY_ARCHITECTURES = tuple(_TINY)
