@@ -23,10 +23,14 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
 
 
+# families the built-in model can be made of (DeepSeek-V3 needs multi-head latent attention)
+DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe")
+
+
 @dataclass
 class ModelConfig:
     hf_dir: str | None = None  # None: the built-in tiny demo model (warm-started and cached)
-    architecture: str = "qwen3_moe"  # for the built-in model
+    architecture: str = "qwen3_moe"  # for the built-in model: one of DEMO_ARCHITECTURES
     hidden_size: int = 64
     num_layers: int = 2
     num_experts: int = 8
@@ -121,6 +125,7 @@ class AlgorithmConfig:
 @dataclass
 class RoutingConfig:
     replay: str = "none"  # none | r2 | r3
+    expert_bias_update_rate: float = 1e-3  # routers with an expert bias (GLM-4.5, DeepSeek-V3): aux-loss-free balancing step; 0 freezes it
     metrics: bool = True  # drift metrics; also asks the rollout engine for routed experts (train-inference drift)
     after_update_pass: bool = True  # one extra forward to measure the routing an update changes
     recompute_activations: bool = False
@@ -172,7 +177,7 @@ class Config:
         return {k: v for k, v in flat.items() if k.startswith(_FINGERPRINTED) and k not in _NOT_FINGERPRINTED}
 
 
-_FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "warm_start.", "train.seed",
+_FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "routing.expert_bias_update_rate", "warm_start.", "train.seed",
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
                   "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
@@ -351,6 +356,7 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
     from moe_rl.routing.replay import REPLAY_MODES
 
     _choice("routing.replay", routing.replay, REPLAY_MODES)
+    _positive("routing.expert_bias_update_rate", routing.expert_bias_update_rate, allow_zero=True)
     _choice("rollout.engine", r.engine, ("local", "sglang"))
     _choice("rollout.precision", r.precision, ("fp32", "bf16"))
     if r.engine == "sglang" and not r.sglang_urls and not r.launch_server:
@@ -403,7 +409,7 @@ def _validate_model_and_data(c: Config) -> None:
     if m.hf_dir is not None:
         _check_hf_dir(m.hf_dir)
     else:
-        _choice("model.architecture", m.architecture, ("qwen3_moe", "mixtral"))
+        _choice("model.architecture", m.architecture, DEMO_ARCHITECTURES)
         for key in ("hidden_size", "num_layers", "num_experts", "top_k"):
             _positive(f"model.{key}", getattr(m, key))
         if m.hidden_size % 4:
@@ -453,6 +459,15 @@ def _check_hf_dir(hf_dir: str) -> None:
         raise ConfigError(f"model.hf_dir={hf_dir!r}: config.json is not readable JSON ({type(e).__name__})") from None
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"model.hf_dir={hf_dir!r} has model_type={model_type!r}; supported: {', '.join(ARCHITECTURES.names())}")
+    from moe_rl.models.architectures import unsupported_setting
+    from moe_rl.models.builder import load_hf_config
+
+    try:
+        problem = unsupported_setting(load_hf_config(hf_dir))
+    except ValueError as e:
+        raise ConfigError(f"model.hf_dir={hf_dir!r}: {e}") from None
+    if problem:
+        raise ConfigError(f"model.hf_dir={hf_dir!r} ({model_type}): {problem} is not supported")
 
 
 def _validate_training(c: Config) -> None:

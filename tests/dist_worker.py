@@ -5,7 +5,12 @@ ranks that own them: log-probs of a fixed batch (forward only), full gradients i
 names of a fixed loss (data split over data-parallel ranks), and the loss over a few
 optimizer steps. The pytest side compares them with the single-process run.
 
-    python tests/dist_worker.py HF_DIR OUT_DIR tp,pp,ep,etp [tp,pp,ep,etp ...]
+    python tests/dist_worker.py HF_DIR OUT_DIR tp,pp,ep,etp [tp,pp,ep,etp ...] \
+        [--family DIR ...] [--family-layouts tp,pp,ep,etp ...]
+
+Each ``--family`` checkpoint (another MoE architecture) gets, on each of the
+``--family-layouts`` among those run, the log-probs and entropies of the fixed batch and
+the replay checks of :func:`family_checks`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch.distributed as dist
 from moe_rl.models.architectures import model_dims
 from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
 from moe_rl.models.forward import MicroBatch, run_microbatches
-from moe_rl.models.hf_weights import gather_hf_tensors, load_hf_weights
+from moe_rl.models.hf_weights import export_hf_weights, gather_hf_tensors, load_hf_weights
 from parallel.distributed import init_distributed
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
@@ -132,8 +137,64 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
         json.dump(result, f)
 
 
+def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path) -> None:
+    """Another architecture under ``layout``: forward-only log-probs and entropies of the
+    whole batch (saved by the reporting rank), R2 replay before any update reproducing
+    them bit for bit, R3 replay of transformers' own routing reproducing them, and an
+    export of the loaded weights (``out/export``)."""
+    import json
+
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.routing.hf_routing import transformers_routing
+    from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, replay_config_overrides
+
+    hf_config = load_hf_config(hf_dir)
+    config = make_transformer_config(hf_config, layout, **replay_config_overrides("r2"))
+    model = build_model(hf_config, config)
+    load_hf_weights(model, hf_config, hf_dir)
+    replay = RoutingReplay(model)
+    replay.start_record()
+    plain = run_microbatches(model, batch, hooks=[replay])
+    recorded = replay.recorded()
+    replay.start_replay(recorded, forward_only=True)
+    again = run_microbatches(model, batch, hooks=[replay])
+    replay.finish()
+    result = {"replay_identical": all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain, again))}
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    per_mb = []
+    for mb in batch:
+        indices, _ = transformers_routing(hf_model, mb.input_ids)
+        seqs = [indices[j, :-1] for j in range(indices.shape[0])]
+        per_mb.append(
+            engine_routing_to_replay(
+                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k, tp_rank=ps.get_tensor_model_parallel_rank(),
+                tp_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=config.sequence_parallel,
+            )
+        )  # fmt: skip
+    replay.start_replay(per_mb, forward_only=True)
+    r3 = run_microbatches(model, batch, hooks=[replay])
+    replay.finish()
+    result["r3_maxdiff"] = max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
+    out.mkdir(parents=True, exist_ok=True)
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(torch.cat([r["logprobs"] for r in plain]), out / "logp.pt")
+        torch.save(torch.cat([r["entropy"] for r in plain]), out / "entropy.pt")
+    (out / f"replay_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    export_hf_weights(model, hf_config, out / "export")
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+
+
 def main() -> None:
-    hf_dir, out_dir, *layouts = sys.argv[1:]
+    args, family_layouts = sys.argv[1:], []
+    if "--family-layouts" in args:
+        at = args.index("--family-layouts")
+        args, family_layouts = args[:at], args[at + 1 :]
+    families = [args[i + 1] for i, a in enumerate(args) if a == "--family"]
+    hf_dir, out_dir, *layouts = [a for i, a in enumerate(args) if a != "--family" and (i == 0 or args[i - 1] != "--family")]
     hf_config = load_hf_config(hf_dir)
     batch = fixed_batch(hf_config.vocab_size)
     for spec in layouts:
@@ -191,6 +252,10 @@ def main() -> None:
 
         # 4. routing replay (r2 with activation recompute, r3 from transformers' routing)
         replay_checks(hf_dir, hf_config, layout, my_batches, out)
+
+        # 5. other architectures: log-probs and replay
+        for family in families if spec in family_layouts else []:
+            family_checks(family, layout, fixed_batch(load_hf_config(family).vocab_size), out / Path(family).name)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """megatron-core backend on CPU: parity with transformers, HF round trip, and every
-parallel layout (TP, EP, PP, ETP, PP x EP) against the single-process run."""
+parallel layout (TP, EP, PP, ETP, PP x EP) against the single-process run; the other
+MoE families (Qwen2-MoE, OLMoE, GLM-4.5) against transformers on the main layouts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from parallel.launch import spawn_local
 
@@ -17,6 +19,8 @@ ALL_LAYOUTS = {
     2: ["2,1,1,2", "2,1,1,1", "1,1,2,1", "1,2,1,1"],  # TP2+SP, TP2/ETP1, EP2, PP2
     4: ["1,2,2,1", "2,1,2,1", "2,1,2,2"],  # PP2 x EP2, TP2 x EP2 with ETP1 and ETP2
 }
+FAMILIES = ("qwen2_moe", "olmoe", "glm4_moe")
+FAMILY_LAYOUTS = ["1,1,1,1", "2,1,1,2", "1,1,2,1", "1,2,1,1", "2,1,2,1"]  # 1 process, TP2, EP2, PP2, TP2 x EP2 ETP1
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +28,52 @@ def qwen3_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("qwen3")
     # 97 tokens: under TP2 the vocabulary is padded to 98 rows, which must never be scored
     hf_dir = save_tiny_checkpoint(root / "hf", "qwen3_moe", seed=1, vocab_size=97)
+    families = [save_tiny_checkpoint(root / "families" / f, f, seed=2, vocab_size=97) for f in FAMILIES]
     for nproc, layouts in ALL_LAYOUTS.items():
-        code = spawn_local(nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts], timeout_s=400)
+        family_args = [a for f in families for a in ("--family", f)] + ["--family-layouts", *FAMILY_LAYOUTS]
+        code = spawn_local(nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args], timeout_s=500)
         assert code == 0, f"{nproc}-process worker failed with exit code {code}"
     return root / "out"
+
+
+@pytest.fixture(scope="module")
+def family_references(qwen3_runs: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' log-probs and entropies of the worker's batch, per family."""
+    from dist_worker import fixed_batch
+
+    from moe_rl.commands.parity import transformers_logprobs
+
+    refs = {}
+    for family in FAMILIES:
+        hf_dir = qwen3_runs.parent / "families" / family
+        ids = torch.cat([mb.input_ids for mb in fixed_batch(97)])
+        refs[family] = transformers_logprobs(str(hf_dir), ids)
+    return refs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
+def test_family_matches_transformers_and_replays_exactly(qwen3_runs: Path, family_references, family: str, layout: str) -> None:
+    run = qwen3_runs / layout.replace(",", "-") / family
+    logp, entropy = family_references[family]
+    torch.testing.assert_close(torch.load(run / "logp.pt"), logp, rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.load(run / "entropy.pt"), entropy, rtol=0, atol=1e-4)
+    results = _replay_results(run)
+    assert results, "no replay results"
+    for r in results:
+        assert r["replay_identical"], "R2 replay before any update must reproduce the old log-probs bit for bit"
+        assert r["r3_maxdiff"] <= 2e-5, "R3 replay of transformers' routing must reproduce megatron's log-probs"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
+def test_family_export_round_trip_is_exact(qwen3_runs: Path, family: str, layout: str) -> None:
+    """Loaded under the layout and exported: every tensor (expert biases included) back bit for bit."""
+    a, b = SafetensorsDir(qwen3_runs.parent / "families" / family), SafetensorsDir(qwen3_runs / layout.replace(",", "-") / family / "export")
+    assert a.keys() == b.keys()
+    for key in sorted(a.keys()):
+        assert torch.equal(a.get(key), b.get(key)), key
+    assert any("e_score_correction_bias" in k for k in a.keys()) == (family == "glm4_moe")
 
 
 def _grads(run: Path) -> dict[str, torch.Tensor]:

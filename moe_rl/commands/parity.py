@@ -65,7 +65,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         if reporter:
             ours = torch.cat([r["logprobs"] for r in results])
             our_entropy = torch.cat([r["entropy"] for r in results])
-            theirs, their_entropy = _transformers_logprobs(args.hf_dir, ids)
+            theirs, their_entropy = transformers_logprobs(args.hf_dir, ids)
             diff = (ours - theirs).abs().max().item()
             entropy_diff = (our_entropy - their_entropy).abs().max().item()
             ok = max(diff, entropy_diff) <= args.tolerance
@@ -83,7 +83,8 @@ def _run_rank(args: argparse.Namespace) -> int:
         destroy_distributed()
 
 
-def _transformers_logprobs(hf_dir: str, ids):
+def transformers_logprobs(hf_dir: str, ids):
+    """transformers' fp32 log-probs of ``ids[:, 1:]`` and entropies ``[b, s-1]``."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from moe_rl.models.architectures import architecture_of
+from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, sample_seed
 
 
@@ -46,8 +47,7 @@ class LocalEngine(RolloutEngine):
         self._version = weight_version
         cfg = self.model.config
         self.arch = architecture_of(cfg)
-        self.num_layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
-        self._moe_layers = [l for l, moe in enumerate(self.arch.moe_layer_pattern(cfg)) if moe]
+        self._routers = RouterCapture(self.model)
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None) or cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self.tokens_generated = 0
@@ -147,8 +147,8 @@ class LocalEngine(RolloutEngine):
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         ids = torch.tensor([prompt] * n)
-        step_out = self.model(ids, use_cache=True, output_router_logits=routed)
-        routing = [self._routing(step_out, n, len(prompt))] if routed else []
+        step_out = self.model(ids, use_cache=True)
+        routing = [self._routers.take(n, len(prompt))[0]] if routed else []
         outputs: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -168,9 +168,9 @@ class LocalEngine(RolloutEngine):
                     reasons[j] = "stop"
             if all(r is not None for r in reasons) or step == params.max_new_tokens - 1:
                 break  # the last sampled token is never fed back (as in SGLang)
-            step_out = self.model(next_tokens[:, None], use_cache=True, output_router_logits=routed, **self._cache_kwargs(step_out))
+            step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
             if routed:
-                routing.append(self._routing(step_out, n, 1))
+                routing.append(self._routers.take(n, 1)[0])
         samples = []
         full_routing = torch.cat(routing, dim=1) if routed else None  # [n, positions, L, k]
         for j in range(n):
@@ -196,13 +196,6 @@ class LocalEngine(RolloutEngine):
         if hasattr(out, "cache") and out.cache is not None:
             return {"cache": out.cache}
         return {"past_key_values": out.past_key_values}
-
-    def _routing(self, out, n: int, positions: int) -> Tensor:
-        """Top-k per fed position ``[n, positions, num_layers, k]`` from router logits."""
-        result = torch.arange(self.top_k).expand(n, positions, self.num_layers, self.top_k).clone()
-        for layer, logits in zip(self._moe_layers, out.router_logits):
-            result[:, :, layer] = logits.float().view(n, positions, -1).topk(self.top_k, dim=-1).indices
-        return result
 
 
 def _filtered_probs(logits: Tensor, top_p: float, top_k: int) -> Tensor:

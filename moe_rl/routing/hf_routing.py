@@ -2,7 +2,10 @@
 
 Used by the local rollout engine (to return ``routed_experts`` like SGLang) and by
 ``moe-rl drift`` on checkpoints. Layers are all hidden layers (SGLang's
-``num_layers``); dense layers get experts ``0..k-1`` and are never read.
+``num_layers``); dense layers get experts ``0..k-1`` and are never read. The experts
+are read from each router's own output (transformers' routers return
+``(logits, weights, indices)``), so every routing rule (softmax, sigmoid with a bias,
+group-limited) is the model's own.
 """
 
 from __future__ import annotations
@@ -11,24 +14,58 @@ import torch
 from torch import Tensor
 
 from moe_rl.models.architectures import architecture_of
+from moe_rl.routing.scores import router_distribution
+
+
+class RouterCapture:
+    """Forward hooks on a transformers MoE model's routers (``layers[l].mlp.gate``);
+    :meth:`take` returns and clears what the forward passes since the last call routed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.config
+        arch = architecture_of(cfg)
+        self.num_layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        self.score_function = arch.router(cfg)["moe_router_score_function"]
+        self.moe_layers = [l for l, is_moe in enumerate(arch.moe_layer_pattern(cfg)) if is_moe]
+        layers = model.get_decoder().layers
+        self._captured: dict[int, tuple[Tensor, Tensor]] = {}
+        self._handles = [layers[l].mlp.gate.register_forward_hook(self._hook(l)) for l in self.moe_layers]
+
+    def _hook(self, layer: int):
+        def hook(module: torch.nn.Module, args: tuple, output: tuple) -> None:
+            logits, _, indices = output
+            self._captured[layer] = (logits.detach().float(), indices.detach())
+
+        return hook
+
+    def take(self, batch: int, positions: int, with_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Top-k ``[batch, positions, num_layers, k]`` (and router distributions
+        ``[..., E]`` when ``with_probs``) of the last forward pass."""
+        if set(self._captured) != set(self.moe_layers):
+            raise ValueError(f"routers of layers {sorted(self._captured)} ran, expected {self.moe_layers}")
+        indices = torch.arange(self.top_k).expand(batch, positions, self.num_layers, self.top_k).clone()
+        probs = None
+        for layer, (logits, chosen) in sorted(self._captured.items()):
+            indices[:, :, layer] = chosen.view(batch, positions, self.top_k)
+            if with_probs:
+                if probs is None:
+                    probs = torch.zeros(batch, positions, self.num_layers, logits.shape[-1])
+                probs[:, :, layer] = router_distribution(logits, self.score_function).view(batch, positions, -1)
+        self._captured = {}
+        return indices, probs
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 @torch.no_grad()
 def transformers_routing(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Top-k ``[b, s, num_layers, k]`` and router distributions ``[b, s, num_layers, E]``
     of ``model`` on ``input_ids`` ``[b, s]`` (one forward pass)."""
-    cfg = model.config
-    arch = architecture_of(cfg)
-    k, num_experts = cfg.num_experts_per_tok, arch.num_experts(cfg)
-    out = model(input_ids, attention_mask=attention_mask, output_router_logits=True)
-    b, s = input_ids.shape
-    moe_layers = [l for l, is_moe in enumerate(arch.moe_layer_pattern(cfg)) if is_moe]
-    if len(out.router_logits) != len(moe_layers):
-        raise ValueError(f"model returned {len(out.router_logits)} router outputs for {len(moe_layers)} MoE layers")
-    indices = torch.arange(k).expand(b, s, cfg.num_hidden_layers, k).clone()
-    probs = torch.zeros(b, s, cfg.num_hidden_layers, num_experts)
-    for layer, logits in zip(moe_layers, out.router_logits):
-        logits = logits.float().view(b, s, num_experts)
-        indices[:, :, layer] = logits.topk(k, dim=-1).indices
-        probs[:, :, layer] = torch.softmax(logits, dim=-1)
-    return indices, probs
+    capture = RouterCapture(model)
+    try:
+        model(input_ids, attention_mask=attention_mask)
+        return capture.take(*input_ids.shape, with_probs=True)
+    finally:
+        capture.remove()

@@ -1,9 +1,10 @@
 """Observe each MoE layer's routing during a forward pass, per micro-batch.
 
 For every router on this rank a forward hook records, for the tokens it routes:
-``natural`` top-k (what the live router would choose: top-k of its logits, even when
-replay forces other experts), ``used`` top-k (what the layer actually dispatched to:
-the router's routing map) and the router's distribution over experts ``probs``.
+``natural`` top-k (what the live router would choose, bias and groups included, even
+when replay forces other experts), ``used`` top-k (what the layer actually dispatched
+to: the router's routing map) and the router's distribution over experts ``probs``
+(:func:`moe_rl.routing.scores.router_distribution`).
 Tensors are ``[T, L_local, ...]`` in megatron's token order for this rank.
 """
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_rl.routing.replay import moe_layers
+from moe_rl.routing.scores import chosen_experts, natural_topk, router_distribution
 
 
 @dataclass
@@ -52,10 +54,9 @@ class RouterProbe:
         with torch.no_grad():
             hidden = args[0].reshape(-1, args[0].shape[-1])
             logits = F.linear(hidden.float(), router.weight.float())
-            natural = logits.topk(self.top_k, dim=-1).indices
-            routing_map = output[1]
-            used = routing_map.to(torch.int8).topk(self.top_k, dim=-1).indices  # the k True columns
-            probs = torch.softmax(logits, dim=-1) if self.with_probs else None
+            natural = natural_topk(logits, router.config, router.expert_bias)
+            used = chosen_experts(output[1], self.top_k)
+            probs = router_distribution(logits, router.config.moe_router_score_function) if self.with_probs else None
         self._current.append((natural, used, probs))
 
     def before_forward(self, index: int, num_tokens: int) -> None:

@@ -1,5 +1,5 @@
-"""The built-in default model: a tiny random Qwen3-MoE (or Mixtral) with the demo
-tokenizer, given a short supervised warm start on generated solutions so that RL has a
+"""The built-in default model: a tiny random Qwen3-MoE (or any of
+``DEMO_ARCHITECTURES``) with the demo tokenizer, given a short supervised warm start on generated solutions so that RL has a
 policy to improve, and cached (keyed by the settings that shape it)."""
 
 from __future__ import annotations
@@ -34,8 +34,26 @@ def demo_model_dims(cfg: Config):
     from parallel.layout import ModelDims
 
     m = cfg.model
+    family = _family_settings(m)
+    shared = m.hidden_size if family.get("shared_expert_intermediate_size") or family.get("n_shared_experts") else None
     return ModelDims(num_layers=m.num_layers, num_attention_heads=4, num_query_groups=2, num_experts=m.num_experts,
-                     vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size)  # fmt: skip
+                     vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size, shared_ffn_hidden_size=shared)  # fmt: skip
+
+
+def _family_settings(m) -> dict:
+    """The HF config settings of the built-in model's family (every layer MoE, one
+    shared expert of the experts' size where the family has them, ungrouped routing)."""
+    h, e = m.hidden_size, m.num_experts
+    return {
+        "qwen3_moe": dict(num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, head_dim=h // 4, norm_topk_prob=True),
+        "mixtral": dict(num_local_experts=e, intermediate_size=h),
+        "qwen2_moe": dict(num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, shared_expert_intermediate_size=h,
+                          norm_topk_prob=True),
+        "olmoe": dict(num_experts=e, intermediate_size=h, norm_topk_prob=True),
+        "glm4_moe": dict(n_routed_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, n_shared_experts=1,
+                         first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                         head_dim=h // 4, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
+    }[m.architecture]  # fmt: skip
 
 
 def _raw_checkpoint(cfg: Config, path: Path) -> None:
@@ -43,12 +61,7 @@ def _raw_checkpoint(cfg: Config, path: Path) -> None:
     common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
                   eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
-    if m.architecture == "qwen3_moe":
-        extra = dict(num_experts=m.num_experts, moe_intermediate_size=m.hidden_size, intermediate_size=2 * m.hidden_size,
-                     head_dim=m.hidden_size // 4, norm_topk_prob=True)  # fmt: skip
-    else:
-        extra = dict(num_local_experts=m.num_experts, intermediate_size=m.hidden_size)
-    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **common, **extra)
+    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **common, **_family_settings(m))
     demo_tokenizer().save_pretrained(path)
 
 

@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from transformers import PretrainedConfig
 
-from moe_rl.models.builder import build_model, make_transformer_config
+from moe_rl.models.builder import build_model, make_transformer_config, named_weights
 from moe_rl.models.forward import ForwardHooks, LossFn, MicroBatch, run_microbatches
 from moe_rl.models.hf_weights import HFWeights, load_hf_weights
 from moe_rl.models.logprob_head import LogProbConfig
@@ -60,10 +60,16 @@ def build_policy(
     replay: str,
     recompute_activations: bool,
     logprob_config: LogProbConfig,
+    expert_bias_update_rate: float = 1e-3,
 ) -> Policy:
     """The policy's stage with ``hf_dir``'s weights, megatron DDP, the optimizer and its
-    learning-rate schedule over ``total_steps`` RL steps."""
-    overrides = {**replay_config_overrides(replay), **(FULL_RECOMPUTE if recompute_activations else {})}
+    learning-rate schedule over ``total_steps`` RL steps. Routers with an expert bias move
+    it by ``expert_bias_update_rate`` per optimizer step (megatron-core's rule)."""
+    overrides = {
+        **replay_config_overrides(replay),
+        **(FULL_RECOMPUTE if recompute_activations else {}),
+        "moe_router_bias_update_rate": expert_bias_update_rate,
+    }
     config = make_transformer_config(hf_config, layout, **overrides)
     model = build_model(hf_config, config, logprob_config)
     load_hf_weights(model, hf_config, hf_dir)
@@ -100,18 +106,18 @@ class HostReference:
     """The starting weights of this rank's stage kept in host memory and swapped into the
     policy's own parameters for the reference pass, then swapped back (as slime does): no
     second model on the device, four host-device copies of the stage per step. The
-    optimizer's state is not touched."""
+    optimizer's state is not touched; routers' expert biases are swapped too."""
 
     policy: Policy
-    weights: list[torch.Tensor]  # host copies, in ``policy.model.parameters()`` order
+    weights: list[torch.Tensor]  # host copies, in ``named_weights(policy.model)`` order
 
     @classmethod
     def snapshot(cls, policy: Policy) -> HostReference:
         """The policy's current (starting) weights."""
-        return cls(policy, [p.detach().to("cpu", copy=True) for p in policy.model.parameters()])
+        return cls(policy, [p.detach().to("cpu", copy=True) for _, p in named_weights(policy.model)])
 
     def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]:
-        params = list(self.policy.model.parameters())
+        params = [p for _, p in named_weights(self.policy.model)]
         trained = [p.detach().to("cpu", copy=True) for p in params]
         try:
             _load_into(params, self.weights)

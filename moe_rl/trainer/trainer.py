@@ -38,6 +38,7 @@ from moe_rl.trainer.experience import ExperienceCollector
 from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
+from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
@@ -117,7 +118,9 @@ class Trainer:
         self.policy = build_policy(
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
+            expert_bias_update_rate=cfg.routing.expert_bias_update_rate,
         )  # fmt: skip
+        self.expert_bias = self._build_expert_bias_tracker()
         # the starting weights (taken before a resumed run loads its checkpoint)
         self.reference = (
             build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
@@ -157,6 +160,13 @@ class Trainer:
             self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
             recompute=routing.recompute_activations, measure=routing.metrics,
         )  # fmt: skip
+
+    def _build_expert_bias_tracker(self) -> ExpertBiasTracker | None:
+        arch = architecture_of(self.hf_config)
+        if not arch.has_expert_bias(self.hf_config):
+            return None
+        pattern = arch.moe_layer_pattern(self.hf_config)
+        return ExpertBiasTracker(self.policy.model, [l for l, moe in enumerate(pattern) if moe], len(pattern))
 
     def _resume(self) -> int:
         """The step to start from: the newest usable checkpoint's (restored), or 0."""
@@ -199,7 +209,10 @@ class Trainer:
         mismatch = self.compute_old_logprobs(batch)
         self.compute_reference_logprobs(batch)
         lr = self.policy.lr_schedule.set_step(step)
+        if self.expert_bias:
+            self.expert_bias.start()
         update = self.update_policy(batch)
+        bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         self.measure_routing_after_update(batch)
         train_time = time.perf_counter() - start - rollout_time
         self.weight_sync.push(self.policy.weights, version=str(step + 1))
@@ -211,6 +224,7 @@ class Trainer:
             **rollout_scalars,
             **{tags.train(k): v for k, v in train_scalars.items()},
             **routing_split_scalars(routing.get("replayed", {})),
+            **bias_deltas,
             tags.TRAIN_GRAD_NORM: update.grad_norm,
             tags.TRAIN_LR: lr,
             tags.TRAIN_UPDATE_SKIPPED: float(update.skipped),
