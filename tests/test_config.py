@@ -130,6 +130,18 @@ def test_bad_model_directories(tmp_path: Path) -> None:
         load_config(None, [f"model.hf_dir={tmp_path / 'dense'}"])
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(str(tmp_path))
+    # known families whose settings moe-rl cannot reproduce: one line naming the setting
+    from moe_rl.models.tiny import tiny_config
+
+    for name, config, needle in [
+        ("dsv3", tiny_config("deepseek_v3"), "deepseek_v3.*multi-head latent attention"),
+        ("olmoe_clip", tiny_config("olmoe", clip_qkv=8.0), "clip_qkv=8.0 is not supported"),
+        ("glm_groups", tiny_config("glm4_moe", num_experts_per_tok=4), "n_group=2 with num_experts_per_tok // topk_group = 4"),
+        ("glm_unnormalised", tiny_config("glm4_moe", norm_topk_prob=False), "norm_topk_prob=False with a sigmoid router"),
+    ]:
+        config.save_pretrained(tmp_path / name)
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, [f"model.hf_dir={tmp_path / name}"])
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ConfigError, match="is not text"):
         load_config(str(tmp_path / "binary.yaml"))

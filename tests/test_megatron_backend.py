@@ -1,6 +1,7 @@
 """megatron-core backend on CPU: parity with transformers, HF round trip, and every
 parallel layout (TP, EP, PP, ETP, PP x EP) against the single-process run; the other
-MoE families (Qwen2-MoE, OLMoE, GLM-4.5) against transformers on the main layouts."""
+MoE families (Qwen3-MoE renormalised, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5) against
+transformers on the main layouts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ ALL_LAYOUTS = {
     2: ["2,1,1,2", "2,1,1,1", "1,1,2,1", "1,2,1,1"],  # TP2+SP, TP2/ETP1, EP2, PP2
     4: ["1,2,2,1", "2,1,2,1", "2,1,2,2"],  # PP2 x EP2, TP2 x EP2 with ETP1 and ETP2
 }
-FAMILIES = ("qwen2_moe", "olmoe", "glm4_moe")
+FAMILIES = {  # name: (model_type, config overrides); qwen3 (norm_topk_prob=False) is the main model above
+    "qwen3_norm": ("qwen3_moe", {"norm_topk_prob": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "olmoe": ("olmoe", {}),
+    "glm4_moe": ("glm4_moe", {}),
+}
 FAMILY_LAYOUTS = ["1,1,1,1", "2,1,1,2", "1,1,2,1", "1,2,1,1", "2,1,2,1"]  # 1 process, TP2, EP2, PP2, TP2 x EP2 ETP1
 
 
@@ -28,7 +35,7 @@ def qwen3_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("qwen3")
     # 97 tokens: under TP2 the vocabulary is padded to 98 rows, which must never be scored
     hf_dir = save_tiny_checkpoint(root / "hf", "qwen3_moe", seed=1, vocab_size=97)
-    families = [save_tiny_checkpoint(root / "families" / f, f, seed=2, vocab_size=97) for f in FAMILIES]
+    families = [save_tiny_checkpoint(root / "families" / f, t, seed=2, vocab_size=97, **kw) for f, (t, kw) in FAMILIES.items()]
     for nproc, layouts in ALL_LAYOUTS.items():
         family_args = [a for f in families for a in ("--family", f)] + ["--family-layouts", *FAMILY_LAYOUTS]
         code = spawn_local(nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args], timeout_s=500)
@@ -132,3 +139,12 @@ def test_reduced_drift_matches_single_process(qwen3_runs: Path, layout: str) -> 
             torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=0, atol=1.0 / tokens + 1e-9)
         torch.testing.assert_close(torch.tensor(got["router_kl"]), torch.tensor(ref["router_kl"]), rtol=1e-3, atol=1e-6)
         assert 0 < ref["changed_frac"][0] < 1
+
+
+def test_multi_token_prediction_layers_are_the_only_keys_skipped() -> None:
+    from moe_rl.models.hf_weights import multi_token_prediction_keys
+    from moe_rl.models.tiny import tiny_config
+
+    keys = {"model.layers.3.mlp.gate.weight", "model.layers.4.eh_proj.weight", "model.layers.40.mlp.gate.weight", "lm_head.weight"}
+    assert multi_token_prediction_keys(keys, tiny_config("glm4_moe", num_nextn_predict_layers=1)) == {"model.layers.4.eh_proj.weight"}
+    assert multi_token_prediction_keys(keys, tiny_config("glm4_moe", num_nextn_predict_layers=0)) == set()

@@ -6,7 +6,8 @@ processes (started N times by ``spawn_local``); rank 0 writes each run's step sc
 (STEPS: steps to run, default 1; the last step's scalars are written).
 
 VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
-``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``).
+``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``), ``+qwen2`` / ``+olmoe``
+/ ``+glm``: the built-in model in that family.
 The pytest side compares every layout with the one-process run of the same variant.
 """
 
@@ -33,6 +34,10 @@ VARIANTS = {
     "kl": ["algorithm.kl_coef=0.1"],  # the reference swapped in from host memory (the default)
     "kldev": ["algorithm.kl_coef=0.1", "algorithm.reference=device"],  # ... or a second model
     "dyn": ["algorithm.max_tokens_per_micro_batch=24"],  # micro-batches of varying shapes (pipeline: shapes exchanged)
+    # the built-in model in another family (GLM-4.5: sigmoid router whose expert bias moves 0.01 per update)
+    "qwen2": ["model.architecture=qwen2_moe"],
+    "olmoe": ["model.architecture=olmoe"],
+    "glm": ["model.architecture=glm4_moe", "routing.expert_bias_update_rate=0.01"],
 }
 
 

@@ -214,10 +214,7 @@ ARCHITECTURES.register("deepseek_v3")(
         router=sigmoid_router,
         shared=_shared_keys("shared_experts"),
         shared_size=_deepseek_shared_size,
-        unsupported=lambda c: (
-            "multi-head latent attention (DeepSeek-V3's q_lora/kv_lora attention); its router, shared and dense "
-            "layers are supported (GLM-4.5 uses them with standard attention)"
-        ),
+        unsupported=lambda c: "multi-head latent attention (its router, shared experts and dense layers are mapped)",
     )
 )
 

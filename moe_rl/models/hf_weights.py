@@ -239,11 +239,22 @@ def load_hf_weights(model: GPTModel, hf_config: PretrainedConfig, hf_dir: str | 
     unused = reader.keys() - set().union(*all_used)
     if mapper.tied:
         unused.discard("lm_head.weight")
+    unused -= multi_token_prediction_keys(unused, hf_config)
     if unused:
         raise ValueError(
             f"checkpoint {hf_dir} has {len(unused)} weights this model does not use, e.g. {sorted(unused)[:4]}: "
             f"is model_type={hf_config.model_type!r} right?"
         )
+
+
+def multi_token_prediction_keys(keys: set[str], hf_config: PretrainedConfig) -> set[str]:
+    """The multi-token-prediction layers' weights among ``keys`` (GLM-4.5, DeepSeek-V3 keep
+    them as layers after the last one, ``num_nextn_predict_layers``): not trained, not
+    exported (transformers does not use them either; SGLang's MTP draft loads its own)."""
+    extra = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+    first = hf_config.num_hidden_layers
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(extra))
+    return {k for k in keys if k.startswith(prefixes)} if prefixes else set()
 
 
 @torch.no_grad()
