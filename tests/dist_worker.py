@@ -53,15 +53,41 @@ def loss_fn(logp_entropy: torch.Tensor, mb: WeightedBatch) -> tuple[torch.Tensor
     return loss, {"loss": loss.detach()}
 
 
+def r3_maxdiff(hf_dir: str, model, replay, batches: list[MicroBatch], plain: list[dict]) -> float:
+    """R3 with transformers' own routing of ``batches`` (in SGLang's layout): the largest
+    log-prob difference from megatron's unreplayed pass ``plain``."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.routing.hf_routing import transformers_routing
+    from moe_rl.routing.replay import engine_routing_to_replay
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    per_mb = []
+    for mb in batches:
+        indices, _ = transformers_routing(hf_model, mb.input_ids)
+        seqs = [indices[j, :-1] for j in range(indices.shape[0])]  # SGLang: length - 1 positions
+        per_mb.append(
+            engine_routing_to_replay(
+                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
+                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                sequence_parallel=model.config.sequence_parallel,
+            )
+        )  # fmt: skip
+    replay.start_replay(per_mb, forward_only=True)
+    r3 = run_microbatches(model, batches, hooks=[replay])
+    replay.finish()
+    return max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
+
+
 def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[MicroBatch], out: Path) -> None:
     import json
 
     from megatron.core import parallel_state as ps
-    from transformers import AutoModelForCausalLM
 
     from moe_rl.routing.probe import RouterProbe
     from moe_rl.models.architectures import architecture_of
-    from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, moe_layers, replay_config_overrides
+    from moe_rl.routing.replay import RoutingReplay, moe_layers, replay_config_overrides
     from moe_rl.routing.stats import RoutingStats
 
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -114,24 +140,7 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
     # r3: replaying transformers' own routing reproduces megatron's own log-probs
     load_hf_weights(model, hf_config, hf_dir)
     plain = run_microbatches(model, batches)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-    from moe_rl.routing.hf_routing import transformers_routing
-
-    per_mb = []
-    for mb in batches:
-        indices, _ = transformers_routing(hf_model, mb.input_ids)
-        seqs = [indices[j, :-1] for j in range(indices.shape[0])]  # SGLang: length - 1 positions
-        per_mb.append(
-            engine_routing_to_replay(
-                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
-                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                sequence_parallel=config.sequence_parallel,
-            )
-        )
-    replay.start_replay(per_mb, forward_only=True)
-    r3 = run_microbatches(model, batches, hooks=[replay])
-    replay.finish()
-    result["r3_maxdiff"] = max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
+    result["r3_maxdiff"] = r3_maxdiff(hf_dir, model, replay, batches, plain)
     probe.remove()
     with open(out / f"replay_rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
@@ -145,10 +154,8 @@ def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], 
     import json
 
     from megatron.core import parallel_state as ps
-    from transformers import AutoModelForCausalLM
 
-    from moe_rl.routing.hf_routing import transformers_routing
-    from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, replay_config_overrides
+    from moe_rl.routing.replay import RoutingReplay, replay_config_overrides
 
     hf_config = load_hf_config(hf_dir)
     config = make_transformer_config(hf_config, layout, **replay_config_overrides("r2"))
@@ -162,21 +169,7 @@ def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], 
     again = run_microbatches(model, batch, hooks=[replay])
     replay.finish()
     result = {"replay_identical": all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain, again))}
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-    per_mb = []
-    for mb in batch:
-        indices, _ = transformers_routing(hf_model, mb.input_ids)
-        seqs = [indices[j, :-1] for j in range(indices.shape[0])]
-        per_mb.append(
-            engine_routing_to_replay(
-                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k, tp_rank=ps.get_tensor_model_parallel_rank(),
-                tp_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=config.sequence_parallel,
-            )
-        )  # fmt: skip
-    replay.start_replay(per_mb, forward_only=True)
-    r3 = run_microbatches(model, batch, hooks=[replay])
-    replay.finish()
-    result["r3_maxdiff"] = max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
+    result["r3_maxdiff"] = r3_maxdiff(hf_dir, model, replay, batch, plain)
     out.mkdir(parents=True, exist_ok=True)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(torch.cat([r["logprobs"] for r in plain]), out / "logp.pt")

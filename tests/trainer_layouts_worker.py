@@ -35,9 +35,10 @@ VARIANTS = {
     "kldev": ["algorithm.kl_coef=0.1", "algorithm.reference=device"],  # ... or a second model
     "dyn": ["algorithm.max_tokens_per_micro_batch=24"],  # micro-batches of varying shapes (pipeline: shapes exchanged)
     # the built-in model in another family (GLM-4.5: sigmoid router whose expert bias moves 0.01 per update)
-    "qwen2": ["model.architecture=qwen2_moe"],
-    "olmoe": ["model.architecture=olmoe"],
-    "glm": ["model.architecture=glm4_moe", "routing.expert_bias_update_rate=0.01"],
+    # (a short warm start: these runs check mechanics, not learning)
+    "qwen2": ["model.architecture=qwen2_moe", "warm_start.steps=4"],
+    "olmoe": ["model.architecture=olmoe", "warm_start.steps=4"],
+    "glm": ["model.architecture=glm4_moe", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01"],
 }
 
 

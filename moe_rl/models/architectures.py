@@ -7,6 +7,7 @@ Attention, norms and embeddings share Llama-style names across these families.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -188,32 +189,25 @@ ARCHITECTURES.register("olmoe")(
     )
 )
 
-ARCHITECTURES.register("glm4_moe")(
-    Architecture(
-        model_type="glm4_moe",
-        experts=_mlp_expert_keys(expert_bias="model.layers.{l}.mlp.gate.e_score_correction_bias"),
-        num_experts=lambda c: c.n_routed_experts,
-        moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
-        moe_layer_pattern=_first_dense_pattern,
-        router=sigmoid_router,
-        qk_norm=lambda c: "head" if getattr(c, "use_qk_norm", False) else "none",
-        shared=_shared_keys("shared_experts"),
-        shared_size=_deepseek_shared_size,
-        unsupported=_sigmoid_router_problem,
-    )
+GLM4_MOE = Architecture(
+    model_type="glm4_moe",
+    experts=_mlp_expert_keys(expert_bias="model.layers.{l}.mlp.gate.e_score_correction_bias"),
+    num_experts=lambda c: c.n_routed_experts,
+    moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
+    moe_layer_pattern=_first_dense_pattern,
+    router=sigmoid_router,
+    qk_norm=lambda c: "head" if getattr(c, "use_qk_norm", False) else "none",
+    shared=_shared_keys("shared_experts"),
+    shared_size=_deepseek_shared_size,
+    unsupported=_sigmoid_router_problem,
 )
-
-
+ARCHITECTURES.register("glm4_moe")(GLM4_MOE)
+# DeepSeek-V3 (and Kimi-K2): GLM-4.5's MoE layers under multi-head latent attention
 ARCHITECTURES.register("deepseek_v3")(
-    Architecture(
+    dataclasses.replace(
+        GLM4_MOE,
         model_type="deepseek_v3",
-        experts=_mlp_expert_keys(expert_bias="model.layers.{l}.mlp.gate.e_score_correction_bias"),
-        num_experts=lambda c: c.n_routed_experts,
-        moe_ffn_hidden_size=lambda c: c.moe_intermediate_size,
-        moe_layer_pattern=_first_dense_pattern,
-        router=sigmoid_router,
-        shared=_shared_keys("shared_experts"),
-        shared_size=_deepseek_shared_size,
+        qk_norm=lambda c: "none",
         unsupported=lambda c: "multi-head latent attention (its router, shared experts and dense layers are mapped)",
     )
 )
