@@ -23,8 +23,8 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
 
 
-# families the built-in model can be made of (DeepSeek-V3 needs multi-head latent attention)
-DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe")
+# families the built-in model can be made of
+DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
 
 
 @dataclass

@@ -13,3 +13,10 @@ def install() -> None:
     # forward without it. None selects its torch.mm path.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # multi_latent_attention believes Transformer Engine is there whenever megatron's TE
+    # extension module imports, which it also does without TE (its TELinear is then None):
+    # building MLA fails on isinstance(linear_proj, None). Tell it the truth.
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False

@@ -134,7 +134,9 @@ def test_bad_model_directories(tmp_path: Path) -> None:
     from moe_rl.models.tiny import tiny_config
 
     for name, config, needle in [
-        ("dsv3", tiny_config("deepseek_v3"), "deepseek_v3.*multi-head latent attention"),
+        ("dsv3_bias", tiny_config("deepseek_v3", attention_bias=True), "attention_bias=True with multi-head latent attention"),
+        ("glm_yarn", tiny_config("glm4_moe", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+         "rope_type='yarn' \\(supported here: default\\)"),
         ("olmoe_clip", tiny_config("olmoe", clip_qkv=8.0), "clip_qkv=8.0 is not supported"),
         ("glm_groups", tiny_config("glm4_moe", num_experts_per_tok=4), "n_group=2 with num_experts_per_tok // topk_group = 4"),
         ("glm_unnormalised", tiny_config("glm4_moe", norm_topk_prob=False), "norm_topk_prob=False with a sigmoid router"),

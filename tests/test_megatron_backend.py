@@ -1,7 +1,7 @@
 """megatron-core backend on CPU: parity with transformers, HF round trip, and every
 parallel layout (TP, EP, PP, ETP, PP x EP) against the single-process run; the other
-MoE families (Qwen3-MoE renormalised, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5) against
-transformers on the main layouts."""
+MoE families (Qwen3-MoE renormalised, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3
+with MLA) against transformers on the main layouts."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ FAMILIES = {  # name: (model_type, config overrides); qwen3 (norm_topk_prob=Fals
     "qwen2_moe": ("qwen2_moe", {}),
     "olmoe": ("olmoe", {}),
     "glm4_moe": ("glm4_moe", {}),
+    # multi-head latent attention with DeepSeek-V3's YaRN settings (mscale = mscale_all_dim)
+    "deepseek_v3": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                        "rope_theta": 10000.0}}),
 }
 FAMILY_LAYOUTS = ["1,1,1,1", "2,1,1,2", "1,1,2,1", "1,2,1,1", "2,1,2,1"]  # 1 process, TP2, EP2, PP2, TP2 x EP2 ETP1
 
@@ -80,7 +84,7 @@ def test_family_export_round_trip_is_exact(qwen3_runs: Path, family: str, layout
     assert a.keys() == b.keys()
     for key in sorted(a.keys()):
         assert torch.equal(a.get(key), b.get(key)), key
-    assert any("e_score_correction_bias" in k for k in a.keys()) == (family == "glm4_moe")
+    assert any("e_score_correction_bias" in k for k in a.keys()) == (family in ("glm4_moe", "deepseek_v3"))
 
 
 def _grads(run: Path) -> dict[str, torch.Tensor]:

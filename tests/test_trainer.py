@@ -228,7 +228,7 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
     assert report["metrics"]["any_layer_changed_frac"]["mean"] == 0.0 and report["logp_mismatch"]["logp_mismatch_max"] < 1e-4
 
 
-FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm") for mode in ("r2", "r3")]
+FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps] (tests/trainer_layouts_worker.py)
     1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2", *FAMILY_RUNS],
     # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
@@ -286,9 +286,10 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for r in FAMILY_RUNS])
 def test_three_steps_of_each_family_with_replay(layout_runs: Path, run: str) -> None:
-    """Qwen2-MoE, OLMoE and GLM-4.5 built-in models train 3 steps under R2 and R3: the
-    update passes dispatch to the replayed experts, R3's old pass to the engine's, and
-    GLM's expert biases move by the configured rate at every update."""
+    """Qwen2-MoE, OLMoE, GLM-4.5 and DeepSeek-V3 built-in models train 3 steps under R2
+    and R3: the update passes dispatch to the replayed experts, R3's old pass to the
+    engine's, and GLM's / DeepSeek's expert biases move by the configured rate at every
+    update."""
     family, mode = run.split("-")
     steps = rows(layout_runs / run)
     assert sorted(steps) == [1, 2, 3]
@@ -298,7 +299,7 @@ def test_three_steps_of_each_family_with_replay(layout_runs: Path, run: str) -> 
         if mode == "r3":
             assert row["routing/train_vs_rollout/changed_frac/mean"] == 0.0
             assert row["train/logp_mismatch_mean"] < 1e-4
-        if family == "glm":  # one update per step: every expert's bias moves by exactly the rate (or 0 at a tie)
+        if family in ("glm", "dsv3"):  # one update per step: every expert's bias moves by exactly the rate (or 0 at a tie)
             assert 0.005 < row["routing/expert_bias_delta/mean"] <= 0.01 + 1e-6
         else:
             assert "routing/expert_bias_delta/mean" not in row

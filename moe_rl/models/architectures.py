@@ -47,7 +47,9 @@ class Architecture:
     """One HF MoE family. ``router`` gives megatron's router settings, ``shared_size``
     the shared expert's FFN size (``None``: no shared expert), ``qk_norm`` one of
     ``none`` | ``head`` (per head, Qwen3) | ``full`` (over all heads, OLMoE),
-    ``unsupported`` the first setting of a config moe-rl cannot reproduce (or ``None``)."""
+    ``unsupported`` the first setting of a config moe-rl cannot reproduce (or ``None``),
+    ``attention`` settings of another attention kind (DeepSeek's multi-head latent
+    attention: megatron-core's ``MLATransformerConfig`` fields)."""
 
     model_type: str
     experts: ExpertKeys
@@ -60,6 +62,7 @@ class Architecture:
     shared: SharedExpertKeys | None = None
     shared_size: Callable[[PretrainedConfig], int | None] = lambda c: None
     unsupported: Callable[[PretrainedConfig], str | None] = lambda c: None
+    attention: Callable[[PretrainedConfig], dict[str, Any]] = lambda c: {}  # extra settings (MLA)
 
     def has_expert_bias(self, cfg: PretrainedConfig) -> bool:
         return bool(self.router(cfg).get("moe_router_enable_expert_bias"))
@@ -202,13 +205,53 @@ GLM4_MOE = Architecture(
     unsupported=_sigmoid_router_problem,
 )
 ARCHITECTURES.register("glm4_moe")(GLM4_MOE)
+
+
+def _mla_settings(cfg: PretrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3 multi-head latent attention in megatron-core's terms (YaRN RoPE too)."""
+    settings: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        kv_channels=cfg.v_head_dim,
+        num_query_groups=cfg.num_attention_heads,
+        qk_layernorm=True,  # the norms of the compressed q and kv
+        rotary_base=rope_theta(cfg),
+        rope_type="rope",
+    )
+    params = _rope_parameters(cfg)
+    if params.get("rope_type") == "yarn":
+        settings.update(
+            rope_type="yarn",
+            rotary_scaling_factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 1.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        )
+    return settings
+
+
+def _mla_problem(cfg: PretrainedConfig) -> str | None:
+    if getattr(cfg, "attention_bias", False):
+        return "attention_bias=True with multi-head latent attention"
+    if not getattr(cfg, "rope_interleave", True):
+        return "rope_interleave=False (megatron-core's MLA rotates interleaved pairs)"
+    return _sigmoid_router_problem(cfg)
+
+
 # DeepSeek-V3 (and Kimi-K2): GLM-4.5's MoE layers under multi-head latent attention
 ARCHITECTURES.register("deepseek_v3")(
     dataclasses.replace(
         GLM4_MOE,
         model_type="deepseek_v3",
         qk_norm=lambda c: "none",
-        unsupported=lambda c: "multi-head latent attention (its router, shared experts and dense layers are mapped)",
+        attention=_mla_settings,
+        unsupported=_mla_problem,
     )
 )
 
@@ -227,10 +270,13 @@ def _rope_parameters(cfg: PretrainedConfig) -> dict:
 
 
 def rope_theta(cfg: PretrainedConfig) -> float:
-    params = _rope_parameters(cfg)
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope_type={params['rope_type']!r} is not supported yet (only default RoPE)")
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    return float(_rope_parameters(cfg).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def _rope_problem(cfg: PretrainedConfig, arch: Architecture) -> str | None:
+    rope_type = _rope_parameters(cfg).get("rope_type", "default") or "default"
+    handled = ("default", "yarn") if arch.attention(cfg).get("multi_latent_attention") else ("default",)
+    return None if rope_type in handled else f"rope_type={rope_type!r} (supported here: {', '.join(handled)})"
 
 
 def rotary_fraction(cfg: PretrainedConfig) -> float:
@@ -259,7 +305,7 @@ def unsupported_setting(hf_config: PretrainedConfig) -> str | None:
         return "sliding-window attention"
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         return f"hidden_act={hf_config.hidden_act!r} (only silu)"
-    return arch.unsupported(hf_config)
+    return arch.unsupported(hf_config) or _rope_problem(hf_config, arch)
 
 
 def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -295,7 +341,7 @@ def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_router_dtype="fp32",
         **arch.router(hf_config),
-    )
+    ) | arch.attention(hf_config)
 
 
 def hf_dtype(hf_config: PretrainedConfig) -> torch.dtype:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from transformers import AutoConfig, PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
@@ -59,7 +59,8 @@ def make_transformer_config(
         attention_softmax_in_fp32=True,
     )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    return config_class(**kwargs)
 
 
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

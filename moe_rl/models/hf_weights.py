@@ -69,6 +69,14 @@ class ParamMapper:
     """Maps this rank's megatron parameter names to :class:`Recipe` s."""
 
     _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+    _MLA = {  # megatron MLA parameter -> (HF self_attn key, TP split dim); o_proj is linear_proj as usual
+        "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight", 0),
+        "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight", 0),
+        "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight", 0),
+        "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight", 0),
+        "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight", 0),
+        "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight", None),
+    }
     _SHARED = re.compile(r"mlp\.shared_experts\.(linear_fc1\.weight|linear_fc2\.weight|gate_weight)")
     _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
@@ -76,6 +84,7 @@ class ParamMapper:
         self.cfg = hf_config
         self.arch = architecture_of(hf_config)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.mla = bool(model.config.multi_latent_attention)
         self.layer_offset = get_transformer_layer_offset(model.config)
         num_experts = self.arch.num_experts(hf_config)
         self.local_experts = num_experts // model.config.expert_model_parallel_size
@@ -98,7 +107,7 @@ class ParamMapper:
         simple = {
             "input_layernorm.weight": Recipe((p + "input_layernorm.weight",)),
             "pre_mlp_layernorm.weight": Recipe((p + "post_attention_layernorm.weight",)),
-            "self_attention.q_layernorm.weight": Recipe((p + "self_attn.q_norm.weight",), shard_dim=qk_norm_shard),
+            "self_attention.q_layernorm.weight": Recipe((p + ("self_attn.q_a_layernorm.weight" if self.mla else "self_attn.q_norm.weight"),), shard_dim=qk_norm_shard),
             "self_attention.k_layernorm.weight": Recipe((p + "self_attn.k_norm.weight",), shard_dim=qk_norm_shard),
             "self_attention.linear_proj.weight": Recipe((p + "self_attn.o_proj.weight",), shard_dim=1),
             "mlp.router.weight": Recipe((self.arch.experts.router.format(l=l),)),
@@ -107,6 +116,10 @@ class ParamMapper:
         }
         if rest in simple:
             return simple[rest]
+        mla = self._MLA.get(rest)
+        if mla:
+            key, shard_dim = mla
+            return Recipe((p + key,), shard_dim=shard_dim)
         if rest == "mlp.router.expert_bias" and self.arch.experts.expert_bias:
             return Recipe((self.arch.experts.expert_bias.format(l=l),))
         shared = self._SHARED.fullmatch(rest)

@@ -8,6 +8,7 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -60,6 +61,18 @@ class FullWidthQKNorm(torch.nn.Module):
         return self.weight.view(x.shape[-2:]) * normed.to(x.dtype)
 
 
+class LatentAttentionCore(DotProductAttention):
+    """megatron-core's local attention for multi-head latent attention: MLA passes the
+    query/key and value head sizes (``k_channels``, ``v_channels``), which the local
+    class (0.16) does not take; it already works with any query/key size, and its output
+    is sized by ``kv_channels``, which the MLA config sets to the value head size."""
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels is not None and v_channels != self.config.kv_channels:
+            raise ValueError(f"MLA value head size {v_channels} != kv_channels {self.config.kv_channels}")
+
+
 def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none") -> TransformerBlockSubmodules:
     """This pipeline stage's local-spec decoder layers (MoE or dense, by
     ``config.moe_layer_freq``) whose input, pre-MLP, QK and final norms are
@@ -79,7 +92,11 @@ def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none") -> Tran
         sub = spec.submodules
         sub.input_layernorm = norm
         sub.pre_mlp_layernorm = norm
-        if config.qk_layernorm:
+        if config.multi_latent_attention:  # the norms of the compressed q and kv (DeepSeek)
+            sub.self_attention.submodules.q_layernorm = norm
+            sub.self_attention.submodules.kv_layernorm = norm
+            sub.self_attention.submodules.core_attention = ModuleSpec(module=LatentAttentionCore)
+        elif config.qk_layernorm:
             sub.self_attention.submodules.q_layernorm = q_norm
             sub.self_attention.submodules.k_layernorm = k_norm
     offset = get_transformer_layer_offset(config)

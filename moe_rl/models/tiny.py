@@ -79,7 +79,7 @@ _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "deepseek_v3": (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
-        dict(_COMMON, **_DEEPSEEK_STYLE, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
+        dict(_COMMON, **_DEEPSEEK_STYLE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
     ),
 }
 

@@ -36,8 +36,9 @@ def demo_model_dims(cfg: Config):
     m = cfg.model
     family = _family_settings(m)
     shared = m.hidden_size if family.get("shared_expert_intermediate_size") or family.get("n_shared_experts") else None
-    return ModelDims(num_layers=m.num_layers, num_attention_heads=4, num_query_groups=2, num_experts=m.num_experts,
-                     vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size, shared_ffn_hidden_size=shared)  # fmt: skip
+    return ModelDims(num_layers=m.num_layers, num_attention_heads=4, num_query_groups=family.get("num_key_value_heads", 2),
+                     num_experts=m.num_experts, vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size,
+                     shared_ffn_hidden_size=shared)  # fmt: skip
 
 
 def _family_settings(m) -> dict:
@@ -53,6 +54,10 @@ def _family_settings(m) -> dict:
         "glm4_moe": dict(n_routed_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, n_shared_experts=1,
                          first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
                          head_dim=h // 4, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
+        "deepseek_v3": dict(n_routed_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, n_shared_experts=1,
+                            first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                            num_key_value_heads=4, q_lora_rank=h // 2, kv_lora_rank=h // 2, qk_rope_head_dim=max(2, h // 8),
+                            qk_nope_head_dim=h // 4, v_head_dim=h // 4),
     }[m.architecture]  # fmt: skip
 
 
@@ -61,7 +66,7 @@ def _raw_checkpoint(cfg: Config, path: Path) -> None:
     common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
                   eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
-    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **common, **_family_settings(m))
+    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **{**common, **_family_settings(m)})
     demo_tokenizer().save_pretrained(path)
 
 
