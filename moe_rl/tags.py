@@ -87,6 +87,7 @@ ROUTING_PREFIXES = {
     "train_vs_rollout": "routing/train_vs_rollout",  # rollout engine -> trainer
     "replayed": "routing/replayed",  # old policy -> the replayed update pass
     "load": "routing",  # expert load of the old-policy pass
+    "expert_bias_effect": "routing/expert_bias_effect",  # the step's expert-bias change alone (updated routers)
 }
 ROUTING_HEATMAP = "routing/expert_load_heatmap"
 

@@ -38,7 +38,7 @@ VARIANTS = {
     # (a short warm start: these runs check mechanics, not learning)
     "qwen2": ["model.architecture=qwen2_moe", "warm_start.steps=4"],
     "olmoe": ["model.architecture=olmoe", "warm_start.steps=4"],
-    "glm": ["model.architecture=glm4_moe", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01"],
+    "glm": ["model.architecture=glm4_moe", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01", "routing.after_update_pass=true"],
     "dsv3": ["model.architecture=deepseek_v3", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01"],
 }
 

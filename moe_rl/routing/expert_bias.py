@@ -4,7 +4,8 @@ megatron-core moves each bias by ``moe_router_bias_update_rate`` towards a balan
 load at every optimizer step (``finalize_model_grads``); the bias picks experts but
 does not weight them, so it changes routing while no weight does. This measures how
 much a step moved them: ``routing/expert_bias_delta/layer_<l>`` (mean |change| over
-the layer's experts) and ``.../mean``.
+the layer's experts) and ``.../mean``; :meth:`ExpertBiasTracker.before` lets the routing
+monitor measure what the change alone did to routing (``routing/expert_bias_effect/...``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class ExpertBiasTracker:
 
     def start(self) -> None:
         self._before = [router.expert_bias.detach().clone() for _, router in self.routers]
+
+    def before(self) -> dict[int, torch.Tensor]:
+        """This stage's biases as :meth:`start` saw them, by layer number."""
+        return {layer: bias for (layer, _), bias in zip(self.routers, self._before)}
 
     def deltas(self) -> dict[str, float]:
         """Mean |bias change| per MoE layer since :meth:`start`, by tag (every stage's

@@ -16,7 +16,9 @@ forward hooks, so a pass can never be left open:
 ``old_vs_new`` (old policy -> updated policy), ``train_vs_rollout`` (trainer -> engine,
 when the engine returned routing), ``replayed`` (what the old pass dispatched -> what an
 update pass dispatched: zero under r2 and r3, the routing the updates changed without
-replay) and ``load`` (expert load, old pass). Per-token values are split by whether the
+replay), ``load`` (expert load, old pass) and, for routers with an expert bias,
+``expert_bias_effect`` (the updated routers with the step's old biases -> with its new
+ones: the routing the bias update alone changed). Per-token values are split by whether the
 token's routing differed in any layer: ``train_vs_rollout`` the old pass's
 ``|trainer - engine|`` log-prob (``logp_mismatch_routing_changed`` / ``_same``),
 ``replayed`` the update passes' ``|log-ratio|`` and clipping (``log_ratio_abs_...``,
@@ -37,7 +39,7 @@ from moe_rl.routing.probe import Consumer, ProbedRouting, RouterProbe
 from moe_rl.routing.replay import REPLAY_MODES, RoutingReplay, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
-STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load")
+STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load", "expert_bias_effect")
 
 
 class RoutingMonitor:
@@ -90,16 +92,22 @@ class RoutingMonitor:
         self._stop_probe(compare)
 
     @contextlib.contextmanager
-    def after_update_pass(self) -> Iterator[list]:
-        """A forward-only pass after the optimizer step: old -> updated routing."""
+    def after_update_pass(self, bias_before: dict[int, Tensor] | None = None) -> Iterator[list]:
+        """A forward-only pass after the optimizer step: old -> updated routing. With the
+        routers' expert biases from before the step (``bias_before``, layer -> bias), also
+        the routing the bias change alone made (``expert_bias_effect``: updated router
+        with the old biases -> with the new ones)."""
 
         def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
-            old = self._old[i]
+            old, layers = self._old[i], self.probe.layer_numbers
             old_probs = old.probs.to(new.probs.device)  # kept off the accelerator between the passes
-            self._stats["old_vs_new"].add_drift(self.probe.layer_numbers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
+            self._stats["old_vs_new"].add_drift(layers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
+            if bias_before is not None:  # (a stage without MoE layers adds its tokens' empty routing, as every group does)
+                reference = new.natural if new.natural_with_reference_bias is None else new.natural_with_reference_bias
+                self._stats["expert_bias_effect"].add_drift(layers, reference, new.natural, self._masks[i])
 
         with self._cleanup_on_error():
-            yield self._start_probe(compare)
+            yield self._start_probe(compare, reference_bias=bias_before)
         self._stop_probe(compare)
 
     def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
@@ -167,12 +175,14 @@ class RoutingMonitor:
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
 
-    def _start_probe(self, consume: Consumer | None = None, probs_device: torch.device | None = None) -> list:
+    def _start_probe(
+        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None
+    ) -> list:
         """The probe's hooks for a pass (none when not measuring: it then captures nothing);
         see :meth:`RouterProbe.start`."""
         if not self.measure:
             return []
-        self.probe.start(consume, probs_device)
+        self.probe.start(consume, probs_device, reference_bias)
         return [self.probe]
 
     def _stop_probe(self, consume: Consumer | None = None) -> list[ProbedRouting]:

@@ -26,6 +26,7 @@ class ProbedRouting:
     natural: Tensor  # [T, L, k] int64
     used: Tensor  # [T, L, k] int64
     probs: Tensor  # [T, L, E] float32
+    natural_with_reference_bias: Tensor | None = None  # [T, L, k]: the live router with other expert biases
 
 
 Consumer = Callable[[int, "ProbedRouting"], None]  # (micro-batch index, its routing)
@@ -46,6 +47,8 @@ class RouterProbe:
         self.captured: dict[int, ProbedRouting] = {}
         self._consume: Consumer | None = None
         self._probs_device: torch.device | None = None
+        self._reference_bias: dict[int, Tensor] = {}
+        self._layer_of = {id(router): n for n, router in layers}
         self._handles = [router.register_forward_hook(self._hook) for _, router in layers]
 
     def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
@@ -57,7 +60,9 @@ class RouterProbe:
             natural = natural_topk(logits, router.config, router.expert_bias)
             used = chosen_experts(output[1], self.top_k)
             probs = router_distribution(logits, router.config.moe_router_score_function) if self.with_probs else None
-        self._current.append((natural, used, probs))
+            reference_bias = self._reference_bias.get(self._layer_of[id(router)])
+            with_reference = None if reference_bias is None else natural_topk(logits, router.config, reference_bias)
+        self._current.append((natural, used, probs, with_reference))
 
     def before_forward(self, index: int, num_tokens: int) -> None:
         self._current = []
@@ -65,11 +70,12 @@ class RouterProbe:
     def after_forward(self, index: int) -> None:
         if not self.enabled or not self._current:
             return
-        natural, used, probs = zip(*self._current)
+        natural, used, probs, with_reference = zip(*self._current)
         routing = ProbedRouting(
             natural=torch.stack(natural, dim=1),
             used=torch.stack(used, dim=1),
             probs=torch.stack(probs, dim=1) if self.with_probs else torch.empty(0),
+            natural_with_reference_bias=torch.stack(with_reference, dim=1) if self._reference_bias else None,
         )
         self._current = []
         if self._consume is not None:
@@ -79,15 +85,20 @@ class RouterProbe:
             routing.probs = routing.probs.to(self._probs_device)
         self.captured[index] = routing
 
-    def start(self, consume: Consumer | None = None, probs_device: torch.device | None = None) -> None:
+    def start(
+        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None
+    ) -> None:
         """Capture a pass: hand each micro-batch's routing to ``consume``, or keep them
-        (the router distributions on ``probs_device`` when given, e.g. off the GPU)."""
+        (the router distributions on ``probs_device`` when given, e.g. off the GPU).
+        ``reference_bias`` (layer -> expert bias, for every router with a bias): also the
+        choice the live router would make with those biases instead of its own."""
         self.captured, self.enabled = {}, True
         self._consume, self._probs_device = consume, probs_device
+        self._reference_bias = reference_bias or {}
 
     def stop(self) -> list[ProbedRouting]:
         """The kept routings in micro-batch order (none when a consumer took them)."""
-        self.enabled, self._consume = False, None
+        self.enabled, self._consume, self._reference_bias = False, None, {}
         return [self.captured[i] for i in sorted(self.captured)]
 
     def remove(self) -> None:

@@ -131,7 +131,7 @@ class StepLogger:
 
         written: dict[str, float] = {}
         images = step % 10 == 0
-        for group in ("old_vs_new", "train_vs_rollout", "replayed"):
+        for group in ("old_vs_new", "train_vs_rollout", "replayed", "expert_bias_effect"):
             if group in routing:
                 metrics = dict(routing[group])
                 if group == "old_vs_new" and "load" in routing:

@@ -212,8 +212,8 @@ class Trainer:
         if self.expert_bias:
             self.expert_bias.start()
         update = self.update_policy(batch)
-        bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         self.measure_routing_after_update(batch)
+        bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
         self.weight_sync.push(self.policy.weights, version=str(step + 1))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
@@ -312,7 +312,7 @@ class Trainer:
     def measure_routing_after_update(self, batch: TrainBatch) -> None:
         """One more forward pass: how the updates changed routing (old -> new)."""
         if self.monitor and self.cfg.routing.metrics and self.cfg.routing.after_update_pass:
-            with self.monitor.after_update_pass() as hooks:
+            with self.monitor.after_update_pass(self.expert_bias.before() if self.expert_bias else None) as hooks:
                 self.policy.logprobs(batch.micro_batches, hooks)
 
     def evaluate(self) -> dict[str, float]:
