@@ -7,6 +7,8 @@
   ``routing/train_vs_rollout/<metric>/...``, with the rollout log-prob mismatch split by
   routing (``logp_mismatch``, ``logp_mismatch_routing_changed``,
   ``logp_mismatch_routing_same``, ``routing_changed_response_frac``, each ``.../mean``);
+  for routers with an expert bias, what the step's bias change alone did under
+  ``routing/expert_bias_effect/<metric>/...``;
 - histograms ``routing/expert_load/layer_<l>`` (tokens per expert id);
 - images ``routing/expert_load_heatmap`` (layers x experts) and, where two routings are
   compared, ``<group prefix>/expert_disagreement_heatmap`` (share of each layer's tokens
