@@ -98,6 +98,24 @@ def eval_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
     return lines + [""]
 
 
+def expert_bias_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+    """Runs whose routers have an expert bias (GLM-4.5, DeepSeek-V3): how far it moved
+    per step and how much of the routing change the bias update alone made (means over
+    steps); empty when no run has one."""
+    delta, effect = tags.routing("expert_bias_delta"), tags.routing("changed_frac", "expert_bias_effect")
+    changed = tags.routing("changed_frac")
+    biased = {name: s for name, s in data.items() if s.get(delta)}
+    if not biased:
+        return []
+    mean = lambda series: _mean(series, sorted(series)) if series else None  # noqa: E731
+    lines = ["## Expert bias (aux-loss-free balancing)", "",
+             f"| run | bias moved per step (`{delta}`) | routing changed by the bias alone (`{effect}`) | all routing change (`{changed}`) |",
+             "|---|---|---|---|"]  # fmt: skip
+    for name, s in biased.items():
+        lines.append(f"| {name} | {_fmt(mean(s[delta]), 5)} | {_fmt(mean(s.get(effect)), 4)} | {_fmt(mean(s.get(changed)), 4)} |")
+    return lines + [""]
+
+
 def group_by_run(data: dict[str, dict], seeds: list[int] | None) -> dict[str, dict[str, dict]]:
     """``{base run: {seed: value}}``: run names carry ``_s<seed>`` when there are seeds
     (without seeds every run is its own base, under seed ``""``)."""
@@ -232,7 +250,7 @@ def write_report(out_dir: Path, data: dict[str, dict[str, dict[int, float]]], fi
              *summary_table(data, fixed_steps, window)]  # fmt: skip
     if seeds and len(seeds) > 1:
         lines += [""] + seed_table({name: summarize_run(s, window) for name, s in data.items()}, seeds)
-    lines += [""] + eval_table(data) + cost_table(by_run)
+    lines += [""] + eval_table(data) + expert_bias_table(data) + cost_table(by_run)
     lines += ["Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in sorted(plots.glob("*.png"))), ""]
     if extra_sections:
         lines += [extra_sections, ""]

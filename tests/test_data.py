@@ -220,6 +220,16 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
         build_lr_scheduler(optimizer, OptimSettings(warmup_steps=10), steps)
 
 
+def test_compare_report_shows_expert_bias_only_for_runs_that_have_one() -> None:
+    from moe_rl.report import expert_bias_table
+
+    glm = {"routing/expert_bias_delta/mean": {1: 0.01, 2: 0.02}, "routing/expert_bias_effect/changed_frac/mean": {1: 0.2, 2: 0.4},
+           "routing/changed_frac/mean": {1: 0.3, 2: 0.5}}  # fmt: skip
+    assert expert_bias_table({"qwen3": {"routing/changed_frac/mean": {1: 0.3}}}) == []
+    lines = expert_bias_table({"glm": glm, "qwen3": {"routing/changed_frac/mean": {1: 0.3}}})
+    assert "| glm | 0.01500 | 0.3000 | 0.4000 |" in lines and not any(l.startswith("| qwen3") for l in lines)
+
+
 def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
