@@ -1,0 +1,262 @@
+"""What moe-rl does on a CUDA machine, in one run of a few minutes: writes gpu_check.json.
+
+Stages (each in its own process, with a time limit; a failed stage is recorded with the
+end of its output and the others still run):
+
+- ``env``: torch / CUDA / GPU / package versions;
+- ``matmul``: the bf16 matmul rate this GPU reaches (the MFU denominator);
+- ``parity``: ``moe-rl parity`` (fp32) of tiny Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (MLA) checkpoints;
+- ``train``: 3 steps of the built-in model (bf16) with R2, then R3, then the R2 run resumed
+  to step 4;
+- ``big_moe``: a ~1.3B-parameter MoE made on the fly (16 layers x 64 experts, top-8,
+  hidden 1024): optimizer-step time over 4 x 2048 tokens and its MFU;
+- ``logprob_memory``: peak memory of the chunked log-prob + entropy head (forward and
+  backward) at vocab 151,936 x 4,096 tokens against full logits.
+
+    python tools/gpu_check.py [--out gpu_check.json] [--smoke]
+
+``--smoke`` shrinks every size so the script itself can be exercised on a CPU machine
+(the numbers then mean nothing). ``tools/gpu_check.sh`` installs missing packages from
+``wheels/`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("env", "matmul", "parity", "train", "big_moe", "logprob_memory")
+LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 300, "big_moe": 180, "logprob_memory": 90}
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_mb(reset: bool = False) -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+# ----------------------------------------------------------------------- stages
+
+
+def stage_env(smoke: bool, work: Path) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "cuda_version": torch.version.cuda}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=list(torch.cuda.get_device_capability()),
+                   bf16=torch.cuda.is_bf16_supported())  # fmt: skip
+    for name in ("megatron.core", "transformers", "deepspeed", "transformer_engine", "sglang"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(module, "__version__", "?")
+        except Exception as e:  # noqa: BLE001 (a report, not a check)
+            out[name] = f"missing ({type(e).__name__})"
+    return out
+
+
+def stage_matmul(smoke: bool, work: Path) -> dict:
+    import torch
+
+    n, dtype = (256, torch.float32) if smoke else (8192, torch.bfloat16)
+    a = torch.randn(n, n, device=_device(), dtype=dtype)
+    b = torch.randn(n, n, device=_device(), dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync()
+    reps, start = 20, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync()
+    seconds = (time.perf_counter() - start) / reps
+    return {"n": n, "dtype": str(dtype), "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def stage_parity(smoke: bool, work: Path) -> dict:
+    from moe_rl.models.tiny import save_tiny_checkpoint
+
+    out = {}
+    for family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+        path = save_tiny_checkpoint(work / family, family, seed=1, vocab_size=97)
+        run = _cli("parity", "--hf-dir", path, "--tolerance", "1e-4", timeout=120)
+        line = next((l for l in run.stdout.splitlines() if l.startswith("parity")), run.stderr[-400:])
+        out[family] = {"ok": run.returncode == 0, "line": line}
+    out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def _train(run_dir: Path, cache: Path, steps: int, *extra: str) -> dict:
+    tiny = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=6", "warm_start.steps=20",
+            "warm_start.batch_size=32", "train.progress=false", "algorithm.updates_per_batch=2"]  # fmt: skip
+    run = _cli("train", *tiny, f"train.steps={steps}", f"train.run_dir={run_dir}", f"warm_start.cache_dir={cache}", *extra, timeout=240)
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
+    keep = ("train/loss", "train/logp_mismatch_mean", "routing/train_vs_rollout/changed_frac/mean", "routing/replayed/changed_frac/mean",
+            "perf/step_time_s", "perf/peak_memory_mb")  # fmt: skip
+    return {"ok": run.returncode == 0, "steps": [r["step"] for r in rows], "last": {k: rows[-1].get(k) for k in keep} if rows else {},
+            "error": None if run.returncode == 0 else run.stderr[-800:]}  # fmt: skip
+
+
+def stage_train(smoke: bool, work: Path) -> dict:
+    cache = work / "cache"
+    out = {"r2": _train(work / "r2", cache, 3, "routing.replay=r2"), "r3": _train(work / "r3", cache, 3, "routing.replay=r3")}
+    out["r2_resumed"] = _train(work / "r2", cache, 4, "routing.replay=r2")
+    out["ok"] = all(v["ok"] for v in out.values()) and out["r2_resumed"]["steps"] == [1, 2, 3, 4]
+    return out
+
+
+def stage_big_moe(smoke: bool, work: Path) -> dict:
+    import torch
+
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import MicroBatch, run_microbatches
+    from moe_rl.models.tiny import tiny_config
+    from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    h, layers, experts, k, ffn, vocab, seq, batch = (64, 2, 8, 2, 32, 512, 128, 2) if smoke else (1024, 16, 64, 8, 384, 32768, 2048, 4)
+    heads, kv, head_dim = 16 if not smoke else 4, 4 if not smoke else 2, h // (16 if not smoke else 4)
+    hf_config = tiny_config("qwen3_moe", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv, head_dim=head_dim, num_experts=experts, num_experts_per_tok=k,
+                            moe_intermediate_size=ffn, intermediate_size=4 * ffn, max_position_embeddings=seq)  # fmt: skip
+    layout = ParallelLayout()
+    init_distributed(layout, model_dims(hf_config), seed=0)
+    try:
+        config = make_transformer_config(hf_config, layout)
+        model = build_model(hf_config, config)
+        settings = OptimSettings(lr=1e-5)
+        ddp = wrap_ddp(model, config, settings)
+        optimizer = build_optimizer([ddp], settings)
+        total = sum(p.numel() for p in model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(_device())
+        batches = [MicroBatch(ids[i : i + 1]) for i in range(batch)]
+
+        def loss_fn(out, mb):
+            loss = -out[..., 0].mean() / batch
+            return loss, {"loss": loss.detach()}
+
+        step = lambda: train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))  # noqa: E731
+        step()
+        _peak_mb(reset=True)
+        _sync()
+        reps, start = 3, time.perf_counter()
+        for _ in range(reps):
+            step()
+        _sync()
+        seconds = (time.perf_counter() - start) / reps
+    finally:
+        destroy_distributed()
+    # active parameters per token: attention, router, k of the experts, the output layer
+    attention = layers * (h * head_dim * (heads + 2 * kv) + heads * head_dim * h)
+    active = attention + layers * (h * experts + k * 3 * h * ffn) + vocab * h
+    tokens = batch * seq
+    flops = 6 * active * tokens + 12 * layers * heads * head_dim * seq * tokens / 2  # causal attention scores
+    return {"total_params": total, "active_params": active, "tokens": tokens, "step_s": seconds,
+            "tflops": flops / seconds / 1e12, "peak_mb": _peak_mb()}  # fmt: skip
+
+
+def stage_logprob_memory(smoke: bool, work: Path) -> dict:
+    import torch
+
+    from moe_rl.models.logprob_head import LogProbConfig, vocab_parallel_logprobs
+
+    vocab, seq, hidden = (4096, 256, 64) if smoke else (151_936, 4096, 2048)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    weight = (0.02 * torch.randn(vocab, hidden, generator=gen)).to(_device(), dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (seq, 1), generator=gen).to(_device())
+    out = {"vocab": vocab, "tokens": seq, "full_logits_fp32_mb": vocab * seq * 4 / 2**20}
+    for variant in ("chunked", "full_logits"):
+        hidden_states = torch.randn(seq, 1, hidden, generator=gen).to(_device(), dtype).requires_grad_(True)
+        base = _peak_mb(reset=True)
+        start = time.perf_counter()
+        if variant == "chunked":
+            logp, entropy = vocab_parallel_logprobs(hidden_states, weight, targets, config=LogProbConfig(chunk_size=512))
+        else:
+            logits = (hidden_states @ weight.t()).float()
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        (logp.sum() + entropy.sum()).backward()
+        _sync()
+        out[variant] = {"peak_extra_mb": _peak_mb() - base, "seconds": time.perf_counter() - start}
+        weight.grad = None
+    return out
+
+
+# ----------------------------------------------------------------------- driver
+
+
+def run_stage(name: str, smoke: bool) -> None:
+    """In a child process: one stage, its result as the last line of stdout."""
+    with tempfile.TemporaryDirectory(prefix=f"gpu_check_{name}_") as work:
+        result = globals()[f"stage_{name}"](smoke, Path(work))
+    print(json.dumps(result))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (exercise the script on a CPU machine)")
+    p.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
+    p.add_argument("--only", default=",".join(STAGES), help="comma-separated stages")
+    args = p.parse_args()
+    if args.stage:
+        run_stage(args.stage, args.smoke)
+        return 0
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke}
+    for name in args.only.split(","):
+        start = time.perf_counter()
+        cmd = [sys.executable, "-W", "ignore", __file__, "--stage", name] + (["--smoke"] if args.smoke else [])
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMITS_S[name], cwd=ROOT)
+            lines = run.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if run.returncode == 0 and lines else {"ok": False, "error": (run.stdout + run.stderr)[-1500:]}
+        except subprocess.TimeoutExpired:
+            result = {"ok": False, "error": f"over the {LIMITS_S[name]} s limit"}
+        result.setdefault("ok", True)
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        results[name] = result
+        print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))  # after every stage: nothing lost on a kill
+    if "big_moe" in results and "matmul" in results and results["big_moe"].get("tflops") and results["matmul"].get("tflops"):
+        results["big_moe"]["mfu_vs_measured_matmul"] = results["big_moe"]["tflops"] / results["matmul"]["tflops"]
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"[gpu_check] wrote {args.out}")
+    return 0 if all(r.get("ok", True) for r in results.values() if isinstance(r, dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
