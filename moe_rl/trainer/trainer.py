@@ -29,6 +29,7 @@ from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
+from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
@@ -38,7 +39,6 @@ from moe_rl.trainer.experience import ExperienceCollector
 from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
-from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
