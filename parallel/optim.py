@@ -167,15 +167,27 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = forward_backward()
-    finalize_model_grads(chunks)
+    biases = _expert_biases(chunks)
+    biases_before = [b.clone() for b in biases]
+    finalize_model_grads(chunks)  # (also moves routers' expert biases by their load-balancing rule)
     if not _grads_finite(chunks):
-        # NaN/Inf anywhere on any rank: skip the update everywhere (weights stay as they were)
+        # NaN/Inf anywhere on any rank: skip the update everywhere (weights and expert biases
+        # stay as they were)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        with torch.no_grad():
+            for bias, before in zip(biases, biases_before):
+                bias.copy_(before)
         return StepResult(updated=False, grad_norm=float("nan"), outputs=outputs)
     updated, grad_norm, _ = optimizer.step()
     return StepResult(updated=bool(updated), grad_norm=float(grad_norm or 0.0), outputs=outputs)
+
+
+def _expert_biases(chunks: list[DistributedDataParallel]) -> list[torch.Tensor]:
+    """The routers' expert-bias buffers (aux-loss-free balancing), which megatron-core
+    updates inside ``finalize_model_grads``."""
+    return [b for chunk in chunks for name, b in chunk.module.named_buffers() if name.endswith("router.expert_bias")]
 
 
 def _grads_finite(chunks: list[DistributedDataParallel]) -> bool:

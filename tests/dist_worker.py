@@ -146,7 +146,32 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
         json.dump(result, f)
 
 
-def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path) -> None:
+def expert_bias_update_checks(model, config, batch: list[MicroBatch]) -> dict:
+    """megatron-core's aux-loss-free rule through our ``train_step``: an update skipped for
+    NaN gradients leaves the expert biases as they were; a normal one moves every bias
+    element by exactly the rate (or 0 where its expert's load is exactly average)."""
+    settings = OptimSettings(lr=1e-3)
+    ddp = wrap_ddp(model, config, settings)
+    optimizer = build_optimizer([ddp], settings)
+    biases = lambda: torch.stack([b.clone() for n, b in model.named_buffers() if n.endswith("router.expert_bias")] or [torch.zeros(0)])  # noqa: E731
+    nan_loss = lambda out, mb: (out[..., 0].sum() * float("nan"), {})  # noqa: E731
+    before = biases()
+    skipped = train_step([ddp], optimizer, lambda: run_microbatches([ddp], batch, loss_fn=nan_loss, forward_only=False))
+    after_skip = biases()
+    train_step([ddp], optimizer, lambda: run_microbatches([ddp], batch, loss_fn=loss_fn, forward_only=False))
+    moved = (biases() - after_skip).abs()
+    rate = config.moe_router_bias_update_rate
+    return {
+        "nan_update_skipped": not skipped.updated,
+        "bias_kept_on_skip": torch.equal(before, after_skip),
+        "bias_moved_by_rate": bool((((moved - rate).abs() < 1e-7) | (moved == 0)).all()) and bool((moved > 0).any()),
+    }
+
+
+BIAS_CHECKS = {"1,1,1,1", "1,1,2,1"}  # layouts where GLM-4.5 also runs expert_bias_update_checks (one process; EP2 x DP2)
+
+
+def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path, bias_checks: bool = False) -> None:
     """Another architecture under ``layout``: forward-only log-probs and entropies of the
     whole batch (saved by the reporting rank), R2 replay before any update reproducing
     them bit for bit, R3 replay of transformers' own routing reproducing them, and an
@@ -174,8 +199,10 @@ def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], 
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(torch.cat([r["logprobs"] for r in plain]), out / "logp.pt")
         torch.save(torch.cat([r["entropy"] for r in plain]), out / "entropy.pt")
-    (out / f"replay_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     export_hf_weights(model, hf_config, out / "export")
+    if bias_checks and config.moe_router_enable_expert_bias:  # (the same on every rank: the checks are collective)
+        result.update(expert_bias_update_checks(model, config, batch))
+    (out / f"replay_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
@@ -248,7 +275,8 @@ def main() -> None:
 
         # 5. other architectures: log-probs and replay
         for family in families if spec in family_layouts else []:
-            family_checks(family, layout, fixed_batch(load_hf_config(family).vocab_size), out / Path(family).name)
+            bias_checks = spec in BIAS_CHECKS and Path(family).name == "glm4_moe"
+            family_checks(family, layout, fixed_batch(load_hf_config(family).vocab_size), out / Path(family).name, bias_checks)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

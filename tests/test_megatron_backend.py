@@ -74,6 +74,9 @@ def test_family_matches_transformers_and_replays_exactly(qwen3_runs: Path, famil
     for r in results:
         assert r["replay_identical"], "R2 replay before any update must reproduce the old log-probs bit for bit"
         assert r["r3_maxdiff"] <= 2e-5, "R3 replay of transformers' routing must reproduce megatron's log-probs"
+        if family == "glm4_moe" and layout in ("1,1,1,1", "1,1,2,1"):  # the expert-bias rule (tests/dist_worker.py BIAS_CHECKS)
+            assert r["nan_update_skipped"] and r["bias_kept_on_skip"], "a skipped update must not move the expert biases"
+            assert r["bias_moved_by_rate"], "an update moves each expert bias by the rate (or not at all)"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
