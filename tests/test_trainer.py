@@ -175,7 +175,7 @@ def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
     assert not any(k.startswith("routing/") for k in metrics[2])
 
 
-@pytest.mark.parametrize("replay", ["none", "r3"])  # (r2 asks the server exactly what none asks)
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
 def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: str) -> None:
     """The trainer's SGLang path end to end: a server that starts at weight_version
     "default" (as SGLang does), a disk sync before the first rollout and after every step."""
@@ -211,6 +211,8 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
     # train-inference routing drift is measured in any replay mode (R3: computed with the server's routing)
     changed = metrics[2]["routing/train_vs_rollout/changed_frac/mean"]
     assert changed == 0.0 if replay == "r3" else changed < 0.05
+    if replay != "none":  # the update passes dispatched to the replayed experts
+        assert all(metrics[step]["routing/replayed/changed_frac/mean"] == 0.0 for step in (1, 2))
     split = metrics[2]["routing/train_vs_rollout/logp_mismatch/mean"]
     assert split == pytest.approx(metrics[2]["train/logp_mismatch_mean"], rel=1e-6)
 
