@@ -144,8 +144,9 @@ def stage_big_moe(smoke: bool, work: Path) -> dict:
     from parallel.layout import ParallelLayout
     from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
-    h, layers, experts, k, ffn, vocab, seq, batch = (64, 2, 8, 2, 32, 512, 128, 2) if smoke else (1024, 16, 64, 8, 384, 32768, 2048, 4)
-    heads, kv, head_dim = 16 if not smoke else 4, 4 if not smoke else 2, h // (16 if not smoke else 4)
+    sizes = (64, 2, 8, 2, 32, 512, 128, 2, 4, 2) if smoke else (1024, 16, 64, 8, 384, 32768, 2048, 4, 16, 4)
+    h, layers, experts, k, ffn, vocab, seq, batch, heads, kv = sizes
+    head_dim = h // heads
     hf_config = tiny_config("qwen3_moe", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                             num_key_value_heads=kv, head_dim=head_dim, num_experts=experts, num_experts_per_tok=k,
                             moe_intermediate_size=ffn, intermediate_size=4 * ffn, max_position_embeddings=seq)  # fmt: skip

@@ -124,12 +124,13 @@ class ParamMapper:
             return Recipe((self.arch.experts.expert_bias.format(l=l),))
         shared = self._SHARED.fullmatch(rest)
         if shared and self.arch.shared:
-            keys = self.arch.shared
-            return {
-                "linear_fc1.weight": Recipe((keys.gate_proj.format(l=l), keys.up_proj.format(l=l)), "glu", 0),
-                "linear_fc2.weight": Recipe((keys.down_proj.format(l=l),), shard_dim=1),
-                "gate_weight": Recipe(((keys.gate or "").format(l=l),)),
-            }[shared.group(1)]
+            keys, part = self.arch.shared, shared.group(1)
+            if part == "linear_fc1.weight":
+                return Recipe((keys.gate_proj.format(l=l), keys.up_proj.format(l=l)), "glu", 0)
+            if part == "linear_fc2.weight":
+                return Recipe((keys.down_proj.format(l=l),), shard_dim=1)
+            if keys.gate:  # gate_weight: megatron builds it only when the family has the gate
+                return Recipe((keys.gate.format(l=l),))
         if rest.startswith("self_attention.linear_qkv."):
             suffix = rest.rsplit(".", 1)[1]  # weight | bias
             keys = tuple(f"{p}self_attn.{x}_proj.{suffix}" for x in "qkv")

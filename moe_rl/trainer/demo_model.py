@@ -17,7 +17,7 @@ import torch
 from moe_rl.config import Config
 from moe_rl.data.tasks import ArithmeticTask
 from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
-from moe_rl.models.tiny import save_tiny_checkpoint
+from moe_rl.models.tiny import save_tiny_checkpoint, tiny_config
 from parallel.collectives import barrier, broadcast_object, data_parallel_share, is_first_rank
 
 
@@ -31,14 +31,18 @@ def demo_model_dir(cfg: Config) -> Path:
 
 def demo_model_dims(cfg: Config):
     """The built-in model's sizes, to validate a parallel layout before anything runs."""
-    from parallel.layout import ModelDims
+    from moe_rl.models.architectures import model_dims
 
+    return model_dims(tiny_config(cfg.model.architecture, **_demo_settings(cfg)))
+
+
+def _demo_settings(cfg: Config) -> dict:
+    """The HF config settings of the built-in model (its family's on top of the common ones)."""
     m = cfg.model
-    family = _family_settings(m)
-    shared = m.hidden_size if family.get("shared_expert_intermediate_size") or family.get("n_shared_experts") else None
-    return ModelDims(num_layers=m.num_layers, num_attention_heads=4, num_query_groups=family.get("num_key_value_heads", 2),
-                     num_experts=m.num_experts, vocab_size=vocab_size(), ffn_hidden_size=m.hidden_size,
-                     shared_ffn_hidden_size=shared)  # fmt: skip
+    common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
+                  eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
+    return {**common, **_family_settings(m)}
 
 
 def _family_settings(m) -> dict:
@@ -62,11 +66,7 @@ def _family_settings(m) -> dict:
 
 
 def _raw_checkpoint(cfg: Config, path: Path) -> None:
-    m = cfg.model
-    common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
-                  eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
-    save_tiny_checkpoint(path, m.architecture, seed=cfg.train.seed, **{**common, **_family_settings(m)})
+    save_tiny_checkpoint(path, cfg.model.architecture, seed=cfg.train.seed, **_demo_settings(cfg))
     demo_tokenizer().save_pretrained(path)
 
 
