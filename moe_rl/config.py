@@ -71,6 +71,12 @@ class RolloutConfig:
     server_gpus: list[int] = field(default_factory=list)  # GPUs of a launched server (must not be the trainer's)
     mem_fraction_static: float = 0.8
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
+    # SGLang: how weights reach the servers after each step: distributed (buckets broadcast
+    # over a weight-update group the servers join) | disk (a HF directory each server re-reads)
+    weight_sync: str = "distributed"
+    sync_bucket_mb: float = 512.0  # distributed: the most full tensors the first rank holds at once (MiB)
+    sync_address: str = ""  # distributed: the first trainer rank's address as servers reach it ("": found)
+    concurrency_per_server: int = 64  # SGLang: /generate requests in flight per server
     # DAPO dynamic sampling: drop groups whose samples all got the same rewards (zero
     # advantage) and sample more prompts, up to max_sampling_rounds rounds per step
     filter_zero_std_groups: bool = False
@@ -368,7 +374,8 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
     if any(g < 0 for g in r.server_gpus) or len(set(r.server_gpus)) != len(r.server_gpus):
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
-    for key in ("server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
+    _choice("rollout.weight_sync", r.weight_sync, ("distributed", "disk"))
+    for key in ("sync_bucket_mb", "concurrency_per_server", "server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")

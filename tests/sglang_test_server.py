@@ -8,13 +8,18 @@ weight updates only between ``/begin_weight_update`` and ``/end_weight_update``;
 (only with ``--enable-return-routed-experts``); seed 42 for requests without
 ``sampling_seed`` under ``--enable-deterministic-inference``. ``--precision bf16`` (not an
 SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
-so that its routing and log-probs drift from the trainer's as a real engine's do. It cannot receive NCCL
-broadcasts: ``/update_weights_from_distributed`` checks the request and sets the version.
+so that its routing and log-probs drift from the trainer's as a real engine's do.
+``/init_weights_update_group`` joins the weight-update group for real (the request's
+backend: gloo here) as rank ``rank_offset``, blocking until every rank joined;
+``/update_weights_from_distributed`` receives each announced tensor from group rank 0;
+``/end_weight_update`` loads them into the LocalEngine, refusing an update that lacks any
+weight (SGLang would load a partial one; a trainer must send them all).
 
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
 /generate), ``die_after`` (exit the process when the Nth next /generate arrives).
+``GET /_test/weights_digest``: a hash of the engine's weights.
 
     python tests/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
 """
@@ -22,6 +27,7 @@ Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -34,6 +40,7 @@ import torch
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.encoding import encode_routed_experts
+from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 
 SAMPLING_KEYS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
@@ -55,7 +62,11 @@ class State:
         self.generate_requests = 0
         self.aborts = 0
         self.aborted: list[dict] = []  # the abort requests' bodies
-        self.groups: dict[str, dict] = {}
+        self.groups: dict[str, object] = {}  # weight-update process groups by name
+        self.received: dict[str, torch.Tensor] = {}  # broadcast weights not yet loaded
+        self.version_after_update: str | None = None
+        self.weight_updates = 0  # completed /update_weights_from_* sequences (and disk loads)
+        self.weight_update_requests = 0  # /update_weights_from_distributed requests (buckets)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -108,20 +119,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"success": True, "message": "weight update begun"})
         if path == "/end_weight_update":
             st.in_weight_update = False
-            return self._send(200, {"success": True, "message": "weight update ended"})
+            return self._send(*_apply_received(st))
         if path == "/init_weights_update_group":
-            st.groups[body.get("group_name", "")] = body
-            return self._send(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+            return self._send(*_join_group(st, body))
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             if not st.in_weight_update:
                 return self._send(400, {"success": False, "message": f"{path} must be called between /begin_weight_update and /end_weight_update"})
             if path.endswith("distributed"):
-                if body.get("group_name") not in st.groups:
-                    return self._send(400, {"success": False, "message": f"unknown group_name {body.get('group_name')!r}"})
-                if not (len(body.get("names", [])) == len(body.get("dtypes", [])) == len(body.get("shapes", []))):
-                    return self._send(400, {"success": False, "message": "names, dtypes and shapes differ in length"})
+                status, reply = _receive_broadcast(st, body)
+                if status != 200:
+                    return self._send(status, reply)
             if body.get("weight_version") is not None:
-                st.engine._version = str(body["weight_version"])
+                st.version_after_update = str(body["weight_version"])
             return self._send(200, {"success": True, "message": "Succeeded to update parameter online."})
         if path == "/pause_generation":
             st.paused.set()
@@ -138,8 +147,12 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/_test/faults":
             st.faults = body
             return self._send(200, {"success": True})
+        if path == "/_test/weights_digest":
+            with st.lock:
+                return self._send(200, {"digest": weights_digest(st.engine.model)})
         if path == "/_test/stats":
-            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted})
+            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
+                                    "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests})
         return self._send(404, {"error": {"message": f"no route {path}"}})
 
     def _generate(self, body: dict) -> None:
@@ -196,6 +209,64 @@ class Handler(BaseHTTPRequestHandler):
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts)
         reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
         self._send(200, _inject_reply_fault(faults, reply, sample))
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every weight's bytes (bit-equality of two models' weights)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _join_group(st: State, body: dict) -> tuple[int, dict]:
+    """Join the weight-update group as ``rank_offset`` (this server's TP rank 0; a test
+    server has one rank), blocking until every rank has joined, as SGLang does."""
+    if st.args.tp_size != 1:
+        return 400, {"success": False, "message": "the test server joins weight-update groups with --tp-size 1 only"}
+    try:
+        group = join_weight_update_group(
+            backend=body["backend"], address=body["master_address"], port=int(body["master_port"]),
+            world_size=int(body["world_size"]), rank=int(body["rank_offset"]), group_name=body["group_name"], timeout_s=120,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - reported to the client like SGLang does
+        return 200, {"success": False, "message": f"Failed to initialize custom process group: {type(e).__name__}: {e}"}
+    leave_weight_update_group(st.groups.pop(body["group_name"], None))
+    st.groups[body["group_name"]] = group
+    return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
+    """Receive the announced tensors from group rank 0, in order, as SGLang's ranks do."""
+    group = st.groups.get(body.get("group_name"))
+    if group is None:
+        return 400, {"success": False, "message": f"unknown group_name {body.get('group_name')!r}"}
+    names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
+    if not (len(names) == len(dtypes) == len(shapes)):
+        return 400, {"success": False, "message": "names, dtypes and shapes differ in length"}
+    st.weight_update_requests += 1
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        torch.distributed.broadcast(tensor, group=group, group_src=0)
+        st.received[name] = tensor
+    return 200, {}
+
+
+def _apply_received(st: State) -> tuple[int, dict]:
+    """Load what the broadcasts brought (every weight of the model must have come)."""
+    received, st.received = st.received, {}
+    version, st.version_after_update = st.version_after_update, None
+    try:
+        with st.lock:
+            if received:
+                st.engine.update_weights(received, version or st.engine.weight_version)
+                st.weight_updates += 1
+            elif version is not None:
+                st.engine._version = version
+    except ValueError as e:
+        return 400, {"success": False, "message": f"weight update failed: {e}"}
+    return 200, {"success": True, "message": "weight update ended"}
 
 
 def _inject_reply_fault(faults: dict, reply: dict, sample) -> dict:

@@ -15,12 +15,15 @@ import httpx
 import pytest
 import torch
 
+from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang import SGLangEngine, weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
 from parallel.launch import free_port
+from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
+from sglang_test_server import weights_digest
 
 SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
 PROMPTS = [[3, 17, 22, 5], [9, 1, 40, 33, 2, 8]]
@@ -117,14 +120,48 @@ def test_update_weights_from_disk_and_stale_version(servers, ckpts) -> None:
         engine.update_weights_from_disk(ckpts["v0"], "0")
 
 
-def test_distributed_update_protocol(servers) -> None:
+def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> None:
+    """Both servers join one gloo group (offsets 1 and 2) and receive v1's weights in two
+    buckets; they then sample exactly what a local engine with v1 samples."""
     engine = engine_for(servers)
-    engine.init_weights_update_group("127.0.0.1", free_port(), world_size=3)
-    seen = []
-    engine.update_weights_from_distributed([("model.norm.weight", torch.ones(32))], "5", broadcast=seen.extend)
-    assert seen and engine.weight_version == "5"
-    assert all(control(s, "/get_model_info")["weight_version"] == "5" for s in servers)
-    engine.update_weights_from_disk(servers[0].settings.model_path, "0")
+    v1 = SafetensorsDir(ckpts["v1"])
+    tensors = [(k, v1.get(k)) for k in sorted(v1.keys())]
+    buckets = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
+    port = free_port()
+    group = engine.init_weights_update_group(
+        "127.0.0.1", port, "w", "gloo",
+        join=lambda world_size: join_weight_update_group(backend="gloo", address="127.0.0.1", port=port, world_size=world_size, rank=0, group_name="w"),
+    )  # fmt: skip
+
+    def broadcast(named):
+        for _, tensor in named:
+            torch.distributed.broadcast(tensor, group=group, group_src=0)
+
+    try:
+        assert torch.distributed.get_world_size(group) == 3
+        with engine.weight_update("1"):
+            for bucket in buckets:
+                engine.update_weights_from_distributed(bucket, broadcast, group_name="w", weight_version="1")
+        assert all(control(s, "/get_model_info")["weight_version"] == "1" for s in servers)
+        reference = LocalEngine(ckpts["v1"])
+        assert [control(s, "/_test/weights_digest")["digest"] for s in servers] == [weights_digest(reference.model)] * 2
+        got = engine.generate(PROMPTS, 2, PARAMS, seed=3)
+        for group_got, group_want in zip(got, reference.generate(PROMPTS, 2, PARAMS, seed=3)):
+            for s, ref in zip(group_got, group_want):
+                assert s.output_ids == ref.output_ids and s.weight_version == "1"
+                assert s.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-6)  # another process's kernels
+        with pytest.raises(RolloutError, match="weight update failed: weight update lacks"):  # half a model is refused
+            with engine.weight_update("2"):
+                engine.update_weights_from_distributed(buckets[0], broadcast, group_name="w", weight_version="2")
+        engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)  # not left paused
+    finally:
+        leave_weight_update_group(group)
+        engine.update_weights_from_disk(servers[0].settings.model_path, "default")
+
+
+def test_weight_group_offsets_count_every_server_rank() -> None:
+    assert weight_group_offsets([1, 1]) == ([1, 2], 3)
+    assert weight_group_offsets([2, 1, 4]) == ([1, 3, 4], 8)
 
 
 def test_killed_server_is_retried_elsewhere_or_reported(ckpts, tmp_path) -> None:

@@ -175,38 +175,56 @@ def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
     assert not any(k.startswith("routing/") for k in metrics[2])
 
 
-@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+SGLANG_RUNS = {"none": ("tp2", "parallel.tp=2"), "r2": ("pp2", "parallel.pp=2"), "r3": ("ep2", "parallel.ep=2")}
+
+
+@pytest.mark.parametrize("replay", list(SGLANG_RUNS))
 def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: str) -> None:
-    """The trainer's SGLang path end to end: a server that starts at weight_version
-    "default" (as SGLang does), a disk sync before the first rollout and after every step."""
+    """The trainer's SGLang path end to end on 2 processes (tp2 | pp2 | ep2) with two servers
+    that start at weight_version "default" (as SGLang does): a distributed sync in several
+    buckets before the first rollout and after every step, each server's weights afterwards
+    bit-equal to the trainer's."""
     import httpx
 
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
-    from parallel.launch import free_port
-
     from moe_rl.config import load_config
+    from moe_rl.rollout.local import LocalEngine
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
     from moe_rl.trainer.demo_model import demo_model_dir
+    from parallel.launch import free_port
+    from sglang_test_server import weights_digest
 
     model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
     server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    settings = ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
-                              launch_command=server_cmd)  # fmt: skip
-    server = SGLangServer(settings, tmp_path / "logs")
+    servers = [
+        SGLangServer(ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
+                                    launch_command=server_cmd), tmp_path / "logs")  # fmt: skip
+        for _ in range(2)
+    ]
+    layout, layout_setting = SGLANG_RUNS[replay]
+    urls = ",".join(s.url for s in servers)
     try:
-        server.wait_healthy(timeout_s=120)
-        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "default"
-        out = moe_rl("train", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
-                     "rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", f"routing.replay={replay}")  # fmt: skip
+        for server in servers:
+            server.wait_healthy(timeout_s=120)
+            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "default"
+        out = moe_rl("train", "--nproc", "2", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
+                     layout_setting, "rollout.engine=sglang", f"rollout.sglang_urls=[{urls}]",
+                     "rollout.sync_bucket_mb=0.05", f"routing.replay={replay}")  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
-        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
-        if replay == "none":  # the server now serves the last checkpoint: in fp32 it routes as the trainer does
-            _engine_drift_is_zero(server.url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
+        final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
+        for server in servers:
+            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
+            assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model), layout
+            stats = httpx.get(server.url + "/_test/stats").json()
+            assert stats["weight_updates"] == 3 and stats["weight_update_requests"] >= 3 * 2, stats  # 3 syncs, >1 bucket each
+        if replay == "none":  # the servers now serve the last checkpoint: in fp32 they route as the trainer does
+            _engine_drift_is_zero(servers[0].url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
     metrics = rows(tmp_path / "run")
     assert sorted(metrics) == [1, 2] and metrics[2]["train/grad_norm"] > 0
     for step in (1, 2):
-        # the server generated with the trainer's current weights: its log-probs are the trainer's
+        # the servers generated with the trainer's current weights: their log-probs are the trainer's
         assert metrics[step]["train/logp_mismatch_max"] < 1e-4, metrics[step]["train/logp_mismatch_max"]
     # train-inference routing drift is measured in any replay mode (R3: computed with the server's routing)
     changed = metrics[2]["routing/train_vs_rollout/changed_frac/mean"]

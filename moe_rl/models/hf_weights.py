@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
 from moe_rl.models.builder import named_weights, padded_vocab_size
-from parallel.collectives import all_gather_objects, barrier, broadcast_object, gather_objects
+from parallel.collectives import all_gather_objects, barrier, broadcast_object
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -292,27 +292,11 @@ def gather_hf_tensors(
         if name == "output_layer.weight" and mapper.tied:
             continue
         recipe = mapper.recipe(name)
-        shards = _gather_shards(source(name, param).detach(), recipe, mapper)
-        if _is_writer(recipe):
+        shards = gather_shards(source(name, param).detach(), recipe, mapper)
+        if is_writer(recipe):
             for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
                 tensors[key] = (full if dtype is None else full.to(dtype)).contiguous()
     return tensors
-
-
-@dataclass(frozen=True)
-class HFWeights:
-    """A (sharded) megatron model's weights under HF names: the
-    :class:`moe_rl.rollout.weight_sync.WeightSource` the rollout engine is synced from."""
-
-    model: GPTModel
-    hf_config: PretrainedConfig
-
-    def gather(self) -> dict[str, torch.Tensor] | None:
-        parts = gather_objects(gather_hf_tensors(self.model, self.hf_config))
-        return None if parts is None else {k: v for part in parts for k, v in part.items()}
-
-    def export(self, path: str | os.PathLike) -> Path:
-        return export_hf_weights(self.model, self.hf_config, path)
 
 
 @torch.no_grad()
@@ -392,7 +376,9 @@ def _replace_dir(new: Path, out: Path) -> None:
 # ------------------------------------------------------------------ collectives
 
 
-def _gather_shards(param: torch.Tensor, recipe: Recipe, mapper: ParamMapper) -> list[torch.Tensor]:
+def gather_shards(param: torch.Tensor, recipe: Recipe, mapper: ParamMapper) -> list[torch.Tensor]:
+    """Every tensor-parallel rank's shard of ``param`` (in rank order). Collective over the
+    parameter's (expert-)tensor-parallel group."""
     _, size = mapper._tp(recipe)
     if size == 1:
         return [param]
@@ -402,7 +388,9 @@ def _gather_shards(param: torch.Tensor, recipe: Recipe, mapper: ParamMapper) -> 
     return shards
 
 
-def _is_writer(recipe: Recipe) -> bool:
+def is_writer(recipe: Recipe) -> bool:
+    """Whether this rank writes the full tensors of parameters made by ``recipe``: one rank
+    per pipeline stage (per expert-parallel rank for experts)."""
     if recipe.expert:
         return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
     return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0

@@ -7,19 +7,21 @@
   backoff on connection errors, timeouts, 5xx and malformed replies (the next attempt
   goes to the next server), then a :class:`RolloutError` naming the server and cause;
   4xx is not retried (the request is wrong);
-- weight sync by ``/update_weights_from_disk`` (any setup) or NCCL
-  (``/init_weights_update_group`` + ``/update_weights_from_distributed`` inside
-  ``/begin_weight_update`` ... ``/end_weight_update``, with generation paused);
+- weight sync by ``/update_weights_from_disk`` (any setup) or a weight-update group
+  (``/init_weights_update_group`` sent to every server at once, cumulative rank offsets;
+  ``/update_weights_from_distributed`` per bucket inside ``/begin_weight_update`` ...
+  ``/end_weight_update``, with generation paused, the served version checked after);
 - every sample's ``weight_version`` is checked against the version last synced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 from torch import Tensor
@@ -234,23 +236,68 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, "flush_cache": True})
         self._version = weight_version
 
-    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str = "moe-rl") -> None:
-        """Each server joins an NCCL group with the trainer (rank 0) for broadcasts."""
-        for i, url in enumerate(self.urls):
-            self._post_one(url, "/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port, "rank_offset": 1 + i,
-                "world_size": world_size, "group_name": group_name, "backend": "nccl",
-            })  # fmt: skip
+    def server_ranks(self) -> list[int]:
+        """How many ranks each server has in a weight-update group (its TP size)."""
+        sizes = []
+        for url, info in zip(self.urls, self._get_all("/get_server_info")):
+            for key in ("pp_size", "dp_size"):
+                if int(info.get(key) or 1) > 1:
+                    raise RolloutError(f"{url}: distributed weight sync to a server with {key}={info[key]} is not supported; use rollout.weight_sync=disk")
+            sizes.append(int(info.get("tp_size") or 1))
+        return sizes
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str, join: Callable[[int], Any]
+    ) -> Any:
+        """Every server's ranks join ``group_name`` (server i's TP rank r as
+        ``1 + sum(previous servers' TP sizes) + r``) while ``join(world_size)`` makes this
+        process rank 0; the requests block until every rank has joined, so they are all in
+        flight at once. Returns what ``join`` returns (the group)."""
+        import concurrent.futures
+
+        offsets, world_size = weight_group_offsets(self.server_ranks())
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            pending = [
+                pool.submit(self._post_one, url, "/init_weights_update_group", {
+                    "master_address": master_address, "master_port": master_port, "rank_offset": offset,
+                    "world_size": world_size, "group_name": group_name, "backend": backend,
+                })  # fmt: skip
+                for url, offset in zip(self.urls, offsets)
+            ]
+            group = join(world_size)
+            for f in pending:
+                f.result()
+        return group
+
+    @contextlib.contextmanager
+    def weight_update(self, weight_version: str) -> Iterator[None]:
+        """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``;
+        afterwards every server must report ``weight_version``."""
+        self._post_all("/pause_generation", check_success=False)
+        self._post_all("/begin_weight_update")
+        try:
+            yield
+        finally:
+            try:
+                self._post_all("/end_weight_update")
+            finally:  # never leave the servers paused
+                self._post_all("/flush_cache", check_success=False)
+                self._post_all("/continue_generation", check_success=False)
+        self._version = weight_version
+        served = self.read_weight_version()
+        if served != weight_version:
+            raise RolloutError(f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}")
 
     def update_weights_from_distributed(
         self,
-        named_tensors: Sequence[tuple[str, Any]],
+        named_tensors: Sequence[tuple[str, Tensor]],
+        broadcast: Callable[[Sequence[tuple[str, Tensor]]], None],
+        *,
+        group_name: str,
         weight_version: str,
-        broadcast: Callable[[Sequence[tuple[str, Any]]], None],
-        group_name: str = "moe-rl",
     ) -> None:
-        """Pause generation, announce the tensors, ``broadcast`` them (the trainer's NCCL
-        collective, run while the servers wait in their request), resume."""
+        """Announce ``named_tensors`` to every server, then ``broadcast`` them (the trainer's
+        collective, while the servers wait in their requests). Call inside :meth:`weight_update`."""
         import concurrent.futures
 
         body = {
@@ -259,20 +306,13 @@ class SGLangEngine(RolloutEngine):
             "shapes": [list(t.shape) for _, t in named_tensors],
             "group_name": group_name,
             "weight_version": weight_version,
-            "flush_cache": True,
+            "flush_cache": False,
         }
-        self._post_all("/pause_generation", check_success=False)
-        self._post_all("/begin_weight_update")
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-                pending = [pool.submit(self._post_one, url, "/update_weights_from_distributed", body) for url in self.urls]
-                broadcast(named_tensors)
-                for f in pending:
-                    f.result()
-        finally:
-            self._post_all("/end_weight_update")
-            self._post_all("/continue_generation", check_success=False)
-        self._version = weight_version
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            pending = [pool.submit(self._post_one, url, "/update_weights_from_distributed", body) for url in self.urls]
+            broadcast(named_tensors)
+            for f in pending:
+                f.result()
 
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
         with httpx.Client(timeout=self.timeout) as client:
@@ -324,3 +364,15 @@ class SGLangEngine(RolloutEngine):
                         client.post(url + "/abort_request", json={"rid": rid})
                     except httpx.TransportError:
                         break
+
+
+def weight_group_offsets(server_ranks: Sequence[int]) -> tuple[list[int], int]:
+    """Each server's ``rank_offset`` in a weight-update group whose rank 0 is the trainer's
+    sender, and the group's size: ``[1, 1 + n0, 1 + n0 + n1, ...]``, ``1 + sum(n)``."""
+    offsets, next_rank = [], 1
+    for n in server_ranks:
+        if n < 1:
+            raise ValueError(f"a server has {n} ranks")
+        offsets.append(next_rank)
+        next_rank += n
+    return offsets, next_rank

@@ -7,20 +7,31 @@ calls :meth:`WeightSync.push` after each step and never asks which engine it has
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
+from urllib.parse import urlparse
 
+import torch
 from torch import Tensor
 
 from moe_rl.rollout.types import RolloutEngine
 
+log = logging.getLogger(__name__)
+
 
 class WeightSource(Protocol):
-    """The trainer's weights under HF checkpoint names. Both methods are collective."""
+    """The trainer's weights under HF checkpoint names. Every method is collective."""
 
     def gather(self) -> dict[str, Tensor] | None:
         """Every full tensor on the first rank; ``None`` on the others."""
+
+    def buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]] | None]:
+        """The full tensors in buckets of at most ``bucket_bytes`` on the first rank (its
+        device), ``None`` on the others; no rank holds more than a bucket at a time."""
 
     def export(self, path: Path) -> Path:
         """Write a HF directory at ``path`` (each rank writes what it owns)."""
@@ -33,6 +44,9 @@ class WeightSync(ABC):
     @abstractmethod
     def push(self, weights: WeightSource, version: str) -> None:
         """Collective: after it returns, the engine serves ``weights`` as ``version``."""
+
+    def close(self) -> None:
+        """Release what the sync holds (a process group)."""
 
 
 class InProcessSync(WeightSync):
@@ -56,3 +70,81 @@ class DiskSync(WeightSync):
         weights.export(self.path)
         if self.engine is not None:
             self.engine.update_weights_from_disk(str(self.path.resolve()), version)
+
+
+class DistributedSync(WeightSync):
+    """Buckets of full tensors broadcast from the first rank to every server rank over a
+    weight-update group (NCCL on GPUs, gloo on CPU) that the servers join once. Every
+    trainer rank takes part in moving the buckets to the first rank (its shards); only
+    the first rank talks to the servers. ``engine`` is an
+    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
+
+    GROUP_NAME = "moe-rl-weights"
+
+    def __init__(
+        self,
+        engine: RolloutEngine | None,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        address: str = "",
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(engine)
+        self.bucket_bytes, self.dtype, self.address = bucket_bytes, dtype, address
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.group = None
+        self.last_push_s = 0.0
+        self.last_push_buckets = 0
+
+    def push(self, weights: WeightSource, version: str) -> None:
+        start = time.perf_counter()
+        buckets = weights.buckets(self.bucket_bytes, self.dtype)
+        if self.engine is None:
+            for _ in buckets:  # this rank's shards travel to the first rank
+                pass
+            return
+        if self.group is None:
+            self.group = self._connect()
+        count = 0
+        with self.engine.weight_update(version):
+            for bucket in buckets:
+                self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.GROUP_NAME, weight_version=version)
+                count += 1
+        self.last_push_s, self.last_push_buckets = time.perf_counter() - start, count
+        log.info("weights %s sent to %d server(s) in %d bucket(s) in %.2fs", version, len(self.engine.urls), count, self.last_push_s)
+
+    def _connect(self):
+        from parallel.launch import free_port
+        from parallel.weight_update_group import join_weight_update_group
+
+        address = self.address or reachable_address(self.engine.urls)
+        port = free_port()
+        join = lambda world_size: join_weight_update_group(  # noqa: E731
+            backend=self.backend, address=address, port=port, world_size=world_size, rank=0,
+            group_name=self.GROUP_NAME, timeout_s=self.timeout_s,
+        )  # fmt: skip
+        return self.engine.init_weights_update_group(address, port, self.GROUP_NAME, self.backend, join)
+
+    def _broadcast(self, named_tensors) -> None:
+        for _, tensor in named_tensors:
+            torch.distributed.broadcast(tensor, group=self.group, group_src=0)
+
+    def close(self) -> None:
+        from parallel.weight_update_group import leave_weight_update_group
+
+        leave_weight_update_group(self.group)
+        self.group = None
+
+
+def reachable_address(urls: list[str]) -> str:
+    """This host's address as the servers at ``urls`` reach it: loopback when they are all
+    local, else the address of the interface that routes to the first one (no packet is sent)."""
+    hosts = [urlparse(u).hostname or "127.0.0.1" for u in urls]
+    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((hosts[0], urlparse(urls[0]).port or 80))
+        return probe.getsockname()[0]

@@ -3,6 +3,7 @@ wrapper and optimizer) and of the frozen reference policy."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -15,7 +16,8 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.builder import build_model, make_transformer_config, named_weights
 from moe_rl.models.forward import ForwardHooks, LossFn, MicroBatch, run_microbatches
-from moe_rl.models.hf_weights import HFWeights, load_hf_weights
+from moe_rl.models.hf_weights import load_hf_weights
+from moe_rl.models.weight_buckets import HFWeights
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.routing.replay import replay_config_overrides
 from parallel.layout import ParallelLayout
@@ -34,7 +36,7 @@ class Policy:
     lr_schedule: LRSchedule
     hf_config: PretrainedConfig
 
-    @property
+    @functools.cached_property
     def weights(self) -> HFWeights:
         return HFWeights(self.model, self.hf_config)
 

@@ -14,10 +14,10 @@ from transformers import PretrainedConfig
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task
-from moe_rl.models.architectures import architecture_of
+from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
-from moe_rl.rollout.weight_sync import DiskSync, InProcessSync, WeightSync
+from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, WeightSync
 from moe_rl.trainer.experience import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")
@@ -103,7 +103,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     urls = [_start_server(cfg, hf_dir, closing)] if r.launch_server else list(r.sglang_urls)
     engine = SGLangEngine(
         urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
-        num_experts=architecture_of(hf_config).num_experts(hf_config),
+        num_experts=architecture_of(hf_config).num_experts(hf_config), max_concurrency=r.concurrency_per_server * len(urls),
     )  # fmt: skip
     closing.callback(engine.close)
     engine.wait_healthy()
@@ -137,9 +137,13 @@ def check_server_placement(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
-def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path) -> WeightSync:
+def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path, hf_config: PretrainedConfig) -> WeightSync:
     """Every rank's half of the weight sync (``engine`` is ``None`` off the first rank):
-    in process for the local engine, through ``run_dir/weights/current`` for SGLang."""
-    if cfg.rollout.engine == "local":
+    in process for the local engine; for SGLang ``rollout.weight_sync``: buckets over a
+    weight-update group in the served dtype, or through ``run_dir/weights/current``."""
+    r = cfg.rollout
+    if r.engine == "local":
         return InProcessSync(engine)
+    if r.weight_sync == "distributed":
+        return DistributedSync(engine, bucket_bytes=max(1, int(r.sync_bucket_mb * 2**20)), dtype=hf_dtype(hf_config), address=r.sync_address)
     return DiskSync(engine, run_dir / "weights" / "current")

@@ -134,7 +134,8 @@ class Trainer:
         )  # fmt: skip
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
-        self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir)
+        self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir, self.hf_config)
+        self._closing.callback(self.weight_sync.close)
         # before the first rollout the engine serves exactly the trainer's weights (a resumed
         # run's checkpoint; servers attached by URL may serve anything until then)
         self.weight_sync.push(self.policy.weights, str(self.start_step))
