@@ -73,10 +73,17 @@ class RolloutConfig:
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
     # SGLang: how weights reach the servers after each step: distributed (buckets broadcast
     # over a weight-update group the servers join) | disk (a HF directory each server re-reads)
+    # | tensor (by reference: CUDA IPC handles, servers on the first rank's node only)
     weight_sync: str = "distributed"
+    # SGLang servers on the trainer's GPUs (started with --enable-memory-saver): each side
+    # releases its GPU memory while the other works (trainer state offloaded to host memory)
+    colocate: bool = False
     sync_bucket_mb: float = 512.0  # distributed: the most full tensors the first rank holds at once (MiB)
     sync_address: str = ""  # distributed: the first trainer rank's address as servers reach it ("": found)
     concurrency_per_server: int = 64  # SGLang: /generate requests in flight per server
+    # generate step k+1's samples while step k trains (one version behind; needs
+    # algorithm.old_logprobs=rollout so the importance ratio uses the behaviour policy)
+    async_rollouts: bool = False
     # DAPO dynamic sampling: drop groups whose samples all got the same rewards (zero
     # advantage) and sample more prompts, up to max_sampling_rounds rounds per step
     filter_zero_std_groups: bool = False
@@ -331,6 +338,11 @@ def validate(c: Config) -> None:
     """Semantic checks before anything starts (no model, process group or data read)."""
     _validate_algorithm(c.algorithm, c.rollout.group_size)
     _validate_rollout(c.rollout, c.routing)
+    if c.rollout.async_rollouts and c.algorithm.old_logprobs != "rollout":
+        raise ConfigError(
+            "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout "
+            "so that the importance ratio uses the policy that generated them"
+        )
     _validate_rewards(c.reward)
     _validate_model_and_data(c)
     _validate_training(c)
@@ -374,7 +386,11 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         raise ConfigError("rollout.precision applies to the local engine only (rollout.engine=local)")
     if any(g < 0 for g in r.server_gpus) or len(set(r.server_gpus)) != len(r.server_gpus):
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
-    _choice("rollout.weight_sync", r.weight_sync, ("distributed", "disk"))
+    _choice("rollout.weight_sync", r.weight_sync, ("distributed", "tensor", "disk"))
+    if r.colocate and r.engine != "sglang":
+        raise ConfigError("rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang")
+    if r.colocate and r.async_rollouts:
+        raise ConfigError("rollout.colocate=true and rollout.async_rollouts=true exclude each other: colocated rollouts and training take turns on the same GPUs")
     for key in ("sync_bucket_mb", "concurrency_per_server", "server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:

@@ -12,6 +12,7 @@ REWARD_DISTINCT_TOTALS_PER_GROUP = "reward/distinct_totals_per_group"  # what a 
 RESPONSE_LENGTH_MEAN = "response/length_mean"
 RESPONSE_LENGTH_MAX = "response/length_max"
 RESPONSE_FINISHED_FRAC = "response/finished_frac"
+ROLLOUT_POLICY_LAG = "rollout/policy_lag"  # updates between the weights that sampled and the weights trained (async: 1)
 DATA_TRUNCATED_PROMPTS = "data/truncated_prompts"
 DATA_SKIPPED_LINES = "data/skipped_lines"
 DATA_KEPT_GROUP_FRAC = "data/kept_group_frac"  # dynamic sampling: groups with unequal rewards / groups sampled

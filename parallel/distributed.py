@@ -1,8 +1,9 @@
 """Process groups from the launcher's environment, and megatron-core's parallel state.
 
 The DeepSpeed launcher and torchrun both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-and MASTER_PORT. CUDA machines use nccl and one device per local rank; CPU machines use
-gloo and install the CPU bridge (:mod:`parallel.cpu_bridge`) first.
+and MASTER_PORT. CUDA machines use one device per local rank and a process group with
+both backends (``cpu:gloo,cuda:nccl``); CPU machines use gloo and install the CPU bridge
+(:mod:`parallel.cpu_bridge`) first.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def node_gpu_ids() -> list[str]:
     return names[:local]
 
 
+def process_group_backend(use_cuda: bool) -> str:
+    """NCCL for CUDA tensors with gloo beside it for CPU tensors (a stray CPU collective
+    works instead of failing), or gloo alone on CPU machines."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init_distributed(
     layout: ParallelLayout,
     model: ModelDims | None = None,
@@ -84,7 +91,7 @@ def init_distributed(
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            backend=process_group_backend(use_cuda),
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -14,6 +14,9 @@ backend: gloo here) as rank ``rank_offset``, blocking until every rank joined;
 ``/update_weights_from_distributed`` receives each announced tensor from group rank 0;
 ``/end_weight_update`` loads them into the LocalEngine, refusing an update that lacks any
 weight (SGLang would load a partial one; a trainer must send them all).
+``/update_weights_from_tensor`` maps SGLang's serialized tensors (shared memory on CPU).
+``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): while any
+memory is released, or after released weights until a full update, /generate fails.
 
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
@@ -39,6 +42,7 @@ import torch
 
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.types import SamplingParams
+from moe_rl.rollout.weight_sync import deserialize_named_tensors
 from moe_rl.routing.encoding import encode_routed_experts
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 
@@ -65,6 +69,9 @@ class State:
         self.groups: dict[str, object] = {}  # weight-update process groups by name
         self.received: dict[str, torch.Tensor] = {}  # broadcast weights not yet loaded
         self.version_after_update: str | None = None
+        self.released: set[str] = set()  # memory kinds released (/release_memory_occupation)
+        self.weights_lost = False  # released weights are gone until the next full update
+        self.memory_events: list[list] = []  # [["release" | "resume", tags], ...]
         self.weight_updates = 0  # completed /update_weights_from_* sequences (and disk loads)
         self.weight_update_requests = 0  # /update_weights_from_distributed requests (buckets)
 
@@ -113,6 +120,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/update_weights_from_disk":
             with st.lock:
                 st.engine.update_weights_from_disk(body["model_path"], str(body.get("weight_version") or st.engine.weight_version))
+                st.weights_lost = False
             return self._send(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
         if path == "/begin_weight_update":
             st.in_weight_update = True
@@ -125,13 +133,14 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             if not st.in_weight_update:
                 return self._send(400, {"success": False, "message": f"{path} must be called between /begin_weight_update and /end_weight_update"})
-            if path.endswith("distributed"):
-                status, reply = _receive_broadcast(st, body)
-                if status != 200:
-                    return self._send(status, reply)
+            status, reply = _receive_broadcast(st, body) if path.endswith("distributed") else _receive_tensors(st, body)
+            if status != 200:
+                return self._send(status, reply)
             if body.get("weight_version") is not None:
                 st.version_after_update = str(body["weight_version"])
             return self._send(200, {"success": True, "message": "Succeeded to update parameter online."})
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return self._send(*_memory_occupation(st, path, body))
         if path == "/pause_generation":
             st.paused.set()
             return self._send(200, {"success": True})
@@ -152,7 +161,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(200, {"digest": weights_digest(st.engine.model)})
         if path == "/_test/stats":
             return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
-                                    "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests})
+                                    "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
+                                    "memory_events": st.memory_events})
         return self._send(404, {"error": {"message": f"no route {path}"}})
 
     def _generate(self, body: dict) -> None:
@@ -178,6 +188,9 @@ class Handler(BaseHTTPRequestHandler):
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             return self._send(400, {"error": {"message": "input_ids must be a non-empty list of token ids"}})
+        if st.released or st.weights_lost:
+            why = f"memory {sorted(st.released)} is released" if st.released else "weights were released and not updated since"
+            return self._send(400, {"error": {"message": f"cannot generate: {why}"}})
         if body.get("return_routed_experts") and not st.args.enable_return_routed_experts:
             return self._send(400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}})
         seed = sp.get("sampling_seed")
@@ -253,6 +266,33 @@ def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
     return 200, {}
 
 
+def _receive_tensors(st: State, body: dict) -> tuple[int, dict]:
+    """``/update_weights_from_tensor``: one serialized list of (name, tensor) per TP rank,
+    mapped from the sender's memory (shared memory here, CUDA IPC on GPUs) and copied."""
+    if "weights" in st.released:
+        return 400, {"success": False, "message": "weights memory is released: /resume_memory_occupation first"}
+    serialized = body.get("serialized_named_tensors") or []
+    if len(serialized) != st.args.tp_size:
+        return 400, {"success": False, "message": f"serialized_named_tensors has {len(serialized)} entries for tp_size {st.args.tp_size}"}
+    st.weight_update_requests += 1
+    for name, tensor in deserialize_named_tensors(serialized[0]):
+        st.received[name] = tensor.clone()
+    return 200, {}
+
+
+def _memory_occupation(st: State, path: str, body: dict) -> tuple[int, dict]:
+    """SGLang's memory saver: released memory cannot generate; released weights are lost."""
+    tags = set(body.get("tags") or ["weights", "kv_cache"])
+    if path.startswith("/release"):
+        st.released |= tags
+        st.weights_lost = st.weights_lost or "weights" in tags
+        st.memory_events.append(["release", sorted(tags)])
+    else:
+        st.released -= tags
+        st.memory_events.append(["resume", sorted(tags)])
+    return 200, {"success": True, "message": ""}
+
+
 def _apply_received(st: State) -> tuple[int, dict]:
     """Load what the broadcasts brought (every weight of the model must have come)."""
     received, st.received = st.received, {}
@@ -262,6 +302,7 @@ def _apply_received(st: State) -> tuple[int, dict]:
             if received:
                 st.engine.update_weights(received, version or st.engine.weight_version)
                 st.weight_updates += 1
+                st.weights_lost = False
             elif version is not None:
                 st.engine._version = version
     except ValueError as e:

@@ -186,20 +186,10 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
     bit-equal to the trainer's."""
     import httpx
 
-    from moe_rl.config import load_config
     from moe_rl.rollout.local import LocalEngine
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
-    from moe_rl.trainer.demo_model import demo_model_dir
-    from parallel.launch import free_port
     from sglang_test_server import weights_digest
 
-    model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
-    server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    servers = [
-        SGLangServer(ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
-                                    launch_command=server_cmd), tmp_path / "logs")  # fmt: skip
-        for _ in range(2)
-    ]
+    servers = start_test_servers(cache, tmp_path, 2)
     layout, layout_setting = SGLANG_RUNS[replay]
     urls = ",".join(s.url for s in servers)
     try:
@@ -235,6 +225,54 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
     assert split == pytest.approx(metrics[2]["train/logp_mismatch_mean"], rel=1e-6)
 
 
+def start_test_servers(cache: str, tmp_path: Path, count: int) -> list:
+    """``count`` SGLang-protocol test servers of the built-in model (not yet healthy)."""
+    from moe_rl.config import load_config
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.trainer.demo_model import demo_model_dir
+    from parallel.launch import free_port
+
+    model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
+    server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    settings = [ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
+                               launch_command=server_cmd) for _ in range(count)]  # fmt: skip
+    return [SGLangServer(s, tmp_path / "logs") for s in settings]
+
+
+def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -> None:
+    """rollout.colocate with the tensor sync: the server releases its memory for every
+    update and takes it back around a sync by reference; the trainer's state goes to host
+    memory and back each step (its log-probs still equal the server's: nothing lost)."""
+    import httpx
+
+    from moe_rl.rollout.local import LocalEngine
+    from sglang_test_server import weights_digest
+
+    (server,) = start_test_servers(cache, tmp_path, 1)
+    try:
+        server.wait_healthy(timeout_s=120)
+        args = [*TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2", "train.save_every=1",
+                "rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=tensor",
+                "rollout.colocate=true", "rollout.sync_bucket_mb=0.05"]  # fmt: skip
+        # output to a file, not a pipe: on CPU, torch's shared-memory manager (which the
+        # tensor sync starts) outlives the trainer while the server holds its connection
+        with open(tmp_path / "train.log", "w") as log:
+            code = subprocess.run([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *args], stdout=log, stderr=log, timeout=400).returncode
+        assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
+        stats = httpx.get(server.url + "/_test/stats").json()
+        final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
+        assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model)
+    finally:
+        server.stop()
+    turn = [["release", ["kv_cache", "weights"]], ["resume", ["weights"]], ["resume", ["kv_cache"]]]
+    # per step: the update, then each checkpoint (its optimizer state is brought back for it)
+    assert stats["memory_events"] == turn * 4, stats["memory_events"]
+    assert stats["weight_updates"] == 1 + 4 and stats["weight_update_requests"] >= 2 * 5  # several buckets each
+    metrics = rows(tmp_path / "run")
+    for step in (1, 2):
+        assert metrics[step]["train/logp_mismatch_max"] < 1e-4 and metrics[step]["train/grad_norm"] > 0
+
+
 def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
     """`moe-rl drift --engine` on 2 processes (EP=2) against an fp32 server with the same weights."""
     prompts = tmp_path / "prompts.jsonl"
@@ -250,7 +288,8 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 
 FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps] (tests/trainer_layouts_worker.py)
-    1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2", *FAMILY_RUNS],
+    1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
+        "one-async3:1,1,1,1:r3+async:3", *FAMILY_RUNS],
     # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
     2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn"],
     4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
@@ -267,6 +306,17 @@ def layout_runs(cache, tmp_path_factory) -> Path:
         code = spawn_local(nproc, ["-W", "ignore", worker, str(out), cache, *runs], timeout_s=600)
         assert code == 0, f"{nproc}-process trainer worker failed with exit code {code}"
     return out
+
+
+def test_async_rollouts_train_on_samples_one_version_behind(layout_runs: Path) -> None:
+    """Step 3 trained on samples generated (with the engine's routing replayed, R3) while
+    step 2 trained, from the weights before step 2's update."""
+    last = json.loads((layout_runs / "one-async3.json").read_text())
+    assert last["rollout/policy_lag"] == 1.0 and last["train/grad_norm"] > 0 and last["train/update_skipped"] == 0
+    assert last["routing/replayed/changed_frac/mean"] == 0.0  # R3 replayed the behaviour weights' routing
+    # the ratio's denominator is the behaviour policy: at the first update it is the
+    # trainer's log-prob of the rollout weights' samples, which differ from the trained weights
+    assert last["train/logp_mismatch_max"] > 1e-3
 
 
 def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path) -> None:

@@ -139,7 +139,7 @@ def main() -> int:
         from moe_rl.trainer.demo_model import demo_model_dir
 
         server = start_server(str(demo_model_dir(load_config(None, common))), out / "logs")
-        common += ["rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]"]
+        common += ["rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=disk"]
     try:
         finish("train", *common, f"train.run_dir={out / 'straight'}")
         step_times = [json.loads(line)["perf/step_time_s"] for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]

@@ -314,6 +314,33 @@ class SGLangEngine(RolloutEngine):
             for f in pending:
                 f.result()
 
+    def update_weights_from_tensor(self, serialized: str, *, weight_version: str) -> None:
+        """Hand every server one bucket by reference (``serialized``: SGLang's
+        ``MultiprocessingSerializer`` form, one copy per TP rank, which maps it from this
+        process's device). Servers on this node only; call inside :meth:`weight_update`."""
+        import concurrent.futures
+
+        sizes = self.server_ranks()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            pending = [
+                pool.submit(self._post_one, url, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": [serialized] * size, "load_format": None,
+                    "flush_cache": False, "weight_version": weight_version,
+                })  # fmt: skip
+                for url, size in zip(self.urls, sizes)
+            ]
+            for f in pending:
+                f.result()
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Servers free their GPU memory (``tags``: ``weights``, ``kv_cache``; all by
+        default) for a colocated trainer; needs ``--enable-memory-saver``."""
+        self._post_all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Servers take back the memory ``tags`` name (all by default)."""
+        self._post_all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
         with httpx.Client(timeout=self.timeout) as client:
             response = client.post(url + path, json=payload)

@@ -139,6 +139,58 @@ class DistributedSync(WeightSync):
         self.group = None
 
 
+class TensorSync(WeightSync):
+    """Buckets handed to servers on the first rank's node by reference
+    (``/update_weights_from_tensor``): CUDA IPC handles of the first rank's GPU tensors,
+    which every server rank copies from (over NVLink); on CPU (tests), named shared-memory
+    files through torch's shared-memory manager process, which lives on while a server
+    keeps its connection (and with it any pipe it inherited). Each bucket is a copy that
+    stays alive until every server has replied."""
+
+    def __init__(self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype) -> None:
+        super().__init__(engine)
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        if engine is not None and not torch.cuda.is_available():
+            from torch import multiprocessing as torch_mp
+
+            # CPU tensors travel as named shared-memory files, which any process on the node can open
+            torch_mp.set_sharing_strategy("file_system")
+
+    def push(self, weights: WeightSource, version: str) -> None:
+        buckets = weights.buckets(self.bucket_bytes, self.dtype)
+        if self.engine is None:
+            for _ in buckets:
+                pass
+            return
+        with self.engine.weight_update(version):
+            for bucket in buckets:
+                # a copy: a bucket tensor may be the parameter itself, whose storage sharing
+                # would move (CPU: into shared memory) and a colocated trainer then offloads
+                shared = [(name, tensor.clone()) for name, tensor in bucket]
+                self.engine.update_weights_from_tensor(serialize_named_tensors(shared), weight_version=version)
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)``: base64 of
+    torch's multiprocessing pickle, which carries CUDA tensors as IPC handles."""
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch import multiprocessing as _registers_tensor_reductions  # noqa: F401
+
+    return base64.b64encode(ForkingPickler.dumps(named_tensors)).decode("utf-8")
+
+
+def deserialize_named_tensors(text: str) -> list[tuple[str, Tensor]]:
+    """The inverse of :func:`serialize_named_tensors` (what a server rank does)."""
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch import multiprocessing as _registers_tensor_reductions  # noqa: F401
+
+    return ForkingPickler.loads(base64.b64decode(text))
+
+
 def reachable_address(urls: list[str]) -> str:
     """This host's address as the servers at ``urls`` reach it: loopback when they are all
     local, else the address of the interface that routes to the first one (no packet is sent)."""

@@ -19,7 +19,7 @@ from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, StaleWeightsError
 from moe_rl.trainer.batch import Experience
 
 log = logging.getLogger("moe_rl.train")
@@ -141,3 +141,17 @@ class ExperienceCollector:
             scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
             scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))
         return scalars
+
+
+def policy_lag(exp: Experience, step: int, max_lag: int) -> float:
+    """How many updates behind step ``step``'s weights (version ``str(step)``) the weights
+    that generated ``exp`` were; :class:`StaleWeightsError` beyond ``max_lag`` (or for a
+    version the trainer never synced)."""
+    try:
+        lags = {step - int(s.weight_version) for s in exp.samples}
+    except ValueError:
+        versions = sorted({s.weight_version for s in exp.samples})
+        raise StaleWeightsError(f"step {step + 1}: samples of weight versions {versions}, which the trainer never synced") from None
+    if min(lags) < 0 or max(lags) > max_lag:
+        raise StaleWeightsError(f"step {step + 1}: samples are {sorted(lags)} updates behind the trained weights (at most {max_lag} allowed)")
+    return float(max(lags))

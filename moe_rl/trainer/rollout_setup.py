@@ -1,6 +1,6 @@
 """The rollout side of a run, built once from the config: the engine (and any SGLang
-server the run starts), the first rank's :class:`ExperienceCollector`, and every rank's
-:class:`WeightSync`. The engine kind is looked at here and nowhere else."""
+server the run starts), the first rank's :class:`ExperienceCollector`, every rank's
+:class:`WeightSync` and :class:`Placement`. The engine kind is looked at here and nowhere else."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
-from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, WeightSync
+from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
 from moe_rl.trainer.experience import ExperienceCollector
+from moe_rl.trainer.placement import Colocation, Placement, SeparatePlacement
+from moe_rl.trainer.policy import Policy
+from parallel.offload import DeviceOffloader
 
 log = logging.getLogger("moe_rl.train")
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -144,6 +147,16 @@ def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path, 
     r = cfg.rollout
     if r.engine == "local":
         return InProcessSync(engine)
+    bucket_bytes, dtype = max(1, int(r.sync_bucket_mb * 2**20)), hf_dtype(hf_config)
     if r.weight_sync == "distributed":
-        return DistributedSync(engine, bucket_bytes=max(1, int(r.sync_bucket_mb * 2**20)), dtype=hf_dtype(hf_config), address=r.sync_address)
+        return DistributedSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, address=r.sync_address)
+    if r.weight_sync == "tensor":
+        return TensorSync(engine, bucket_bytes=bucket_bytes, dtype=dtype)
     return DiskSync(engine, run_dir / "weights" / "current")
+
+
+def build_placement(cfg: Config, engine: RolloutEngine | None, policy: Policy) -> Placement:
+    """``rollout.colocate``: trainer and SGLang servers take turns on the same GPUs."""
+    if not cfg.rollout.colocate:
+        return SeparatePlacement()
+    return Colocation(engine, DeviceOffloader([policy.model], policy.optimizer))

@@ -35,14 +35,16 @@ from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
-from moe_rl.trainer.experience import ExperienceCollector
+from moe_rl.trainer.background_rollout import BackgroundRollout
+from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
-from moe_rl.trainer.rollout_setup import build_collector, build_weight_sync, check_server_placement
+from moe_rl.trainer.placement import Placement
+from moe_rl.trainer.rollout_setup import build_collector, build_placement, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
     all_reduce, bridge_paused, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
@@ -79,8 +81,11 @@ class Trainer:
     start_step: int  # steps already done (resumed from a checkpoint)
     engine_routing: bool  # the engine returns routed experts
     collector: ExperienceCollector | None  # prompts -> rollout -> rewards -> advantages (first rank only)
+    background: BackgroundRollout | None  # the next step's collection in flight (first rank, async rollouts)
+    max_policy_lag: int  # updates the rollout weights may be behind the trained ones (async: 1)
     evaluator: Evaluator | None  # held-out problems through the same engine (first rank, with data.eval_task)
     weight_sync: WeightSync  # trainer weights -> rollout engine (every rank)
+    placement: Placement  # who holds the GPUs when: trainer and engine apart, or colocated
     planner: MicroBatchPlanner  # which samples go into which micro-batch (rows, or a token budget)
     logger: StepLogger
     on_policy: bool  # one update on fresh samples: no separate old-log-prob pass
@@ -128,17 +133,23 @@ class Trainer:
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
         self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, self._closing) if is_first_rank() else None
+        self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
+        if self.background:
+            self._closing.callback(self.background.close)
+        self.max_policy_lag = 1 if cfg.rollout.async_rollouts else 0
         self.evaluator = (
             build_evaluator(cfg, eval_task, formatter, self.collector.engine, self.collector.scorer, progress=cfg.train.progress)
             if eval_task and self.collector else None
         )  # fmt: skip
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
-        self.weight_sync = build_weight_sync(cfg, self.collector.engine if self.collector else None, self.run_dir, self.hf_config)
+        engine = self.collector.engine if self.collector else None
+        self.weight_sync = build_weight_sync(cfg, engine, self.run_dir, self.hf_config)
         self._closing.callback(self.weight_sync.close)
+        self.placement = build_placement(cfg, engine, self.policy)
         # before the first rollout the engine serves exactly the trainer's weights (a resumed
         # run's checkpoint; servers attached by URL may serve anything until then)
-        self.weight_sync.push(self.policy.weights, str(self.start_step))
+        self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, str(self.start_step)))
         a = cfg.algorithm
         self.planner = MicroBatchPlanner(a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.parallel.seq_len_multiple)
         self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
@@ -206,6 +217,7 @@ class Trainer:
         start = time.perf_counter()
         exp, rollout_scalars = self.collect_experience(step)
         rollout_time = time.perf_counter() - start
+        self.placement.for_training()
         batch = self.make_batch(exp, step)
         mismatch = self.compute_old_logprobs(batch)
         self.compute_reference_logprobs(batch)
@@ -216,7 +228,9 @@ class Trainer:
         self.measure_routing_after_update(batch)
         bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
-        self.weight_sync.push(self.policy.weights, version=str(step + 1))
+        if self.background:  # the next step's samples come from the weights it started with
+            self.background.wait()
+        self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, version=str(step + 1)))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
         train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(update.outputs if self.on_policy else mismatch)}
         routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
@@ -244,11 +258,19 @@ class Trainer:
     # ------------------------------------------------------------------ the stages of a step
 
     def collect_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
-        """Prompts -> rollout -> rewards -> advantages on the first rank, broadcast to all."""
+        """Prompts -> rollout -> rewards -> advantages on the first rank, broadcast to all.
+        With asynchronous rollouts: the experience collected while the last step trained
+        (or now, on a run's first step), and the next step's collection started."""
         exp = scalars = None
         if self.collector is not None:
-            with bridge_paused():
-                exp, scalars = self.collector.collect(step)
+            ready = self.background.take(step) if self.background else None
+            if ready is None:
+                with bridge_paused():
+                    ready = self.collector.collect(step)
+            exp, scalars = ready
+            scalars = {**scalars, tags.ROLLOUT_POLICY_LAG: policy_lag(exp, step, self.max_policy_lag)}
+            if self.background and step + 1 < self.cfg.train.steps:
+                self.background.start(step + 1)
         return broadcast_object((exp, scalars))
 
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
@@ -348,8 +370,9 @@ class Trainer:
     def save_checkpoint(self, step: int, scalars: dict[str, float]) -> Path:
         """Collective: weights, optimizer and RNG state after ``step`` steps."""
         extra = {"scalars": scalars, "fingerprint": self.cfg.fingerprint()}
-        return save_checkpoint(self.run_dir, step, self.policy.model, self.hf_config, self.policy.optimizer,
-                               extra, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
+        with self.placement.trainer_resident(lambda: self.weight_sync.push(self.policy.weights, str(step))):
+            return save_checkpoint(self.run_dir, step, self.policy.model, self.hf_config, self.policy.optimizer,
+                                   extra, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
 
     def close(self) -> None:
         """Stop the engine and any server this run started; close the logs (idempotent)."""

@@ -1,0 +1,84 @@
+"""Where the trainer's state and the rollout engine live between phases of a step, chosen
+once per run: on devices of their own (nothing moves), or colocated on the same GPUs
+(``rollout.colocate``), where one side's memory is released while the other works, in
+the order slime and verl use:
+
+    rollout (engine holds its memory; trainer weights, grads, optimizer in host memory)
+    -> for_training: engine releases all its memory; trainer state back on the GPU
+    -> update
+    -> for_rollout: grads + optimizer to host; engine takes back its weights memory;
+       weights synced; trainer weights to host; engine takes back its KV cache
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Protocol
+
+from parallel.collectives import barrier
+from parallel.offload import DeviceOffloader
+
+
+class Placement(Protocol):
+    def for_training(self) -> None:
+        """Collective: the trainer's state is on its devices."""
+
+    def for_rollout(self, sync_weights: Callable[[], None]) -> None:
+        """Collective: ``sync_weights()`` runs, and the engine can generate afterwards."""
+
+    def trainer_resident(self, sync_weights: Callable[[], None]) -> contextlib.AbstractContextManager:
+        """Collective: the trainer's whole state is on its devices inside (checkpoints);
+        the engine is ready to generate again afterwards."""
+
+
+class SeparatePlacement:
+    """Trainer and engine on devices of their own: nothing moves."""
+
+    def for_training(self) -> None:
+        pass
+
+    def for_rollout(self, sync_weights: Callable[[], None]) -> None:
+        sync_weights()
+
+    def trainer_resident(self, sync_weights: Callable[[], None]) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class Colocation:
+    """Trainer and SGLang servers share GPUs. ``engine``: an
+    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
+
+    def __init__(self, engine, offloader: DeviceOffloader) -> None:
+        self.engine = engine
+        self.offloader = offloader
+        self.released: set[str] = set()  # the engine memory kinds released now (first rank)
+
+    def for_training(self) -> None:
+        if self.engine is not None and self.released != {"weights", "kv_cache"}:
+            self.engine.release_memory_occupation()
+            self.released = {"weights", "kv_cache"}
+        barrier()  # no rank reloads before the engine has freed the node's memory
+        self.offloader.onload()
+
+    def for_rollout(self, sync_weights: Callable[[], None]) -> None:
+        self.offloader.offload(["grads", "optimizer"])
+        barrier()
+        self._resume("weights")
+        sync_weights()  # collective: reads the trainer's weights, still on the device
+        self.offloader.offload(["weights"])
+        barrier()
+        self._resume("kv_cache")
+
+    @contextlib.contextmanager
+    def trainer_resident(self, sync_weights: Callable[[], None]) -> Iterator[None]:
+        was_offloaded = bool(self.offloader.offloaded())
+        if was_offloaded:
+            self.for_training()
+        yield
+        if was_offloaded:  # a released engine's weights are gone: they are synced again
+            self.for_rollout(sync_weights)
+
+    def _resume(self, kind: str) -> None:
+        if self.engine is not None and kind in self.released:
+            self.engine.resume_memory_occupation([kind])
+            self.released.discard(kind)

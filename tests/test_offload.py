@@ -1,0 +1,67 @@
+"""parallel.offload.DeviceOffloader: trainer state to host memory and back, in place."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parallel.offload import DeviceOffloader
+
+
+class Stage(torch.nn.Module):
+    """Two parameters that are views of one contiguous buffer, with ``main_grad`` views of
+    another (as megatron-core's DDP lays them out), and a buffer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.param_data = torch.randn(10, generator=gen)
+        self.grad_data = torch.zeros(10)
+        self.w1 = torch.nn.Parameter(self.param_data[:6].view(2, 3))
+        self.w2 = torch.nn.Parameter(self.param_data[6:])
+        self.w1.main_grad, self.w2.main_grad = self.grad_data[:6].view(2, 3), self.grad_data[6:]
+        self.register_buffer("bias", torch.randn(3, generator=gen))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        loss = (self.w1.sum(0) * self.bias).sum() + (self.w2**2).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        for p in (self.w1, self.w2):
+            p.main_grad.copy_(p.grad)
+        optimizer.step()
+
+
+def snapshot(stage: Stage, adam: torch.optim.Adam) -> list[torch.Tensor]:
+    states = [v.clone() for s in adam.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [stage.param_data.clone(), stage.grad_data.clone(), stage.bias.clone(), *states]
+
+
+def test_round_trip_is_bit_equal_frees_storages_and_keeps_views() -> None:
+    stage, twin = Stage(0), Stage(0)
+    adam, twin_adam = torch.optim.Adam(stage.parameters(), lr=0.1), torch.optim.Adam(twin.parameters(), lr=0.1)
+    stage.step(adam), twin.step(twin_adam)
+    offloader = DeviceOffloader([stage], SimpleNamespace(optimizer=adam))  # duck-typed megatron optimizer
+    before = snapshot(stage, adam)
+
+    freed = offloader.offload(["grads", "optimizer"])
+    assert stage.grad_data.untyped_storage().nbytes() == 0 and stage.param_data.untyped_storage().nbytes() > 0
+    assert all(v.untyped_storage().nbytes() == 0 for s in adam.state.values() for v in s.values() if v.dim() > 0)
+    assert freed == 2 * 10 * 4 + 2 * 10 * 4  # main_grad and .grad + Adam's two moments; the weights Adam steps stay
+    offloader.offload(["weights"])
+    assert stage.param_data.untyped_storage().nbytes() == 0 and stage.bias.untyped_storage().nbytes() == 0
+    assert offloader.offloaded() == ["grads", "optimizer", "weights"]
+
+    offloader.onload()
+    assert offloader.offloaded() == []
+    for a, b in zip(before, snapshot(stage, adam)):
+        assert torch.equal(a, b)
+    assert stage.w1.untyped_storage().data_ptr() == stage.param_data.untyped_storage().data_ptr()  # still views
+    stage.step(adam), twin.step(twin_adam)  # training goes on exactly as without the round trip
+    assert torch.equal(stage.param_data, twin.param_data) and torch.equal(stage.grad_data, twin.grad_data)
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown state kind"):
+        DeviceOffloader([Stage(0)], None).offload(["activations"])
