@@ -6,8 +6,8 @@ A random Qwen3-MoE (hidden 1024, 32 experts of 512, vocab 32k; about 55M paramet
 layer) on 2 processes with EP=2, so rank 1's experts travel to rank 0 point to point.
 Its weights stream to rank 0 in bf16 buckets (`rollout.weight_sync=distributed`: what
 rank 0 then broadcasts to the servers, which adds no memory on the sender), one fresh
-pair of processes per bucket size; "whole" is `gather()`, the whole model on rank 0 (the
-in-process engine's sync). The figure is rank 0's peak memory during the sync minus its
+pair of processes per bucket size; "whole" is one bucket of everything, the whole model
+on rank 0 (what `gather()`, the in-process engine's sync, holds). The figure is rank 0's peak memory during the sync minus its
 memory just before (CUDA: allocated bytes; CPU: resident set sampled every 2 ms).
 """
 
@@ -95,11 +95,9 @@ def worker(hf_dir: str, bucket_mb: float, out: str) -> None:
     barrier()
     start = time.perf_counter()
     with PeakSampler() as sampler:
-        if bucket_mb > 0:
-            buckets = sum(1 for _ in weights.buckets(int(bucket_mb * 2**20), torch.bfloat16))
-        else:
-            weights.gather()
-            buckets = 1
+        held: list = []  # "whole": the one bucket is kept, as gather() keeps everything
+        keep = held.append if bucket_mb <= 0 else None
+        buckets = weights.send_buckets(int(bucket_mb * 2**20) if bucket_mb > 0 else sys.maxsize, torch.bfloat16, keep)
     seconds = time.perf_counter() - start
     if rank() == 0:
         total = weights.streamer.total_bytes(torch.bfloat16) / 2**20
@@ -130,7 +128,9 @@ def main() -> None:
     rows = []
     for bucket_mb in [float(b) for b in args.buckets.split(",")] + [0.0]:
         out = tmp / f"r{bucket_mb}.json"
-        code = spawn_local(2, [str(Path(__file__).resolve()), "--worker", hf_dir, str(bucket_mb), str(out)], timeout_s=900)
+        # glibc returns large frees to the OS at once (else its moving mmap threshold keeps them in RSS)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+        code = spawn_local(2, [str(Path(__file__).resolve()), "--worker", hf_dir, str(bucket_mb), str(out)], timeout_s=900, env=env)
         if code != 0:
             raise SystemExit(f"worker for bucket {bucket_mb} MiB failed with exit code {code}")
         rows.append(json.loads(out.read_text()))

@@ -5,9 +5,10 @@ the rank that writes them (one per pipeline stage, one per expert-parallel rank 
 experts: :func:`moe_rl.models.hf_weights.is_writer`), ordered by writer rank, then cut
 into buckets of at most ``bucket_bytes``. Per bucket, the writers' tensor-parallel groups
 gather their shards, each writer converts them to HF tensors and sends them to ``dst``
-point to point; ``dst`` yields the bucket. So no rank ever holds more than one bucket of
-full tensors (plus the parameter it is gathering), whatever the model's size; only the
-writers' tensor-parallel groups take part (other data-parallel replicas just wait).
+point to point; ``dst`` hands the bucket to a consumer (a broadcast to the servers) and
+drops it. So no rank holds more than one bucket of full tensors (plus the parameter it is
+gathering: twice the largest tensor), whatever the model's size; only the writers'
+tensor-parallel groups take part (other data-parallel replicas just wait).
 
 Every rank runs the same sequence of collectives in the same order, so it cannot deadlock.
 Tensors travel on each rank's device (``cuda:<local rank>`` under NCCL, CPU under gloo).
@@ -19,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from moe_rl.models.hf_weights import ParamMapper, Recipe, export_hf_weights, gat
 from parallel.collectives import all_gather_objects, rank, rank_device
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+BucketConsumer = Callable[[NamedTensors], None]
 
 
 @dataclass(frozen=True)
@@ -97,14 +99,22 @@ class WeightStreamer:
         return sum(entry.numel() for entry in self.entries) * torch.empty((), dtype=dtype).element_size()
 
     @torch.no_grad()
-    def buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[NamedTensors | None]:
-        """Collective: yields each bucket's ``(HF name, tensor)`` pairs on ``dst`` (on its
-        device, in ``dtype`` or the parameters' own), ``None`` on every other rank."""
+    def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
+        """Collective: ``consume(bucket)`` on ``dst`` for each bucket of ``(HF name, tensor)``
+        pairs (on its device, in ``dtype`` or the parameters' own; dropped before the next
+        one is gathered); returns the number of buckets. Other ranks only send their shards.
+        (A callback, not a generator: a suspended generator keeps its last bucket alive
+        while it gathers the next, doubling the peak.)"""
         self.weights = self._current_weights()  # a buffer may have been replaced since
         dtype = dtype or next(iter(self.weights.values())).dtype
         element_size = torch.empty((), dtype=dtype).element_size()
-        for bucket in plan_buckets(self.entries, bucket_bytes, element_size):
-            yield self._move_bucket(bucket, dtype)
+        plan = plan_buckets(self.entries, bucket_bytes, element_size)
+        for entries in plan:
+            bucket = self._move_bucket(entries, dtype)
+            if bucket is not None and consume is not None:
+                consume(bucket)
+            del bucket
+        return len(plan)
 
     def _move_bucket(self, bucket: list[WeightEntry], dtype: torch.dtype) -> NamedTensors | None:
         me, device = rank(), rank_device()
@@ -127,7 +137,7 @@ class WeightStreamer:
     def _gather_full(self, name: str, dtype: torch.dtype, device: torch.device) -> NamedTensors:
         """Collective over ``name``'s tensor-parallel group; the full tensors (writer only)."""
         recipe = self.recipes[name]
-        shards = gather_shards(self.weights[name].detach().to(device), recipe, self.mapper)
+        shards = gather_shards(self.weights[name].detach().to(device=device, dtype=dtype), recipe, self.mapper)  # cast first: less to move
         if self.writer_of[name] != rank():
             return []
         fulls = self.mapper.to_full(recipe, shards)
@@ -163,14 +173,13 @@ class HFWeights:
             self._streamer = WeightStreamer(self.model, self.hf_config)
         return self._streamer
 
-    def buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[NamedTensors | None]:
-        return self.streamer.buckets(bucket_bytes, dtype)
+    def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
+        return self.streamer.send_buckets(bucket_bytes, dtype, consume)
 
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Every full tensor on the first rank (the whole model: for an engine in this process)."""
         merged: dict[str, torch.Tensor] = {}
-        for bucket in self.buckets(sys.maxsize):
-            merged.update(bucket or [])
+        self.send_buckets(sys.maxsize, None, merged.update)
         return merged if rank() == self.streamer.dst else None
 
     def export(self, path: str | os.PathLike) -> Path:

@@ -12,7 +12,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Protocol
 from urllib.parse import urlparse
 
 import torch
@@ -29,9 +29,10 @@ class WeightSource(Protocol):
     def gather(self) -> dict[str, Tensor] | None:
         """Every full tensor on the first rank; ``None`` on the others."""
 
-    def buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]] | None]:
-        """The full tensors in buckets of at most ``bucket_bytes`` on the first rank (its
-        device), ``None`` on the others; no rank holds more than a bucket at a time."""
+    def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: Callable[[list[tuple[str, Tensor]]], None] | None) -> int:
+        """``consume(bucket)`` on the first rank for each bucket of at most ``bucket_bytes``
+        of full tensors (on its device); no rank holds more than a bucket at a time.
+        Returns the number of buckets."""
 
     def export(self, path: Path) -> Path:
         """Write a HF directory at ``path`` (each rank writes what it owns)."""
@@ -100,19 +101,18 @@ class DistributedSync(WeightSync):
         self.last_push_buckets = 0
 
     def push(self, weights: WeightSource, version: str) -> None:
-        start = time.perf_counter()
-        buckets = weights.buckets(self.bucket_bytes, self.dtype)
-        if self.engine is None:
-            for _ in buckets:  # this rank's shards travel to the first rank
-                pass
+        if self.engine is None:  # this rank's shards travel to the first rank
+            weights.send_buckets(self.bucket_bytes, self.dtype, None)
             return
+        start = time.perf_counter()
         if self.group is None:
             self.group = self._connect()
-        count = 0
+
+        def send(bucket) -> None:
+            self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.GROUP_NAME, weight_version=version)
+
         with self.engine.weight_update(version):
-            for bucket in buckets:
-                self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.GROUP_NAME, weight_version=version)
-                count += 1
+            count = weights.send_buckets(self.bucket_bytes, self.dtype, send)
         self.last_push_s, self.last_push_buckets = time.perf_counter() - start, count
         log.info("weights %s sent to %d server(s) in %d bucket(s) in %.2fs", version, len(self.engine.urls), count, self.last_push_s)
 
@@ -157,17 +157,18 @@ class TensorSync(WeightSync):
             torch_mp.set_sharing_strategy("file_system")
 
     def push(self, weights: WeightSource, version: str) -> None:
-        buckets = weights.buckets(self.bucket_bytes, self.dtype)
         if self.engine is None:
-            for _ in buckets:
-                pass
+            weights.send_buckets(self.bucket_bytes, self.dtype, None)
             return
+
+        def send(bucket) -> None:
+            # a copy: a bucket tensor may be the parameter itself, whose storage sharing
+            # would move (CPU: into shared memory) and a colocated trainer then offloads
+            shared = [(name, tensor.clone()) for name, tensor in bucket]
+            self.engine.update_weights_from_tensor(serialize_named_tensors(shared), weight_version=version)
+
         with self.engine.weight_update(version):
-            for bucket in buckets:
-                # a copy: a bucket tensor may be the parameter itself, whose storage sharing
-                # would move (CPU: into shared memory) and a colocated trainer then offloads
-                shared = [(name, tensor.clone()) for name, tensor in bucket]
-                self.engine.update_weights_from_tensor(serialize_named_tensors(shared), weight_version=version)
+            weights.send_buckets(self.bucket_bytes, self.dtype, send)
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]]) -> str:
