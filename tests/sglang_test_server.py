@@ -282,6 +282,8 @@ def _receive_tensors(st: State, body: dict) -> tuple[int, dict]:
 
 def _memory_occupation(st: State, path: str, body: dict) -> tuple[int, dict]:
     """SGLang's memory saver: released memory cannot generate; released weights are lost."""
+    if not st.args.enable_memory_saver:
+        return 400, {"success": False, "message": f"{path} needs the server started with --enable-memory-saver"}
     tags = set(body.get("tags") or ["weights", "kv_cache"])
     if path.startswith("/release"):
         st.released |= tags
@@ -341,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")  # SGLang's own default
     # not SGLang's: weights rounded to bf16 (computed in fp32), an inference engine's numerics

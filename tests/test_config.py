@@ -100,6 +100,12 @@ BAD = [
     (["reward.rewards=[{name: a, fn: format, kwargs: {budget: 3}}]", "reward.conditionals=[]"], "fn='format' does not take kwargs ['budget']"),
     (["train.run_dir="], "train.run_dir is empty"),
     (["train.resume_anyway=sometimes"], "train.resume_anyway='sometimes' must be true or false"),
+    (["rollout.weight_sync=nccl"], "rollout.weight_sync='nccl' is not valid; valid: distributed, tensor, disk"),
+    (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0.0 must be > 0"),
+    (["rollout.colocate=true"], "rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang"),
+    (["rollout.engine=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.colocate=true", "rollout.async_rollouts=true",
+      "algorithm.old_logprobs=rollout"], "rollout.colocate=true and rollout.async_rollouts=true exclude each other"),
+    (["rollout.async_rollouts=true"], "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout"),
 ]
 
 
@@ -176,3 +182,12 @@ def test_cli_reports_one_line_without_traceback() -> None:
     out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "algorithm.loss=ppo2"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("moe-rl: error: algorithm.loss='ppo2' is not valid") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).parents[1] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_example_configs_validate(example: Path) -> None:
+    """The examples hold every setting as the config knows it (their cluster paths replaced)."""
+    here = ["model.hf_dir=null", "data.task=arithmetic", "data.eval_task=null", "data.chat_template=false",
+            "data.prompt_key=prompt", "data.answer_key=answer"]  # fmt: skip
+    cfg = load_config(str(example), here)
+    assert cfg.rollout.engine == "sglang"

@@ -225,7 +225,7 @@ def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: 
     assert split == pytest.approx(metrics[2]["train/logp_mismatch_mean"], rel=1e-6)
 
 
-def start_test_servers(cache: str, tmp_path: Path, count: int) -> list:
+def start_test_servers(cache: str, tmp_path: Path, count: int, **settings) -> list:
     """``count`` SGLang-protocol test servers of the built-in model (not yet healthy)."""
     from moe_rl.config import load_config
     from moe_rl.rollout.server import ServerSettings, SGLangServer
@@ -234,9 +234,9 @@ def start_test_servers(cache: str, tmp_path: Path, count: int) -> list:
 
     model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
     server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    settings = [ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
-                               launch_command=server_cmd) for _ in range(count)]  # fmt: skip
-    return [SGLangServer(s, tmp_path / "logs") for s in settings]
+    every = [ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
+                            launch_command=server_cmd, **settings) for _ in range(count)]  # fmt: skip
+    return [SGLangServer(s, tmp_path / "logs") for s in every]
 
 
 def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -> None:
@@ -248,7 +248,7 @@ def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -
     from moe_rl.rollout.local import LocalEngine
     from sglang_test_server import weights_digest
 
-    (server,) = start_test_servers(cache, tmp_path, 1)
+    (server,) = start_test_servers(cache, tmp_path, 1, memory_saver=True)
     try:
         server.wait_healthy(timeout_s=120)
         args = [*TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2", "train.save_every=1",

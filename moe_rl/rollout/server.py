@@ -31,6 +31,7 @@ class ServerSettings:
     deterministic: bool = False
     seed: int = 0
     gpus: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of the server (None: inherited)
+    memory_saver: bool = False  # --enable-memory-saver: it can release its GPU memory (colocated trainer)
     extra_args: list[str] = field(default_factory=list)
     launch_command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"])
 
@@ -49,6 +50,8 @@ class ServerSettings:
             cmd.append("--enable-return-routed-experts")
         if self.deterministic:
             cmd.append("--enable-deterministic-inference")
+        if self.memory_saver:
+            cmd.append("--enable-memory-saver")
         return cmd + list(self.extra_args)
 
     @property

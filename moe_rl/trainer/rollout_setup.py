@@ -120,7 +120,7 @@ def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> st
     settings = ServerSettings(
         model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
         mem_fraction_static=r.mem_fraction_static, return_routed_experts=wants_engine_routing(cfg),
-        deterministic=True, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None,
+        deterministic=True, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None, memory_saver=r.colocate,
     )  # fmt: skip
     server = SGLangServer(settings, Path(cfg.train.run_dir) / "logs")
     closing.callback(server.stop)
@@ -129,11 +129,12 @@ def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> st
 
 
 def check_server_placement(cfg: Config) -> None:
-    """Before anything starts: a server this run launches gets GPUs of its own."""
+    """Before anything starts: a server this run launches gets GPUs of its own (unless it
+    is meant to share the trainer's: ``rollout.colocate``)."""
     from moe_rl.rollout.server import check_server_gpus
     from parallel.distributed import node_gpu_ids
 
-    if cfg.rollout.launch_server:
+    if cfg.rollout.launch_server and not cfg.rollout.colocate:
         try:
             check_server_gpus(cfg.rollout.server_gpus, node_gpu_ids())
         except ValueError as e:
