@@ -116,6 +116,9 @@ class RewardConfig:
     )
     conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])
     timeout_s: float = 5.0
+    # 0: each call in a thread of the first rank, one at a time; N: N worker processes in
+    # parallel, a call past timeout_s has its worker killed (nothing left running)
+    workers: int = 0
 
 
 @dataclass
@@ -194,7 +197,7 @@ _FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "rout
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
                   "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
-_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.reference", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "data.eval_task",
+_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.reference", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "reward.workers", "data.eval_task",
                       "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
 
 
@@ -425,6 +428,7 @@ def _validate_rewards(reward: RewardConfig) -> None:
             if getattr(cond, attr) not in names:
                 raise ConfigError(f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}")
     _positive("reward.timeout_s", reward.timeout_s)
+    _positive("reward.workers", reward.workers, allow_zero=True)
 
 
 def _validate_model_and_data(c: Config) -> None:

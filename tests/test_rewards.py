@@ -83,7 +83,10 @@ def test_scorer_columns_weights_and_conditionals() -> None:
     assert torch.equal(batch.column("format"), torch.tensor([1.0, 1.0, 0.0]))
 
 
-def test_failing_rewards_score_zero_are_counted_and_never_raise() -> None:
+@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "process-pool"])
+def test_failing_rewards_score_zero_are_counted_and_never_raise(workers: int) -> None:
+    """In this process or in worker processes (where a hung call's worker is killed and
+    replaced), every failure scores 0 and is counted; the other rewards are unaffected."""
     here = __name__
     scorer = RewardScorer(
         [
@@ -95,10 +98,11 @@ def test_failing_rewards_score_zero_are_counted_and_never_raise() -> None:
             RewardSpec("no_answer", "math_correct"),
         ],
         timeout_s=0.2,
+        workers=workers,
     )
     start = time.monotonic()
     batch = scorer.score([sample("\\boxed{1}"), sample("none")])
-    assert time.monotonic() - start < 5  # the hanging reward did not block the run
+    assert time.monotonic() - start < 5 + 10 * workers  # the hanging reward did not block the run (pool: 2 restarts)
     assert torch.equal(batch.values[:, 0], torch.tensor([1.0, 0.0]))
     assert torch.equal(batch.values[:, 1:], torch.zeros(2, 5))
     assert batch.failures["raises"]["error"] == 2
@@ -109,6 +113,10 @@ def test_failing_rewards_score_zero_are_counted_and_never_raise() -> None:
     assert sum(batch.failures["ok"].values()) == 0
     scorer.score([sample("x")])
     assert scorer.failure_totals["raises"]["error"] == 3
+    if workers:  # each hung call cost its worker; the pool is whole again
+        pool = scorer._pool
+        assert pool.restarts == 3 and all(p.is_alive() for p, _ in pool._workers) and len(pool._workers) == 2
+    scorer.close()
 
 
 @pytest.mark.parametrize(

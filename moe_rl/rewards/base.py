@@ -125,6 +125,7 @@ class RewardScorer:
         specs: Sequence[RewardSpec],
         conditionals: Sequence[ConditionalSpec] = (),
         timeout_s: float = 10.0,
+        workers: int = 0,
     ) -> None:
         if not specs:
             raise ValueError("at least one reward is needed")
@@ -144,13 +145,25 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self._fns = [resolve_reward_fn(s.fn) for s in specs]
         self.failure_totals: dict[str, Counter] = {n: Counter() for n in names}
+        self._pool = None
+        if workers > 0:
+            from moe_rl.rewards.pool import RewardPool
+
+            self._pool = RewardPool(workers, timeout_s)
 
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
+        """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
+        a hung call's worker killed at the timeout), or one call at a time in a thread."""
         values = torch.zeros(len(samples), len(self.specs), dtype=torch.float32)
         failures = {n: Counter() for n in self.names}
-        for j, (spec, fn) in enumerate(zip(self.specs, self._fns)):
-            for i, sample in enumerate(samples):
-                value, failure = _call_safely(fn, sample, spec.kwargs, self.timeout_s)
+        if self._pool is not None:
+            tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
+            outcomes = iter(self._pool.score(tasks))
+        else:
+            outcomes = (_call_safely(fn, sample, spec.kwargs, self.timeout_s) for spec, fn in zip(self.specs, self._fns) for sample in samples)
+        for j, spec in enumerate(self.specs):
+            for i in range(len(samples)):
+                value, failure = next(outcomes)
                 if failure is not None:
                     failures[spec.name][failure] += 1
                     if self.failure_totals[spec.name][failure] == 0:
@@ -160,6 +173,12 @@ class RewardScorer:
         for c in self.conditionals:
             values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
         return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
+
+    def close(self) -> None:
+        """Stop the worker processes (if any)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def _call_safely(fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:

@@ -43,12 +43,14 @@ def build_collector(
     """The first rank's collector; what it starts is registered on ``closing``. Its
     ``return_routing`` says whether the run gets the engine's routing."""
     engine = build_engine(cfg, hf_dir, hf_config, closing)
+    scorer = build_scorer(cfg)
+    closing.callback(scorer.close)
     return ExperienceCollector(
         cfg=cfg,
         task=task,
         formatter=formatter,
         engine=engine,
-        scorer=build_scorer(cfg),
+        scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
@@ -87,7 +89,7 @@ def build_scorer(cfg: Config) -> RewardScorer:
     return RewardScorer(
         [RewardSpec(r.name, r.fn, r.weight, dict(r.kwargs)) for r in cfg.reward.rewards],
         [ConditionalSpec(c.target, c.condition, c.threshold) for c in cfg.reward.conditionals],
-        timeout_s=cfg.reward.timeout_s,
+        timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers,
     )
 
 

@@ -1,0 +1,118 @@
+"""Reward functions scored in worker processes, in parallel, with a hard per-sample timeout.
+
+A task is ``(function name, kwargs, RewardInput)``; a worker resolves the name (a
+registered reward or ``module:function``) once and keeps it. A task that runs past the
+timeout gets its worker killed (SIGKILL) and replaced, so a hung reward (a regex that
+backtracks forever, a sympy call that never returns) neither stalls the step nor leaves
+a thread running. Workers are started with ``spawn`` (the trainer process has threads
+and process groups, which ``fork`` would copy half-made) and wait until imported before
+the first task, so start-up never counts against a task's time.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import multiprocessing
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Sequence
+
+from moe_rl.rewards.base import RewardInput
+
+Task = tuple[str, dict[str, Any], RewardInput]
+Outcome = tuple[float, str | None]  # (value, failure kind or None)
+_STARTUP_S = 120.0
+
+
+class RewardPool:
+    """``workers`` processes that score :data:`Task` s; see the module doc."""
+
+    def __init__(self, workers: int, timeout_s: float) -> None:
+        if workers < 1:
+            raise ValueError(f"a reward pool needs >= 1 worker, got {workers}")
+        self.timeout_s = timeout_s
+        self.restarts = 0  # workers killed (timeout) or lost (died) and replaced
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers: list[tuple[multiprocessing.Process, Connection]] = []
+        for _ in range(workers):
+            self._workers.append(self._spawn())
+        for i in range(workers):
+            self._await_ready(i)
+
+    def _spawn(self) -> tuple[multiprocessing.Process, Connection]:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_serve, args=(child,), daemon=True, name="moe-rl-reward")
+        process.start()
+        child.close()
+        return process, parent
+
+    def _await_ready(self, i: int) -> None:
+        process, conn = self._workers[i]
+        if not conn.poll(_STARTUP_S) or conn.recv() != "ready":
+            raise RuntimeError(f"reward worker {process.pid} did not start in {_STARTUP_S:.0f}s")
+
+    def _replace(self, i: int) -> None:
+        process, conn = self._workers[i]
+        process.kill()
+        process.join()
+        conn.close()
+        self._workers[i] = self._spawn()
+        self._await_ready(i)
+        self.restarts += 1
+
+    def score(self, tasks: Sequence[Task]) -> list[Outcome]:
+        """Every task's outcome, in order; at most ``workers`` run at once."""
+        outcomes: list[Outcome | None] = [None] * len(tasks)
+        queue = collections.deque(enumerate(tasks))
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (task, deadline)
+        while queue or busy:
+            for w in range(len(self._workers)):
+                if w not in busy and queue:
+                    index, task = queue.popleft()
+                    self._workers[w][1].send(task)
+                    busy[w] = (index, time.monotonic() + self.timeout_s)
+            soonest = min(deadline for _, deadline in busy.values())
+            ready = wait([self._workers[w][1] for w in busy], timeout=max(0.0, soonest - time.monotonic()))
+            for w in list(busy):
+                index, deadline = busy[w]
+                conn = self._workers[w][1]
+                if conn in ready:
+                    try:
+                        outcomes[index] = conn.recv()
+                    except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
+                        outcomes[index] = (0.0, "error")
+                        self._replace(w)
+                    del busy[w]
+                elif time.monotonic() >= deadline:
+                    outcomes[index] = (0.0, "timeout")
+                    self._replace(w)
+                    del busy[w]
+        return outcomes  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for process, conn in self._workers:
+            process.kill()
+            process.join()
+            conn.close()
+        self._workers = []
+
+
+def _serve(conn: Connection) -> None:
+    """A worker: announce readiness, then score tasks until the pipe closes."""
+    from moe_rl.rewards import resolve_reward_fn  # registers the built-in rewards
+
+    functions: dict[str, Any] = {}
+    conn.send("ready")
+    while True:
+        try:
+            name, kwargs, sample = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            fn = functions.get(name) or functions.setdefault(name, resolve_reward_fn(name))
+            value = float(fn(sample, **kwargs))
+            outcome: Outcome = (value, None) if math.isfinite(value) else (0.0, "nonfinite")
+        except BaseException:  # noqa: BLE001 - any failure of user code scores 0
+            outcome = (0.0, "error")
+        conn.send(outcome)
