@@ -1,7 +1,7 @@
 """One step's experience and the typed micro-batches a rank trains on.
 
 :class:`Experience` is what the first rank collects (samples, rewards, advantages) and
-broadcasts; :func:`build_train_batch` turns this rank's data-parallel share of it into
+sends out in shares; :func:`build_train_batch` turns this rank's data-parallel share into
 :class:`PolicyMicroBatch` es on the rank's device (log-prob index t predicts token t+1).
 """
 
@@ -17,33 +17,60 @@ from moe_rl.rollout.types import Sample
 from moe_rl.trainer.packing import Plan, round_up
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    """What every rank needs to know of all of a step's samples (not only its share)."""
+
+    lengths: list[int]  # prompt + response tokens of each sample
+    num_response_tokens: int
+    num_responses: int  # samples with at least one response token
+    routing_shape: tuple[int, int] | None  # (layers, k) of the engine's routed experts, if any
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> StepTotals:
+        routed = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+        return cls(
+            [len(s.prompt_ids) + len(s.output_ids) for s in samples],
+            sum(len(s.output_ids) for s in samples),
+            sum(1 for s in samples if s.output_ids),
+            tuple(routed.shape[1:]) if routed is not None else None,
+        )
+
+
 @dataclass
 class Experience:
-    """Everything the first rank collected for a step, broadcast to every rank as is."""
+    """What the first rank collected for a step (every sample), or a data-parallel rank's
+    share of it (:mod:`moe_rl.trainer.experience_transport`: ``None`` where another rank's
+    samples are; the step's totals are always whole)."""
 
-    samples: list[Sample]  # flat, prompt-major (group members contiguous)
-    rewards: Tensor  # [B, n_rewards]
+    samples: list[Sample | None]  # flat, prompt-major (group members contiguous)
+    rewards: Tensor  # [B, n_rewards] (first rank; zeros in a share)
     reward_names: list[str]
     advantages: Tensor  # [B]
+    totals: StepTotals | None = None  # computed from ``samples`` when not given
+
+    def __post_init__(self) -> None:
+        if self.totals is None:
+            self.totals = StepTotals.of(self.samples)
 
     @property
     def num_response_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.samples)
+        return self.totals.num_response_tokens
 
     @property
     def num_responses(self) -> int:
         """Samples with at least one response token."""
-        return sum(1 for s in self.samples if s.output_ids)
+        return self.totals.num_responses
 
     @property
     def num_tokens(self) -> int:
         """Prompt and response tokens of every sample."""
-        return sum(len(s.prompt_ids) + len(s.output_ids) for s in self.samples)
+        return sum(self.totals.lengths)
 
     @property
     def lengths(self) -> list[int]:
         """Prompt + response tokens of each sample."""
-        return [len(s.prompt_ids) + len(s.output_ids) for s in self.samples]
+        return self.totals.lengths
 
 
 @dataclass(kw_only=True)
@@ -107,10 +134,9 @@ def build_train_batch(
 
 def _routing_shape(exp: Experience) -> tuple[int, int]:
     """(layers, k) of the engine's routing, for the empty rows' (empty) routing."""
-    routed = next((s.routed_experts for s in exp.samples if s.routed_experts is not None), None)
-    if routed is None:
+    if exp.totals.routing_shape is None:
         raise ValueError("routing was asked for, but the rollout engine returned no routed experts")
-    return tuple(routed.shape[1:])
+    return exp.totals.routing_shape
 
 
 def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape) -> PolicyMicroBatch:

@@ -37,6 +37,7 @@ from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries,
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
+from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
@@ -258,7 +259,7 @@ class Trainer:
     # ------------------------------------------------------------------ the stages of a step
 
     def collect_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
-        """Prompts -> rollout -> rewards -> advantages on the first rank, broadcast to all.
+        """Prompts -> rollout -> rewards -> advantages on the first rank; each rank gets its share.
         With asynchronous rollouts: the experience collected while the last step trained
         (or now, on a run's first step), and the next step's collection started."""
         exp = scalars = None
@@ -271,7 +272,7 @@ class Trainer:
             scalars = {**scalars, tags.ROLLOUT_POLICY_LAG: policy_lag(exp, step, self.max_policy_lag)}
             if self.background and step + 1 < self.cfg.train.steps:
                 self.background.start(step + 1)
-        return broadcast_object((exp, scalars))
+        return share_experience(exp, scalars, self.planner)
 
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
         """This data-parallel rank's share as micro-batches on its device, as many as every

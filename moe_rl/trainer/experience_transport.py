@@ -1,0 +1,83 @@
+"""The first rank's experience, sent to each rank as only the share it trains on.
+
+Every rank gets the step's totals (lengths, token counts: small) and plans its own
+micro-batches from them; the first rank then sends each rank exactly the samples its plan
+names, packed into a few tensors (token ids, log-probs, advantages, routed experts in the
+smallest integer type that holds the expert ids) point to point on the ranks' devices.
+Nothing large is pickled, and no rank receives another replica's samples (tensor- and
+pipeline-parallel peers of one replica each receive the same share).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.rollout.types import Sample
+from moe_rl.trainer.batch import Experience, StepTotals
+from moe_rl.trainer.packing import MicroBatchPlanner
+from parallel.collectives import broadcast_object, gather_objects, rank, rank_device, world_size
+
+_ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32)
+
+
+def share_experience(exp: Experience | None, scalars: dict | None, planner: MicroBatchPlanner) -> tuple[Experience, dict]:
+    """Collective. On the first rank ``exp`` is the whole step (returned as is); every
+    other rank gets an :class:`Experience` holding its share, and every rank the scalars."""
+    totals, names, scalars = broadcast_object((exp.totals, exp.reward_names, scalars) if exp is not None else None)
+    if world_size() == 1:
+        return exp, scalars
+    needed = sorted({i for rows in planner.plan(totals.lengths) for i in rows if i is not None})
+    wanted = gather_objects(needed)  # small: sample indices
+    if rank() == 0:
+        for dst, indices in enumerate(wanted):
+            if dst != 0 and indices:
+                _send_samples([exp.samples[i] for i in indices], exp.advantages[indices], dst)
+        return exp, scalars
+    samples: list[Sample | None] = [None] * len(totals.lengths)
+    advantages = torch.zeros(len(totals.lengths))
+    received, received_advantages = _recv_samples(len(needed), src=0) if needed else ([], torch.zeros(0))
+    for i, sample, advantage in zip(needed, received, received_advantages.tolist()):
+        samples[i], advantages[i] = sample, advantage
+    return Experience(samples, torch.zeros(len(samples), len(names)), names, advantages, totals=totals), scalars
+
+
+def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int) -> None:
+    device = rank_device()
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    routing = torch.cat(routed) if routed else torch.zeros((0, 0, 0), dtype=torch.int32)
+    dtype_code = next(c for c, d in enumerate(_ROUTING_DTYPES) if routing.numel() == 0 or int(routing.max()) <= torch.iinfo(d).max)
+    sizes = torch.tensor([[len(s.prompt_ids), len(s.output_ids), -1 if s.routed_experts is None else len(s.routed_experts)] for s in samples],
+                         dtype=torch.long).reshape(-1, 3)  # fmt: skip (-1: no routing)
+    header = torch.tensor([*routing.shape, dtype_code], dtype=torch.long)
+    ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
+    logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
+    for tensor in (header, sizes, ids, logprobs, advantages.float(), routing.to(_ROUTING_DTYPES[dtype_code])):
+        dist.send(tensor.contiguous().to(device), dst=dst)
+
+
+def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
+    device = rank_device()
+
+    def recv(shape, dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=src)
+        return tensor.cpu()
+
+    header = recv((4,), torch.long).tolist()
+    sizes = recv((count, 3), torch.long)
+    ids = recv((int(sizes[:, :2].sum()),), torch.long).tolist()
+    logprobs = recv((int(sizes[:, 1].sum()),), torch.float32).tolist()
+    advantages = recv((count,), torch.float32)
+    routing = recv(tuple(header[:3]), _ROUTING_DTYPES[header[3]]).to(torch.int32)
+    samples, at_id, at_lp, at_route = [], 0, 0, 0
+    for p, o, r in sizes.tolist():
+        samples.append(Sample(
+            prompt_ids=ids[at_id : at_id + p], output_ids=ids[at_id + p : at_id + p + o],
+            output_logprobs=logprobs[at_lp : at_lp + o], finish_reason="", weight_version="", seed=0,
+            routed_experts=routing[at_route : at_route + r] if r >= 0 else None,
+        ))  # fmt: skip
+        at_id, at_lp, at_route = at_id + p + o, at_lp + o, at_route + max(r, 0)
+    return samples, advantages
