@@ -149,7 +149,7 @@ class RewardScorer:
         if workers > 0:
             from moe_rl.rewards.pool import RewardPool
 
-            self._pool = RewardPool(workers, timeout_s)
+            self._pool = RewardPool(workers, timeout_s, functions=sorted({s.fn for s in specs}))
 
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,

@@ -28,10 +28,13 @@ _STARTUP_S = 120.0
 class RewardPool:
     """``workers`` processes that score :data:`Task` s; see the module doc."""
 
-    def __init__(self, workers: int, timeout_s: float) -> None:
+    def __init__(self, workers: int, timeout_s: float, functions: Sequence[str] = ()) -> None:
+        """``functions``: the reward names each worker imports before it is ready (a
+        user module's import is never charged to a sample's time)."""
         if workers < 1:
             raise ValueError(f"a reward pool needs >= 1 worker, got {workers}")
         self.timeout_s = timeout_s
+        self.functions = list(functions)
         self.restarts = 0  # workers killed (timeout) or lost (died) and replaced
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[tuple[multiprocessing.Process, Connection]] = []
@@ -42,7 +45,7 @@ class RewardPool:
 
     def _spawn(self) -> tuple[multiprocessing.Process, Connection]:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_serve, args=(child,), daemon=True, name="moe-rl-reward")
+        process = self._ctx.Process(target=_serve, args=(child, self.functions), daemon=True, name="moe-rl-reward")
         process.start()
         child.close()
         return process, parent
@@ -98,11 +101,11 @@ class RewardPool:
         self._workers = []
 
 
-def _serve(conn: Connection) -> None:
-    """A worker: announce readiness, then score tasks until the pipe closes."""
+def _serve(conn: Connection, names: Sequence[str]) -> None:
+    """A worker: import ``names``, announce readiness, then score tasks until the pipe closes."""
     from moe_rl.rewards import resolve_reward_fn  # registers the built-in rewards
 
-    functions: dict[str, Any] = {}
+    functions: dict[str, Any] = {name: resolve_reward_fn(name) for name in names}
     conn.send("ready")
     while True:
         try:
