@@ -64,6 +64,7 @@ class SGLangEngine(RolloutEngine):
         self.check_weight_version = check_weight_version
         self._rr = itertools.count()
         self.retries = 0
+        self._server_ranks: list[int] | None = None
 
     @property
     def weight_version(self) -> str:
@@ -237,7 +238,12 @@ class SGLangEngine(RolloutEngine):
         self._version = weight_version
 
     def server_ranks(self) -> list[int]:
-        """How many ranks each server has in a weight-update group (its TP size)."""
+        """How many ranks each server has in a weight-update group (its TP size; read once)."""
+        if self._server_ranks is None:
+            self._server_ranks = self._read_server_ranks()
+        return self._server_ranks
+
+    def _read_server_ranks(self) -> list[int]:
         sizes = []
         for url, info in zip(self.urls, self._get_all("/get_server_info")):
             for key in ("pp_size", "dp_size"):
