@@ -138,6 +138,12 @@ def main() -> None:
     }  # fmt: skip
     results["routing_overhead"] = {k: v["ratio"] for k, v in routing["variants"].items()}
 
+    print("== RL step MFU on a 188M-parameter MoE (compute-bound), and where its time goes", flush=True)
+    mfu_json = tempfile.mktemp(suffix=".json")
+    subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_mfu.py"), "--tokens", "1024" if q else "2048", "--repeats", "2" if q else "3",
+                    "--json", mfu_json], check=True, capture_output=True, timeout=1800)  # fmt: skip
+    results["train_step_large"] = json.loads(Path(mfu_json).read_text())
+
     print("== padding: fixed micro-batches vs packed under a token budget", flush=True)
     results["padding"] = padding_fractions()
 
@@ -200,11 +206,20 @@ def _demo_model() -> str:
     return str(path)
 
 
+def _large_row(m: dict) -> str:
+    top = m["top_ops"]
+    total = sum(op["self_cpu_ms"] for op in top)
+    mm = sum(op["self_cpu_ms"] for op in top if op["op"] in ("aten::mm", "aten::bmm", "aten::baddbmm"))
+    return (f"{m['tokens'] / m['step_s']:.0f} tokens/s, MFU {100 * m['mfu']:.1f}%; matmuls {100 * mm / total:.0f}% "
+            f"of the top ops' time, the rest elementwise")  # fmt: skip
+
+
 def _print_table(r: dict) -> None:
     t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
     rows = [
         ("fp32 matmul peak (this machine)", f"{r['matmul_peak_gflops']:.1f} GFLOP/s"),
         ("RL step, megatron-core, small MoE", f"{t['tokens_per_s']:.0f} tokens/s, MFU {100 * t['mfu']:.2f}%"),
+        ("RL step, 188M-parameter MoE (59M active)", _large_row(r["train_step_large"])),
         ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
         (f"padding, {r['padding']['samples']} samples of 10-500 tokens on {r['padding']['ranks']} ranks",
          f"fixed {r['padding']['fixed_micro_batches']} x 8 rows {100 * r['padding']['fixed']:.0f}% vs packed "

@@ -1,0 +1,116 @@
+"""Training MFU of a model big enough to be compute-bound on this machine, and what bounds it.
+
+    .venv/bin/python tools/bench_mfu.py [--tokens 2048] [--repeats 3] [--json FILE]
+
+One process, a random Qwen3-MoE of 188M parameters (hidden 512, 6 layers x 16 experts
+of 1024, top-4, vocab 32k; 59M active per token, the output layer included), one RL step = old-log-prob forward +
+update forward/backward + Adam, as the trainer runs it under megatron-core. MFU is the
+step's model FLOPs (2 x active params per token forward, 6 x for forward + backward, plus
+attention) over the fp32 matmul rate measured in the same run; a torch.profiler pass
+then lists where the step's time goes (the top operators by self CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+SIZE = dict(hidden_size=512, moe_intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=64, num_experts=16, num_experts_per_tok=4, vocab_size=32000)  # fmt: skip
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / min(times) / 1e9
+
+
+def param_counts(hf_config) -> tuple[float, float]:
+    """(total, active per token) parameters of the HF model; the input embedding is a
+    lookup, not a matmul, so it is not active (the output layer is)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    lookup = model.get_input_embeddings().weight.numel()
+    return float(total), total - lookup - expert + expert * hf_config.num_experts_per_tok / hf_config.num_experts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import MicroBatch, run_microbatches
+    from moe_rl.models.tiny import tiny_config
+    from parallel.distributed import init_distributed
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    hf_config = tiny_config("qwen3_moe", **SIZE)
+    layout = ParallelLayout()
+    init_distributed(layout, model_dims(hf_config))
+    config = make_transformer_config(hf_config, layout)
+    model = build_model(hf_config, config)  # random weights: only the arithmetic matters
+    settings = OptimSettings(lr=1e-5)
+    ddp = wrap_ddp(model, config, settings)
+    optimizer = build_optimizer([ddp], settings)
+    seq = 512
+    gen = torch.Generator().manual_seed(0)
+    batches = [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, seq), generator=gen)) for _ in range(args.tokens // (2 * seq))]
+    tokens = sum(mb.input_ids.numel() for mb in batches)
+
+    def loss_fn(le, mb):
+        return -le[..., 0].sum() / tokens, {}
+
+    def step() -> None:
+        with torch.no_grad():
+            run_microbatches([ddp], batches)
+        train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))
+
+    step()  # warm-up
+    peak = matmul_gflops()
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    total, active = param_counts(hf_config)
+    attention = 4 * 3 * SIZE["num_hidden_layers"] * seq * SIZE["num_attention_heads"] * SIZE["head_dim"] * tokens
+    flops = 8 * active * tokens + attention  # old pass 2N + update 6N per token, plus attention scores
+    mfu = flops / seconds / (peak * 1e9)
+    print(f"model: {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token); {tokens} tokens per step")
+    print(f"fp32 matmul rate, same run: {peak:.0f} GFLOP/s; RL step {seconds:.2f} s = {tokens / seconds:.0f} tokens/s, MFU {mfu:.1%}")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    print(table)
+    if args.json:
+        top = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in
+               sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]]  # fmt: skip
+        Path(args.json).write_text(json.dumps({"total_params": total, "active_params": active, "tokens": tokens,
+                                               "matmul_gflops": peak, "step_s": seconds, "mfu": mfu, "top_ops": top}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
