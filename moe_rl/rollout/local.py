@@ -128,27 +128,37 @@ class LocalEngine(RolloutEngine):
         if n < 1:
             raise ValueError(f"n={n} samples per prompt must be >= 1")
         start = time.perf_counter()
-        out = [
-            self._generate_group(list(p), [sample_seed(seed, i, j, n) for j in range(n)], params, return_routed_experts)
-            for i, p in enumerate(prompts)
-        ]
+        out: list[list[Sample]] = [[] for _ in prompts]
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):  # prompts of one length share a batch (no padding: same numerics)
+            by_length.setdefault(len(p), []).append(i)
+        for indices in by_length.values():
+            rows = [(list(prompts[i]), sample_seed(seed, i, j, n)) for i in indices for j in range(n)]
+            samples = self._generate_rows([r[0] for r in rows], [r[1] for r in rows], params, return_routed_experts)
+            for k, i in enumerate(indices):
+                out[i] = samples[k * n : (k + 1) * n]
         self.seconds_generating += time.perf_counter() - start
         self.tokens_generated += sum(len(s.output_ids) for group in out for s in group)
         return out
 
-    @torch.no_grad()
     def _generate_group(self, prompt: list[int], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
-        if not prompt:
+        """One sample per seed of ``prompt``."""
+        return self._generate_rows([prompt] * len(seeds), seeds, params, routed)
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
+        """One sample per row: ``prompts[r]`` (all of one length) sampled with ``seeds[r]``."""
+        if not prompts[0]:
             raise ValueError("empty prompt")
-        n = len(seeds)
+        n, prompt_len = len(seeds), len(prompts[0])
         vocab = self.model.config.vocab_size
-        if max(prompt) >= vocab or min(prompt) < 0:
+        if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        ids = torch.tensor([prompt] * n)
+        ids = torch.tensor(prompts)
         step_out = self.model(ids, use_cache=True)
-        routing = [self._routers.take(n, len(prompt))[0]] if routed else []
+        routing = [self._routers.take(n, prompt_len)[0]] if routed else []
         outputs: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -176,10 +186,10 @@ class LocalEngine(RolloutEngine):
         for j in range(n):
             routed_j = None
             if routed:
-                routed_j = full_routing[j, : len(prompt) + len(outputs[j]) - 1].to(torch.int32)
+                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].to(torch.int32)
             samples.append(
                 Sample(
-                    prompt_ids=list(prompt),
+                    prompt_ids=list(prompts[j]),
                     output_ids=outputs[j],
                     output_logprobs=logprobs[j],
                     finish_reason=reasons[j] or "length",
