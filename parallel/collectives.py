@@ -123,11 +123,3 @@ def is_last_stage() -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.is_pipeline_last_stage()
-
-
-def bridge_paused():
-    """A context in which the CPU bridge's per-op dispatch is off (code outside megatron,
-    e.g. generation); a no-op where the bridge is not installed (CUDA machines)."""
-    from parallel import cpu_bridge
-
-    return cpu_bridge.paused()

@@ -20,34 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
-_MODE: "_CudaToCpuMode | None" = None
 
 
 def is_installed() -> bool:
     return _INSTALLED
 
 
-@contextlib.contextmanager
-def paused():
-    """Leave the cuda->cpu TorchFunctionMode for code that never touches megatron (e.g.
-    a transformers rollout engine in the trainer process): every torch call inside the
-    mode pays a Python dispatch, which made local generation ~3x slower."""
-    if _MODE is None:
-        yield
-        return
-    _MODE.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _MODE.__enter__()
-
-
 def install() -> None:
     """Bridge megatron-core's CUDA assumptions onto the CPU (idempotent)."""
-    global _INSTALLED, _MODE
+    global _INSTALLED
     if _INSTALLED:
         return
     if torch.cuda.is_available():
@@ -55,8 +38,7 @@ def install() -> None:
     _patch_torch_cuda()
     _patch_megatron()
     _patch_uneven_collectives()
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()
+    _patch_devices()
     _INSTALLED = True
 
 
@@ -211,6 +193,14 @@ def _patch_uneven_collectives() -> None:
 
 # ----------------------------------------------------------------- literal "cuda"
 
+# torch functions that take a ``device=`` (and maybe ``pin_memory=``) keyword
+_FACTORIES = (
+    "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "empty", "full", "empty_strided", "eye",
+    "arange", "linspace", "logspace", "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+)  # fmt: skip
+_TENSOR_FACTORIES = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
+
 
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):
@@ -220,20 +210,51 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Maps ``device="cuda"`` (and ``.cuda()``, ``pin_memory=True``) to the CPU."""
+def _on_cpu(kwargs: dict) -> dict:
+    """``kwargs`` with a CUDA ``device`` made the CPU and ``pin_memory`` dropped."""
+    if _is_cuda(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    kwargs.pop("pin_memory", None)
+    return kwargs
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # megatron's optimizer checks type names such as 'torch.cuda.FloatTensor'
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+
+def _cpu_factory(factory):
+    @functools.wraps(factory)
+    def on_cpu(*args, **kwargs):
+        return factory(*args, **_on_cpu(kwargs)) if kwargs else factory(*args)
+
+    return on_cpu
+
+
+def _patch_devices() -> None:
+    """Map ``device="cuda"`` (and ``.cuda()``, ``.to("cuda")``, ``pin_memory=True``) to the
+    CPU by wrapping only the calls that take a device. (A TorchFunctionMode would cover
+    the same calls but dispatches *every* torch op through Python: ~4 us per op, a third
+    of a small model's step.)"""
+    # `with torch.device(...)` recognises factories by identity from a set it caches on first
+    # use: fill it with the originals first, or `torch.tensor([]).device` (transformers'
+    # test for a meta-device context) would stop seeing the context
+    from torch.utils import _device
+
+    _device._device_constructors()
+    for name in _FACTORIES:
+        setattr(torch, name, _cpu_factory(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _cpu_factory(getattr(torch.Tensor, name)))
+    to, type_ = torch.Tensor.to, torch.Tensor.type
+
+    @functools.wraps(to)
+    def to_cpu(self, *args, **kwargs):
+        args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return to(self, *args, **_on_cpu(kwargs)) if kwargs else to(self, *args)
+
+    @functools.wraps(type_)
+    def cuda_type(self, *args, **kwargs):
+        if args or kwargs:
+            return type_(self, *args, **kwargs)
+        # megatron's optimizer checks type names such as 'torch.cuda.FloatTensor'
+        return type_(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.to = to_cpu
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self

@@ -127,6 +127,8 @@ class StepLogger:
 
     def _log_routing(self, step: int, routing: dict[str, dict[str, Tensor]]) -> dict[str, float]:
         """Each group under its tags; expert load goes with old->new (same prefix)."""
+        if not routing:  # routing metrics off: not even matplotlib's import
+            return {}
         from moe_rl.routing.tensorboard import log_routing
 
         written: dict[str, float] = {}

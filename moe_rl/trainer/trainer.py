@@ -48,7 +48,7 @@ from moe_rl.trainer.placement import Placement
 from moe_rl.trainer.rollout_setup import build_collector, build_placement, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
-    all_reduce, bridge_paused, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
+    all_reduce, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
 )  # fmt: skip
 from parallel.distributed import init_distributed
 
@@ -266,8 +266,7 @@ class Trainer:
         if self.collector is not None:
             ready = self.background.take(step) if self.background else None
             if ready is None:
-                with bridge_paused():
-                    ready = self.collector.collect(step)
+                ready = self.collector.collect(step)
             exp, scalars = ready
             scalars = {**scalars, tags.ROLLOUT_POLICY_LAG: policy_lag(exp, step, self.max_policy_lag)}
             if self.background and step + 1 < self.cfg.train.steps:
@@ -343,8 +342,7 @@ class Trainer:
         """``eval/*`` of the weights the engine serves, on the first rank ({} elsewhere)."""
         if self.evaluator is None:
             return {}
-        with bridge_paused():
-            return self.evaluator.run()
+        return self.evaluator.run()
 
     def _eval_due(self, step: int) -> bool:
         """After ``step`` steps: every ``train.eval_every`` steps, and at the end."""
