@@ -3,8 +3,9 @@
     .venv/bin/python tools/bench.py [--quick] [--json bench.json]
 
 Sections: the machine's fp32 matmul peak; an RL training step of a small MoE under
-megatron-core (tokens/s, MFU against that peak); routing-replay and drift-metric
-overhead; padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
+megatron-core (tokens/s, MFU against that peak) and of a 188M-parameter one; routing-replay
+and drift-metric overhead and the routing the drift metrics keep per number of micro-batches;
+the KL reference's device memory and pass time (second model vs host swap); padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
 local-engine throughput and the SGLang client's overhead per request; TRL's
 GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE; the policy losses;
 and a GPU section when a GPU is present. ``--quick`` keeps it under 5 minutes on 2 cores.
@@ -137,12 +138,19 @@ def main() -> None:
         "mfu": flops / plain_s / (peak * 1e9), "active_params": routing["active_params"],
     }  # fmt: skip
     results["routing_overhead"] = {k: v["ratio"] for k, v in routing["variants"].items()}
+    results["probe_memory"] = routing["probe_memory"]
 
     print("== RL step MFU on a 188M-parameter MoE (compute-bound), and where its time goes", flush=True)
     mfu_json = tempfile.mktemp(suffix=".json")
     subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_mfu.py"), "--tokens", "1024" if q else "2048", "--repeats", "2" if q else "3",
                     "--json", mfu_json], check=True, capture_output=True, timeout=1800)  # fmt: skip
     results["train_step_large"] = json.loads(Path(mfu_json).read_text())
+
+    print("== KL reference: a second model on the device vs starting weights swapped in from host memory", flush=True)
+    ref_json = tempfile.mktemp(suffix=".json")
+    subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_reference.py"), "--repeats", "2" if q else "3", "--json", ref_json],
+                   check=True, capture_output=True, timeout=1800)  # fmt: skip
+    results["reference"] = json.loads(Path(ref_json).read_text())
 
     print("== padding: fixed micro-batches vs packed under a token budget", flush=True)
     results["padding"] = padding_fractions()
@@ -214,12 +222,29 @@ def _large_row(m: dict) -> str:
             f"of the top ops' time, the rest elementwise")  # fmt: skip
 
 
+def _reference_rows(ref: dict) -> list[tuple[str, str]]:
+    mib, mem, sec = 2**20, ref["memory"], ref["seconds"]
+    return [
+        (f"KL reference, 188M MoE stage of {ref['stage_bytes'] / mib:.0f} MiB: device memory",
+         f"reference=device {mem['device']['device_bytes'] / mib:.0f} MiB vs host {mem['host']['device_bytes'] / mib:.0f} MiB "
+         f"(host keeps {mem['host']['host_bytes'] / mib:.0f} MiB in host memory, one more stage during the pass)"),
+        (f"  reference pass, {ref['tokens']} tokens", f"device {sec['device']:.2f}s, host {sec['host']:.2f}s; policy log-prob pass {sec['policy']:.2f}s"),
+    ]  # fmt: skip
+
+
+def _probe_row(rows: list[dict]) -> str:
+    return "; ".join(f"{r['micro_batches']} micro-batches: old pass {(r['old_device_bytes'] + r['old_host_bytes']) / 1024:.0f} KB, "
+                     f"later passes {r['new_kept_bytes'] / 1024:.0f} KB" for r in rows)  # fmt: skip
+
+
 def _print_table(r: dict) -> None:
     t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
     rows = [
         ("fp32 matmul peak (this machine)", f"{r['matmul_peak_gflops']:.1f} GFLOP/s"),
         ("RL step, megatron-core, small MoE", f"{t['tokens_per_s']:.0f} tokens/s, MFU {100 * t['mfu']:.2f}%"),
         ("RL step, 188M-parameter MoE (59M active)", _large_row(r["train_step_large"])),
+        *_reference_rows(r["reference"]),
+        ("routing kept by the drift metrics per step", _probe_row(r["probe_memory"])),
         ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
         (f"padding, {r['padding']['samples']} samples of 10-500 tokens on {r['padding']['ranks']} ranks",
          f"fixed {r['padding']['fixed_micro_batches']} x 8 rows {100 * r['padding']['fixed']:.0f}% vs packed "

@@ -126,7 +126,7 @@ def main() -> None:
         med = statistics.median(times[name])
         rows[name] = {"ms": med * 1e3, "ratio": med / base}
         print(f"{name:<28}{med * 1e3:>10.1f}{med / base:>9.3f}")
-    probe_memory(hf_config, hf_dir, layout)
+    probe = probe_memory(hf_config, hf_dir, layout)
     if args.json:
         from moe_rl.models.hf_weights import SafetensorsDir
 
@@ -140,10 +140,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"variants": rows, "tokens": tokens, "active_params": active, "total_params": total,
                        "seq_len": batches[0].input_ids.shape[1], "layers": hf_config.num_hidden_layers,
-                       "attn_dim": hf_config.num_attention_heads * hf_config.head_dim}, f, indent=2)  # fmt: skip
+                       "attn_dim": hf_config.num_attention_heads * hf_config.head_dim, "probe_memory": probe}, f, indent=2)  # fmt: skip
 
 
-def probe_memory(hf_config, hf_dir: str, layout) -> None:
+def probe_memory(hf_config, hf_dir: str, layout) -> list[dict]:
     """What the drift metrics keep per step, by number of micro-batches: the old pass's
     routing (expert indices on the rank's device; router distributions moved to host
     memory) is kept for the step; the update and after-update passes compare each
@@ -162,6 +162,7 @@ def probe_memory(hf_config, hf_dir: str, layout) -> None:
     print(f"\nrouting kept by the drift metrics (micro-batches of 4 x 128 tokens, {hf_config.num_hidden_layers} layers x "
           f"{hf_config.num_experts} experts)")
     print(f"{'micro-batches':>14}{'old pass, device KB':>21}{'old pass, host KB':>19}{'new passes kept KB':>20}")
+    rows = []
     for n in (2, 4, 8):
         batches = [MicroBatch(torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(i))) for i in range(n)]
         monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, hf_config.num_experts)
@@ -172,7 +173,9 @@ def probe_memory(hf_config, hf_dir: str, layout) -> None:
         with monitor.after_update_pass() as hooks:
             run_microbatches(model, batches, hooks=hooks)
             kept = lambda: nbytes([t for r in monitor.probe.captured.values() for t in (r.natural, r.used, r.probs)])  # noqa: E731
+        rows.append({"micro_batches": n, "old_device_bytes": device, "old_host_bytes": host, "new_kept_bytes": kept()})
         print(f"{n:>14}{device / 1024:>21.0f}{host / 1024:>19.0f}{kept() / 1024:>20.0f}")
+    return rows
 
 
 if __name__ == "__main__":

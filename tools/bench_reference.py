@@ -1,0 +1,108 @@
+"""What the KL penalty's reference policy costs: memory on the device between steps and
+the reference pass's time, `algorithm.reference=device` (a second model) vs `host`
+(starting weights kept in host memory, swapped into the policy for the pass).
+
+    .venv/bin/python tools/bench_reference.py [--tokens 1024] [--repeats 3] [--json FILE]
+
+One process, the random 188M-parameter Qwen3-MoE of tools/bench_mfu.py. Memory is
+counted from the tensors each mode holds, by the device they live on (on CUDA also
+read from the allocator); on a CPU-only machine "device" and "host" are the same RAM,
+so the figure that matters at scale is the device column. Time: each mode's reference
+pass next to a plain policy log-prob pass of the same batch, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from bench_mfu import SIZE
+
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import MicroBatch
+    from moe_rl.models.tiny import tiny_config
+    from moe_rl.trainer.policy import DeviceReference, HostReference, Policy
+    from parallel.collectives import rank_device
+    from parallel.distributed import init_distributed
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_lr_scheduler, build_optimizer, wrap_ddp
+
+    hf_config = tiny_config("qwen3_moe", **SIZE)
+    layout = ParallelLayout()
+    init_distributed(layout, model_dims(hf_config))
+    device = rank_device()
+    config = make_transformer_config(hf_config, layout)
+    model = build_model(hf_config, config)
+    settings = OptimSettings(lr=1e-5)
+    ddp = wrap_ddp(model, config, settings)
+    optimizer = build_optimizer([ddp], settings)
+    policy = Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, settings, 10), hf_config)
+    gen = torch.Generator().manual_seed(0)
+    batches = [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, 512), generator=gen).to(device)) for _ in range(args.tokens // 1024)]
+
+    before = allocated()
+    host = HostReference.snapshot(policy)
+    host_alloc = allocated() - before
+    before = allocated()
+    second = build_model(hf_config, config).eval()
+    second.load_state_dict(model.state_dict())
+    dev = DeviceReference(second)
+    dev_alloc = allocated() - before
+    stage = nbytes(model.state_dict().values())
+    on_host = nbytes(w for w in host.weights if w.device.type == "cpu")
+    memory = {  # the second model lives on the model's device; the snapshot in host memory
+        "device": {"device_bytes": nbytes(second.state_dict().values()), "host_bytes": 0, "cuda_allocated": dev_alloc},
+        # the host pass also copies the trained weights to host memory and back: one more stage there, briefly
+        "host": {"device_bytes": nbytes(host.weights) - on_host, "host_bytes": on_host, "cuda_allocated": host_alloc,
+                 "pass_host_bytes": stage},
+    }  # fmt: skip
+
+    passes = {"policy": lambda: policy.logprobs(batches), "device": lambda: dev.logprobs(batches), "host": lambda: host.logprobs(batches)}
+    for run in passes.values():  # warm-up
+        with torch.no_grad():
+            run()
+    times: dict[str, list[float]] = {k: [] for k in passes}
+    for _ in range(args.repeats):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            with torch.no_grad():
+                run()
+            times[name].append(time.perf_counter() - start)
+    seconds = {k: statistics.median(v) for k, v in times.items()}
+    mib = 2**20
+    print(f"model stage: {stage / mib:.0f} MiB; {args.tokens} tokens; device {device}")
+    for mode in ("device", "host"):
+        m = memory[mode]
+        print(f"reference={mode:<6} device {m['device_bytes'] / mib:7.0f} MiB  host {m['host_bytes'] / mib:7.0f} MiB  "
+              f"pass {seconds[mode] * 1e3:7.0f} ms = {seconds[mode] / seconds['policy']:.2f}x the policy's log-prob pass")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"stage_bytes": stage, "tokens": args.tokens, "memory": memory, "seconds": seconds}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
