@@ -194,11 +194,8 @@ def _grads_finite(chunks: list[DistributedDataParallel]) -> bool:
     """True when no rank holds a NaN/Inf gradient (one device sync, one all-reduce)."""
     from parallel.collectives import any_rank
 
-    finite = [
-        torch.isfinite(param.main_grad).all()
-        for chunk in chunks
-        for param in chunk.module.parameters()
-        if getattr(param, "main_grad", None) is not None
+    finite = [  # every parameter's main_grad is a view into one of these contiguous buffers
+        torch.isfinite(buffer.grad_data).all() for chunk in chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers
     ]
     local_bad = bool(finite) and not bool(torch.stack(finite).all())
     return not any_rank(local_bad)

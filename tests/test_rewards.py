@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -67,6 +68,14 @@ def _text(s: RewardInput) -> str:
     return "not a number"
 
 
+CALLING_THREADS: list[int] = []
+
+
+def _thread_id(s: RewardInput) -> float:
+    CALLING_THREADS.append(threading.get_ident())
+    return 1.0
+
+
 def test_scorer_columns_weights_and_conditionals() -> None:
     scorer = RewardScorer(
         [
@@ -117,6 +126,16 @@ def test_failing_rewards_score_zero_are_counted_and_never_raise(workers: int) ->
         pool = scorer._pool
         assert pool.restarts == 3 and all(p.is_alive() for p, _ in pool._workers) and len(pool._workers) == 2
     scorer.close()
+
+
+def test_in_process_rewards_share_one_thread_until_a_call_hangs() -> None:
+    CALLING_THREADS.clear()
+    scorer = RewardScorer([RewardSpec("id", f"{__name__}:_thread_id"), RewardSpec("hangs", f"{__name__}:_hangs")], timeout_s=0.2)
+    scorer.score([sample("a"), sample("b"), sample("c")])  # id x3 on one thread; hangs: the first call times out
+    scorer.score([sample("d")])
+    first, later = CALLING_THREADS[:3], CALLING_THREADS[3]
+    assert len(set(first)) == 1 and first[0] != threading.get_ident()  # one reward thread, not the caller
+    assert later != first[0]  # its thread was left with the hung call: a fresh one took over
 
 
 @pytest.mark.parametrize(

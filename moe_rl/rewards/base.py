@@ -12,6 +12,7 @@ import importlib
 import inspect
 import logging
 import math
+import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -146,6 +147,7 @@ class RewardScorer:
         self._fns = [resolve_reward_fn(s.fn) for s in specs]
         self.failure_totals: dict[str, Counter] = {n: Counter() for n in names}
         self._pool = None
+        self._thread: _RewardThread | None = None
         if workers > 0:
             from moe_rl.rewards.pool import RewardPool
 
@@ -160,7 +162,7 @@ class RewardScorer:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
             outcomes = iter(self._pool.score(tasks))
         else:
-            outcomes = (_call_safely(fn, sample, spec.kwargs, self.timeout_s) for spec, fn in zip(self.specs, self._fns) for sample in samples)
+            outcomes = (self._call(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples)
         for j, spec in enumerate(self.specs):
             for i in range(len(samples)):
                 value, failure = next(outcomes)
@@ -174,6 +176,15 @@ class RewardScorer:
             values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
         return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
 
+    def _call(self, fn: RewardFn, sample: RewardInput, kwargs: dict) -> tuple[float, str | None]:
+        """One call on the scorer's reward thread (replaced after a timeout)."""
+        if self._thread is None:
+            self._thread = _RewardThread()
+        outcome = _call_safely(self._thread, fn, sample, kwargs, self.timeout_s)
+        if outcome[1] == "timeout":
+            self._thread = None  # still busy with the hung call
+        return outcome
+
     def close(self) -> None:
         """Stop the worker processes (if any)."""
         if self._pool is not None:
@@ -181,20 +192,38 @@ class RewardScorer:
             self._pool = None
 
 
-def _call_safely(fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
-    """``fn(sample, **kwargs)`` in a daemon thread: (value, None) or (0.0, failure kind)."""
-    box: dict[str, Any] = {}
+class _RewardThread:
+    """One daemon thread that runs reward calls in turn (a thread per call cost more than
+    a rule reward itself). A call past its timeout leaves the thread behind and a new one
+    takes over: the hung call cannot stall the step, but its thread is not stopped (use
+    ``reward.workers`` for that)."""
 
-    def run() -> None:
-        try:
-            box["value"] = fn(sample, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
-            box["error"] = e
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self._tasks,), daemon=True, name="moe-rl-reward").start()
 
-    worker = threading.Thread(target=run, daemon=True, name="moe-rl-reward")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
+    @staticmethod
+    def _serve(tasks: queue.SimpleQueue) -> None:
+        while True:
+            fn, sample, kwargs, box, done = tasks.get()
+            try:
+                box["value"] = fn(sample, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
+                box["error"] = e
+            done.set()
+
+    def call(self, fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> dict | None:
+        """``{"value": ...}`` or ``{"error": ...}``; None past ``timeout_s``."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._tasks.put((fn, sample, kwargs, box, done))
+        return box if done.wait(timeout_s) else None
+
+
+def _call_safely(runner: _RewardThread, fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
+    """``fn(sample, **kwargs)`` on ``runner``'s thread: (value, None) or (0.0, failure kind)."""
+    box = runner.call(fn, sample, kwargs, timeout_s)
+    if box is None:
         return 0.0, "timeout"
     if "error" in box:
         log.debug("reward function raised: %r", box["error"])
