@@ -74,12 +74,11 @@ def main() -> None:
     dev = DeviceReference(second)
     dev_alloc = allocated() - before
     stage = nbytes(model.state_dict().values())
-    on_host = nbytes(w for w in host.weights if w.device.type == "cpu")
-    memory = {  # the second model lives on the model's device; the snapshot in host memory
+    held = host.weights + host.trained  # the snapshot, and the buffer the trained weights wait in
+    on_host = nbytes(w for w in held if w.device.type == "cpu")
+    memory = {  # the second model lives on the model's device; the host mode's buffers in host memory
         "device": {"device_bytes": nbytes(second.state_dict().values()), "host_bytes": 0, "cuda_allocated": dev_alloc},
-        # the host pass also copies the trained weights to host memory and back: one more stage there, briefly
-        "host": {"device_bytes": nbytes(host.weights) - on_host, "host_bytes": on_host, "cuda_allocated": host_alloc,
-                 "pass_host_bytes": stage},
+        "host": {"device_bytes": nbytes(held) - on_host, "host_bytes": on_host, "cuda_allocated": host_alloc},
     }  # fmt: skip
 
     passes = {"policy": lambda: policy.logprobs(batches), "device": lambda: dev.logprobs(batches), "host": lambda: host.logprobs(batches)}

@@ -107,31 +107,41 @@ class DeviceReference:
 class HostReference:
     """The starting weights of this rank's stage kept in host memory and swapped into the
     policy's own parameters for the reference pass, then swapped back (as slime does): no
-    second model on the device, four host-device copies of the stage per step. The
-    optimizer's state is not touched; routers' expert biases are swapped too."""
+    second model on the device, four host-device copies of the stage per step into buffers
+    allocated once (pinned on CUDA: two stages of host memory). The optimizer's state is
+    not touched; routers' expert biases are swapped too."""
 
     policy: Policy
     weights: list[torch.Tensor]  # host copies, in ``named_weights(policy.model)`` order
+    trained: list[torch.Tensor]  # where the policy's weights wait during the pass
 
     @classmethod
     def snapshot(cls, policy: Policy) -> HostReference:
         """The policy's current (starting) weights."""
-        return cls(policy, [p.detach().to("cpu", copy=True) for _, p in named_weights(policy.model)])
+        params = [p for _, p in named_weights(policy.model)]
+        weights, trained = _host_buffers(params), _host_buffers(params)
+        _load_into(weights, params)
+        return cls(policy, weights, trained)
 
     def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]:
         params = [p for _, p in named_weights(self.policy.model)]
-        trained = [p.detach().to("cpu", copy=True) for p in params]
+        _load_into(self.trained, params)
         try:
             _load_into(params, self.weights)
             return self.policy.logprobs(batches)
         finally:
-            _load_into(params, trained)
+            _load_into(params, self.trained)
 
 
-def _load_into(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+def _host_buffers(like: list[torch.Tensor]) -> list[torch.Tensor]:
+    pinned = torch.cuda.is_available()  # page-locked: copies to and from the GPU at full speed
+    return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in like]
+
+
+def _load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for param, value in zip(params, values):
-            param.copy_(value, non_blocking=False)
+        for target, value in zip(targets, values):
+            target.copy_(value, non_blocking=False)
 
 
 def build_reference_for(policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> Reference:
