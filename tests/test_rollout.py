@@ -237,6 +237,32 @@ def test_local_engine_in_process_weight_update_equals_disk(ckpts) -> None:
         engine.update_weights({}, "2")
 
 
+def test_local_engine_draws_follow_the_filtered_distribution() -> None:
+    import numpy as np
+
+    from moe_rl.rollout.local import _draw, _filtered_probs, _uniforms
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    probs = _filtered_probs(logits, top_p=0.9, top_k=3)  # token 3 and one more are cut
+    draws = torch.cat([_draw(probs, _uniforms(np.array([seed], dtype=np.uint64), step)) for seed in range(400) for step in range(50)])
+    freq = torch.bincount(draws, minlength=5).double() / draws.numel()
+    assert torch.all(freq[probs[0] == 0] == 0)  # never a truncated token
+    torch.testing.assert_close(freq, probs[0].double(), atol=0.015, rtol=0)  # 20,000 draws: ~3 standard errors
+    # one row's stream depends only on its seed and step: not on the rows beside it
+    alone = _uniforms(np.array([7], dtype=np.uint64), 3)
+    batch = _uniforms(np.array([1, 7, 99], dtype=np.uint64), 3)
+    assert alone[0] == batch[1] and len(set(batch.tolist())) == 3 and torch.all((batch >= 0) & (batch < 1))
+
+
+def test_local_engine_sample_does_not_depend_on_its_batch(ckpts) -> None:
+    engine = LocalEngine(ckpts["v0"])
+    together = engine._generate_rows([[1, 2, 3], [4, 5, 6], [1, 2, 3]], [5, 6, 7], PARAMS, routed=False)
+    alone = engine._generate_rows([[4, 5, 6]], [6], PARAMS, routed=False)
+    assert together[1].output_ids == alone[0].output_ids
+    torch.testing.assert_close(torch.tensor(together[1].output_logprobs), torch.tensor(alone[0].output_logprobs), atol=1e-5, rtol=0)
+    assert together[0].output_ids != together[2].output_ids or together[0].output_logprobs != together[2].output_logprobs
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_local_engine_matches_the_trainer(ckpts, temperature) -> None:
     script = Path(__file__).with_name("rollout_parity_checks.py")

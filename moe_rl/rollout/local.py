@@ -2,7 +2,7 @@
 
 Same interface and log-prob semantics as :class:`moe_rl.rollout.sglang.SGLangEngine`:
 log-probs at the sampling temperature before top-p/top-k truncation, one seeded
-generator per sample, and routed experts in SGLang's layout
+random stream per sample (drawn for every row at once), and routed experts in SGLang's layout
 (``[prompt + output - 1, num_layers, top_k]``; dense layers get ``0..k-1``).
 """
 
@@ -12,6 +12,7 @@ import re
 import time
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -155,7 +156,7 @@ class LocalEngine(RolloutEngine):
         if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         stop_ids = self.eos_ids | set(params.stop_token_ids)
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
         ids = torch.tensor(prompts)
         step_out = self.model(ids, use_cache=True)
         routing = [self._routers.take(n, prompt_len)[0]] if routed else []
@@ -165,17 +166,13 @@ class LocalEngine(RolloutEngine):
         for step in range(params.max_new_tokens):
             logits = step_out.logits[:, -1].float() / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
-            probs = _filtered_probs(logits, params.top_p, params.top_k)
-            next_tokens = torch.zeros(n, dtype=torch.long)
-            for j in range(n):
-                if reasons[j] is not None:
-                    continue
-                token = int(torch.multinomial(probs[j], 1, generator=generators[j]))
-                outputs[j].append(token)
-                logprobs[j].append(float(logp[j, token]))
-                next_tokens[j] = token
-                if token in stop_ids:
-                    reasons[j] = "stop"
+            next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), _uniforms(row_seeds, step))
+            tokens, token_logps = next_tokens.tolist(), logp.gather(1, next_tokens[:, None]).squeeze(1).tolist()
+            for j in range(n):  # a finished row's draw is fed back and ignored
+                if reasons[j] is None:
+                    outputs[j].append(tokens[j])
+                    logprobs[j].append(token_logps[j])
+                    reasons[j] = "stop" if tokens[j] in stop_ids else None
             if all(r is not None for r in reasons) or step == params.max_new_tokens - 1:
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
@@ -206,6 +203,29 @@ class LocalEngine(RolloutEngine):
         if hasattr(out, "cache") and out.cache is not None:
             return {"cache": out.cache}
         return {"past_key_values": out.past_key_values}
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _uniforms(seeds: np.ndarray, step: int) -> Tensor:
+    """One uniform in [0, 1) per row, a function of (the row's seed, ``step``) alone
+    (splitmix64 as a counter-based generator): a sample's draws never depend on which
+    other rows share its batch."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as intended
+        x = seeds * _GOLDEN + np.uint64(step + 1) * _MIX1
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def _draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Row ``r``'s token: the first whose cumulative probability exceeds ``uniforms[r]``
+    of the row's total (inverse-CDF sampling; a token of probability 0 is never drawn)."""
+    cdf = probs.double().cumsum(-1)
+    point = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _filtered_probs(logits: Tensor, top_p: float, top_k: int) -> Tensor:
