@@ -50,32 +50,56 @@ def param_counts(hf_config) -> tuple[float, float]:
     return float(total), total - lookup - expert + expert * hf_config.num_experts_per_tok / hf_config.num_experts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-
+def random_policy(lr: float = 1e-5):
+    """A :class:`moe_rl.trainer.policy.Policy` of the ``SIZE`` model with random weights (only
+    the arithmetic matters), with its transformer config, on one process."""
     from moe_rl.models.architectures import model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
-    from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.tiny import tiny_config
+    from moe_rl.trainer.policy import Policy
     from parallel.distributed import init_distributed
     from parallel.layout import ParallelLayout
-    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+    from parallel.optim import OptimSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
     hf_config = tiny_config("qwen3_moe", **SIZE)
     layout = ParallelLayout()
     init_distributed(layout, model_dims(hf_config))
     config = make_transformer_config(hf_config, layout)
-    model = build_model(hf_config, config)  # random weights: only the arithmetic matters
-    settings = OptimSettings(lr=1e-5)
+    model = build_model(hf_config, config)
+    settings = OptimSettings(lr=lr)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
-    seq = 512
+    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, settings, 10), hf_config), config
+
+
+def random_batches(tokens: int, seq: int = 512, device: torch.device | str = "cpu") -> list:
+    """Micro-batches of 2 random sequences of ``seq`` tokens, ``tokens`` in all."""
+    from moe_rl.models.forward import MicroBatch
+
     gen = torch.Generator().manual_seed(0)
-    batches = [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, seq), generator=gen)) for _ in range(args.tokens // (2 * seq))]
+    return [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, seq), generator=gen).to(device)) for _ in range(tokens // (2 * seq))]
+
+
+def parse_args(doc: str, tokens: int) -> argparse.Namespace:
+    """``--tokens`` (default ``tokens``), ``--repeats``, ``--json``: the options of this
+    model's benchmarks."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__, tokens=2048)
+
+    from moe_rl.models.forward import run_microbatches
+    from parallel.optim import train_step
+
+    policy, _ = random_policy()
+    ddp, optimizer, hf_config = policy.ddp, policy.optimizer, policy.hf_config
+    seq = 512
+    batches = random_batches(args.tokens, seq)
     tokens = sum(mb.input_ids.numel() for mb in batches)
 
     def loss_fn(le, mb):

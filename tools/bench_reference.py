@@ -13,7 +13,6 @@ pass next to a plain policy log-prob pass of the same batch, interleaved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -34,36 +33,17 @@ def allocated() -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    from bench_mfu import parse_args, random_batches, random_policy
 
-    from bench_mfu import SIZE
+    args = parse_args(__doc__, tokens=1024)
 
-    from moe_rl.models.architectures import model_dims
-    from moe_rl.models.builder import build_model, make_transformer_config
-    from moe_rl.models.forward import MicroBatch
-    from moe_rl.models.tiny import tiny_config
-    from moe_rl.trainer.policy import DeviceReference, HostReference, Policy
+    from moe_rl.models.builder import build_model
+    from moe_rl.trainer.policy import DeviceReference, HostReference
     from parallel.collectives import rank_device
-    from parallel.distributed import init_distributed
-    from parallel.layout import ParallelLayout
-    from parallel.optim import OptimSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
-    hf_config = tiny_config("qwen3_moe", **SIZE)
-    layout = ParallelLayout()
-    init_distributed(layout, model_dims(hf_config))
-    device = rank_device()
-    config = make_transformer_config(hf_config, layout)
-    model = build_model(hf_config, config)
-    settings = OptimSettings(lr=1e-5)
-    ddp = wrap_ddp(model, config, settings)
-    optimizer = build_optimizer([ddp], settings)
-    policy = Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, settings, 10), hf_config)
-    gen = torch.Generator().manual_seed(0)
-    batches = [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, 512), generator=gen).to(device)) for _ in range(args.tokens // 1024)]
+    policy, config = random_policy()
+    model, hf_config, device = policy.model, policy.hf_config, rank_device()
+    batches = random_batches(args.tokens, device=device)
 
     before = allocated()
     host = HostReference.snapshot(policy)
