@@ -206,7 +206,7 @@ class Handler(BaseHTTPRequestHandler):
         while st.paused.is_set():
             time.sleep(0.01)
         with st.lock:
-            (sample,) = st.engine._generate_group(ids, [int(seed)], params, bool(body.get("return_routed_experts")))
+            (sample,) = st.engine.generate_rows([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
         meta = {
             "id": body.get("rid") or f"req-{st.generate_requests}",
             "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]} if sample.finish_reason == "stop"

@@ -128,6 +128,20 @@ def test_failing_rewards_score_zero_are_counted_and_never_raise(workers: int) ->
     scorer.close()
 
 
+def _sleeps(s: RewardInput) -> float:
+    time.sleep(30 if s.response == "hang" else float(s.response))
+    return 1.0
+
+
+def test_pool_keeps_an_answer_that_came_while_another_worker_was_replaced() -> None:
+    # worker A hangs (deadline 2 s); B answers at 1 s, then takes the 1.4 s task (deadline
+    # 3 s) and answers at 2.4 s, while A's replacement is starting (a spawn: ~2 s)
+    scorer = RewardScorer([RewardSpec("t", f"{__name__}:_sleeps")], timeout_s=2.0, workers=2)
+    batch = scorer.score([sample("hang"), sample("1.0"), sample("1.4")])
+    scorer.close()
+    assert batch.failures["t"]["timeout"] == 1 and torch.equal(batch.values[:, 0], torch.tensor([0.0, 1.0, 1.0]))
+
+
 def test_in_process_rewards_share_one_thread_until_a_call_hangs() -> None:
     CALLING_THREADS.clear()
     scorer = RewardScorer([RewardSpec("id", f"{__name__}:_thread_id"), RewardSpec("hangs", f"{__name__}:_hangs")], timeout_s=0.2)

@@ -256,8 +256,8 @@ def test_local_engine_draws_follow_the_filtered_distribution() -> None:
 
 def test_local_engine_sample_does_not_depend_on_its_batch(ckpts) -> None:
     engine = LocalEngine(ckpts["v0"])
-    together = engine._generate_rows([[1, 2, 3], [4, 5, 6], [1, 2, 3]], [5, 6, 7], PARAMS, routed=False)
-    alone = engine._generate_rows([[4, 5, 6]], [6], PARAMS, routed=False)
+    together = engine.generate_rows([[1, 2, 3], [4, 5, 6], [1, 2, 3]], [5, 6, 7], PARAMS, routed=False)
+    alone = engine.generate_rows([[4, 5, 6]], [6], PARAMS, routed=False)
     assert together[1].output_ids == alone[0].output_ids
     torch.testing.assert_close(torch.tensor(together[1].output_logprobs), torch.tensor(alone[0].output_logprobs), atol=1e-5, rtol=0)
     assert together[0].output_ids != together[2].output_ids or together[0].output_logprobs != together[2].output_logprobs

@@ -43,21 +43,26 @@ class WeightEntry:
     writer: int
     param: str  # its name on the writer and on the writer's tensor-parallel peers
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, full shape)
+    dtype: torch.dtype  # the parameter's own
 
     def numel(self) -> int:
         return sum(int(torch.Size(shape).numel()) for _, shape in self.tensors)
 
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Its size sent in ``dtype`` (default: its own)."""
+        return self.numel() * torch.empty((), dtype=dtype or self.dtype).element_size()
 
-def plan_buckets(entries: list[WeightEntry], bucket_bytes: int, element_size: int) -> list[list[WeightEntry]]:
-    """``entries`` in order, cut into buckets of at most ``bucket_bytes`` (an entry larger
-    than that is a bucket of its own)."""
+
+def plan_buckets(entries: list[WeightEntry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[WeightEntry]]:
+    """``entries`` in order, cut into buckets of at most ``bucket_bytes`` sent in ``dtype``
+    (default: each entry's own; an entry larger than that is a bucket of its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket size {bucket_bytes} bytes must be >= 1")
     buckets: list[list[WeightEntry]] = []
-    size = bucket_bytes
+    size = 0
     for entry in entries:
-        nbytes = entry.numel() * element_size
-        if size + nbytes > bucket_bytes and (not buckets or buckets[-1]):
+        nbytes = entry.nbytes(dtype)
+        if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(entry)
@@ -84,7 +89,7 @@ class WeightStreamer:
     def _global_entries(self) -> list[WeightEntry]:
         me = rank()
         mine = [
-            WeightEntry(me, name, self._full_shapes(name))
+            WeightEntry(me, name, self._full_shapes(name), self.weights[name].dtype)
             for name in self.weights if self.writer_of[name] == me
         ]  # fmt: skip
         return [entry for rank_entries in all_gather_objects(mine) for entry in rank_entries]
@@ -96,7 +101,7 @@ class WeightStreamer:
         return tuple((key, tuple(full.shape)) for key, full in zip(recipe.hf_keys, self.mapper.to_full(recipe, shards)))
 
     def total_bytes(self, dtype: torch.dtype) -> int:
-        return sum(entry.numel() for entry in self.entries) * torch.empty((), dtype=dtype).element_size()
+        return sum(entry.nbytes(dtype) for entry in self.entries)
 
     @torch.no_grad()
     def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
@@ -106,9 +111,7 @@ class WeightStreamer:
         (A callback, not a generator: a suspended generator keeps its last bucket alive
         while it gathers the next, doubling the peak.)"""
         self.weights = self._current_weights()  # a buffer may have been replaced since
-        dtype = dtype or next(iter(self.weights.values())).dtype
-        element_size = torch.empty((), dtype=dtype).element_size()
-        plan = plan_buckets(self.entries, bucket_bytes, element_size)
+        plan = plan_buckets(self.entries, bucket_bytes, dtype)
         for entries in plan:
             bucket = self._move_bucket(entries, dtype)
             if bucket is not None and consume is not None:
@@ -116,10 +119,11 @@ class WeightStreamer:
             del bucket
         return len(plan)
 
-    def _move_bucket(self, bucket: list[WeightEntry], dtype: torch.dtype) -> NamedTensors | None:
+    def _move_bucket(self, bucket: list[WeightEntry], sync_dtype: torch.dtype | None) -> NamedTensors | None:
         me, device = rank(), rank_device()
         out: NamedTensors = []
         for entry in bucket:
+            dtype = sync_dtype or entry.dtype
             if self.writer_of.get(entry.param) == entry.writer:  # this rank holds a shard of it
                 full = self._gather_full(entry.param, dtype, device)
                 if me == self.dst:
@@ -141,7 +145,7 @@ class WeightStreamer:
         if self.writer_of[name] != rank():
             return []
         fulls = self.mapper.to_full(recipe, shards)
-        return [(key, full.to(dtype).contiguous()) for key, full in zip(recipe.hf_keys, fulls)]
+        return [(key, full.contiguous()) for key, full in zip(recipe.hf_keys, fulls)]
 
 
 def _writer_rank(recipe: Recipe, mapper: ParamMapper) -> int | None:

@@ -228,8 +228,14 @@ def _call_safely(runner: _RewardThread, fn: RewardFn, sample: RewardInput, kwarg
     if "error" in box:
         log.debug("reward function raised: %r", box["error"])
         return 0.0, "error"
+    return reward_outcome(box["value"])
+
+
+def reward_outcome(value: Any) -> tuple[float, str | None]:
+    """What a reward function returned, as scored: (value, None), or (0.0, "error") for a
+    non-number, or (0.0, "nonfinite") for NaN/Inf."""
     try:
-        value = float(box["value"])
+        value = float(value)
     except (TypeError, ValueError):
         return 0.0, "error"
     if not math.isfinite(value):

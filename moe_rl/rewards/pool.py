@@ -12,13 +12,12 @@ the first task, so start-up never counts against a task's time.
 from __future__ import annotations
 
 import collections
-import math
 import multiprocessing
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from moe_rl.rewards.base import RewardInput
+from moe_rl.rewards.base import RewardInput, reward_outcome
 
 Task = tuple[str, dict[str, Any], RewardInput]
 Outcome = tuple[float, str | None]  # (value, failure kind or None)
@@ -28,7 +27,7 @@ _STARTUP_S = 120.0
 class RewardPool:
     """``workers`` processes that score :data:`Task` s; see the module doc."""
 
-    def __init__(self, workers: int, timeout_s: float, functions: Sequence[str] = ()) -> None:
+    def __init__(self, workers: int, timeout_s: float, functions: Sequence[str]) -> None:
         """``functions``: the reward names each worker imports before it is ready (a
         user module's import is never charged to a sample's time)."""
         if workers < 1:
@@ -80,7 +79,7 @@ class RewardPool:
             for w in list(busy):
                 index, deadline = busy[w]
                 conn = self._workers[w][1]
-                if conn in ready:
+                if conn in ready or conn.poll():  # poll: answered while another worker was replaced
                     try:
                         outcomes[index] = conn.recv()
                     except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
@@ -113,9 +112,7 @@ def _serve(conn: Connection, names: Sequence[str]) -> None:
         except (EOFError, OSError):
             return
         try:
-            fn = functions.get(name) or functions.setdefault(name, resolve_reward_fn(name))
-            value = float(fn(sample, **kwargs))
-            outcome: Outcome = (value, None) if math.isfinite(value) else (0.0, "nonfinite")
+            outcome = reward_outcome(functions[name](sample, **kwargs))
         except BaseException:  # noqa: BLE001 - any failure of user code scores 0
             outcome = (0.0, "error")
         conn.send(outcome)

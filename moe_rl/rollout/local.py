@@ -135,20 +135,17 @@ class LocalEngine(RolloutEngine):
             by_length.setdefault(len(p), []).append(i)
         for indices in by_length.values():
             rows = [(list(prompts[i]), sample_seed(seed, i, j, n)) for i in indices for j in range(n)]
-            samples = self._generate_rows([r[0] for r in rows], [r[1] for r in rows], params, return_routed_experts)
+            samples = self.generate_rows([r[0] for r in rows], [r[1] for r in rows], params, return_routed_experts)
             for k, i in enumerate(indices):
                 out[i] = samples[k * n : (k + 1) * n]
         self.seconds_generating += time.perf_counter() - start
         self.tokens_generated += sum(len(s.output_ids) for group in out for s in group)
         return out
 
-    def _generate_group(self, prompt: list[int], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
-        """One sample per seed of ``prompt``."""
-        return self._generate_rows([prompt] * len(seeds), seeds, params, routed)
-
     @torch.no_grad()
-    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
-        """One sample per row: ``prompts[r]`` (all of one length) sampled with ``seeds[r]``."""
+    def generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
+        """One sample per row: ``prompts[r]`` (all of one length) sampled with ``seeds[r]``
+        (SGLang's per-request ``sampling_seed``)."""
         if not prompts[0]:
             raise ValueError("empty prompt")
         n, prompt_len = len(seeds), len(prompts[0])

@@ -97,8 +97,6 @@ class DistributedSync(WeightSync):
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
         self.group = None
-        self.last_push_s = 0.0
-        self.last_push_buckets = 0
 
     def push(self, weights: WeightSource, version: str) -> None:
         if self.engine is None:  # this rank's shards travel to the first rank
@@ -113,8 +111,7 @@ class DistributedSync(WeightSync):
 
         with self.engine.weight_update(version):
             count = weights.send_buckets(self.bucket_bytes, self.dtype, send)
-        self.last_push_s, self.last_push_buckets = time.perf_counter() - start, count
-        log.info("weights %s sent to %d server(s) in %d bucket(s) in %.2fs", version, len(self.engine.urls), count, self.last_push_s)
+        log.info("weights %s sent to %d server(s) in %d bucket(s) in %.2fs", version, len(self.engine.urls), count, time.perf_counter() - start)
 
     def _connect(self):
         from parallel.launch import free_port

@@ -2,8 +2,7 @@
 collected in a thread on the first rank while this step trains, as slime's train_async
 does. Its samples come from the weights before this step's update (one version behind);
 the trainer waits for it before it syncs new weights into the engine, so no sample ever
-mixes two versions. The thread runs no collective and no megatron code (the CPU bridge's
-dispatch mode is thread-local, so it never sees it)."""
+mixes two versions. The thread runs no collective and no megatron code."""
 
 from __future__ import annotations
 
