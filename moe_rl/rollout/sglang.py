@@ -259,21 +259,13 @@ class SGLangEngine(RolloutEngine):
         ``1 + sum(previous servers' TP sizes) + r``) while ``join(world_size)`` makes this
         process rank 0; the requests block until every rank has joined, so they are all in
         flight at once. Returns what ``join`` returns (the group)."""
-        import concurrent.futures
-
         offsets, world_size = weight_group_offsets(self.server_ranks())
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            pending = [
-                pool.submit(self._post_one, url, "/init_weights_update_group", {
-                    "master_address": master_address, "master_port": master_port, "rank_offset": offset,
-                    "world_size": world_size, "group_name": group_name, "backend": backend,
-                })  # fmt: skip
-                for url, offset in zip(self.urls, offsets)
-            ]
-            group = join(world_size)
-            for f in pending:
-                f.result()
-        return group
+        payloads = [
+            {"master_address": master_address, "master_port": master_port, "rank_offset": offset,
+             "world_size": world_size, "group_name": group_name, "backend": backend}
+            for offset in offsets
+        ]  # fmt: skip
+        return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size))
 
     @contextlib.contextmanager
     def weight_update(self, weight_version: str) -> Iterator[None]:
@@ -304,8 +296,6 @@ class SGLangEngine(RolloutEngine):
     ) -> None:
         """Announce ``named_tensors`` to every server, then ``broadcast`` them (the trainer's
         collective, while the servers wait in their requests). Call inside :meth:`weight_update`."""
-        import concurrent.futures
-
         body = {
             "names": [n for n, _ in named_tensors],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
@@ -314,29 +304,17 @@ class SGLangEngine(RolloutEngine):
             "weight_version": weight_version,
             "flush_cache": False,
         }
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            pending = [pool.submit(self._post_one, url, "/update_weights_from_distributed", body) for url in self.urls]
-            broadcast(named_tensors)
-            for f in pending:
-                f.result()
+        self._post_each("/update_weights_from_distributed", [body] * len(self.urls), lambda: broadcast(named_tensors))
 
     def update_weights_from_tensor(self, serialized: str, *, weight_version: str) -> None:
         """Hand every server one bucket by reference (``serialized``: SGLang's
         ``MultiprocessingSerializer`` form, one copy per TP rank, which maps it from this
         process's device). Servers on this node only; call inside :meth:`weight_update`."""
-        import concurrent.futures
-
-        sizes = self.server_ranks()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            pending = [
-                pool.submit(self._post_one, url, "/update_weights_from_tensor", {
-                    "serialized_named_tensors": [serialized] * size, "load_format": None,
-                    "flush_cache": False, "weight_version": weight_version,
-                })  # fmt: skip
-                for url, size in zip(self.urls, sizes)
-            ]
-            for f in pending:
-                f.result()
+        payloads = [
+            {"serialized_named_tensors": [serialized] * size, "load_format": None, "flush_cache": False, "weight_version": weight_version}
+            for size in self.server_ranks()
+        ]  # fmt: skip
+        self._post_each("/update_weights_from_tensor", payloads)
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Servers free their GPU memory (``tags``: ``weights``, ``kv_cache``; all by
@@ -346,6 +324,18 @@ class SGLangEngine(RolloutEngine):
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Servers take back the memory ``tags`` name (all by default)."""
         self._post_all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def _post_each(self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None) -> Any:
+        """``payloads[i]`` to server ``i``, all in flight at once (requests that block until
+        this process acts: ``while_waiting()`` runs meanwhile; its result is returned)."""
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            pending = [pool.submit(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
+            result = while_waiting()
+            for f in pending:
+                f.result()
+        return result
 
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
         with httpx.Client(timeout=self.timeout) as client:
