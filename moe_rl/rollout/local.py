@@ -154,7 +154,7 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=self.model.device)
         step_out = self.model(ids, use_cache=True)
         routing = [self._routers.take(n, prompt_len)[0]] if routed else []
         outputs: list[list[int]] = [[] for _ in range(n)]
@@ -221,7 +221,7 @@ def _draw(probs: Tensor, uniforms: Tensor) -> Tensor:
     """Row ``r``'s token: the first whose cumulative probability exceeds ``uniforms[r]``
     of the row's total (inverse-CDF sampling; a token of probability 0 is never drawn)."""
     cdf = probs.double().cumsum(-1)
-    point = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    point = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
