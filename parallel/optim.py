@@ -39,7 +39,10 @@ class OptimSettings:
     lr_schedule: str = "constant"  # constant | linear | cosine
     warmup_steps: int = 0
     decay_steps: int = 0
-    use_distributed_optimizer: bool = True
+    # shard optimizer state and master weights over data-parallel ranks; None: when a
+    # data-parallel group (dense or expert) has more than one rank (with one there is
+    # nothing to shard and the shard all-gather is pure overhead)
+    use_distributed_optimizer: bool | None = None
     overlap_grad_reduce: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -85,7 +88,7 @@ def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, settings: OptimS
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=settings.overlap_grad_reduce,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=shards_optimizer_state(settings),
         average_in_collective=False,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -107,10 +110,38 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimSettin
         clip_grad=settings.clip_grad,
         bf16=config.bf16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=shards_optimizer_state(settings),
         **settings.extra,
     )
-    return get_megatron_optimizer(opt_config, chunks)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    _foreach_on_cpu(optimizer)
+    return optimizer
+
+
+def shards_optimizer_state(settings: OptimSettings) -> bool:
+    """Whether DDP and the optimizer shard state over data-parallel ranks (megatron's
+    distributed optimizer): as set, or (``None``) when the dense or the expert
+    data-parallel group of this process has more than one rank."""
+    if settings.use_distributed_optimizer is not None:
+        return settings.use_distributed_optimizer
+    from megatron.core import parallel_state
+
+    dense = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return dense > 1 or parallel_state.get_expert_data_parallel_world_size() > 1
+
+
+def _foreach_on_cpu(optimizer: MegatronOptimizer) -> None:
+    """torch's Adam steps CPU parameters one tensor at a time unless asked for its
+    multi-tensor (foreach) form, which it picks by itself on CUDA; megatron-core's
+    fallback Adam (no Transformer Engine / apex) takes no such option, so set it on
+    the parameter groups (the public knob, read at every step)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or "foreach" not in inner.defaults:
+            continue
+        for group in inner.param_groups:
+            if group["foreach"] is None and all(p.device.type == "cpu" for p in group["params"]):
+                group["foreach"] = True
 
 
 def build_lr_scheduler(optimizer: MegatronOptimizer, settings: OptimSettings, total_steps: int) -> LRSchedule:

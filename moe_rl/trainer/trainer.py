@@ -38,6 +38,7 @@ from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.experience_transport import share_experience
+from moe_rl.trainer.heap import frozen_heap
 from moe_rl.trainer.metrics import (
     StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
@@ -206,7 +207,7 @@ class Trainer:
                         self.run_dir, self.start_step, self.cfg.train.steps)  # fmt: skip
         if self.start_step == 0 and self.cfg.train.eval_every:  # the starting policy, for reference
             self.logger.log_scalars(0, self.evaluate())
-        with StopRequests() as stop:
+        with StopRequests() as stop, frozen_heap():
             for step in range(self.start_step, self.cfg.train.steps):
                 scalars = self.train_step(step)
                 skipped_in_a_row = skipped_in_a_row + 1 if scalars[tags.TRAIN_UPDATE_SKIPPED] else 0

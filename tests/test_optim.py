@@ -1,0 +1,36 @@
+"""parallel.optim in one process: the default optimizer is unsharded (one data-parallel
+rank has nothing to shard) and multi-tensor on CPU, and its first step is Adam's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_rl.models.tiny import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("optim") / "hf", "qwen3_moe", seed=3)
+    script = Path(__file__).with_name("optim_checks.py")
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+
+
+def test_one_data_parallel_rank_does_not_shard_unless_asked(result) -> None:
+    assert result["auto_sharded"] is False and result["explicit_sharded"] is True
+
+
+def test_cpu_adam_steps_all_tensors_at_once(result) -> None:
+    assert result["auto_foreach"] == ["True"]
+
+
+def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None:
+    assert result["moved"] > 1000
+    assert result["textbook_max_err"] < 1e-7
+    assert result["auto_vs_sharded_max_diff"] < 1e-7
