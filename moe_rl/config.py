@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 # families the built-in model can be made of
 DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
+# how routed experts are built (moe_rl.models.layers.decoder_block_spec)
+EXPERT_MODULES = ("grouped", "sequential")
 
 
 @dataclass
@@ -35,6 +37,9 @@ class ModelConfig:
     num_layers: int = 2
     num_experts: int = 8
     top_k: int = 2
+    # routed experts: grouped (stacked weights, a grouped matmul per projection) or sequential
+    # (megatron-core's SequentialMLP, one module per expert); checkpoints are the same HF tensors
+    experts: str = "grouped"
 
 
 @dataclass
@@ -433,6 +438,7 @@ def _validate_rewards(reward: RewardConfig) -> None:
 
 def _validate_model_and_data(c: Config) -> None:
     m = c.model
+    _choice("model.experts", m.experts, EXPERT_MODULES)
     if m.hf_dir is not None:
         _check_hf_dir(m.hf_dir)
     else:

@@ -77,8 +77,11 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_config: LogProbConfig | None = None) -> GPTModel:
-    """This rank's pipeline stage of the model (initialised randomly: load weights next).
+def build_model(
+    hf_config: PretrainedConfig, config: TransformerConfig, logprob_config: LogProbConfig | None = None, experts: str = "grouped"
+) -> GPTModel:
+    """This rank's pipeline stage of the model (initialised randomly: load weights next),
+    its routed experts as ``experts`` (see :func:`moe_rl.models.layers.decoder_block_spec`).
 
     The output layer is a :class:`LogProbHead`: the model returns per-token log-probs
     and entropies of given targets (at ``logprob_config.temperature``) instead of
@@ -88,7 +91,7 @@ def build_model(hf_config: PretrainedConfig, config: TransformerConfig, logprob_
     post = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, architecture_of(hf_config).qk_norm(hf_config)),
+        transformer_layer_spec=decoder_block_spec(config, architecture_of(hf_config).qk_norm(hf_config), experts),
         vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre,

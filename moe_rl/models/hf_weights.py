@@ -10,7 +10,9 @@ directory is written under a temporary name and renamed when complete.
 Layout facts (DESIGN.md §3.12): megatron's fused QKV is interleaved per KV group (that
 group's query heads, then its key, then its value head); ``linear_fc1`` is
 ``cat(gate_proj, up_proj)`` *per tensor-parallel shard*; ``pre_mlp_layernorm`` is HF's
-``post_attention_layernorm``; ``router`` is the MoE block's ``gate``.
+``post_attention_layernorm``; ``router`` is the MoE block's ``gate``. Routed experts are
+one stacked parameter per projection and layer (``[local experts, ...]``,
+:class:`moe_rl.models.grouped_experts.GroupedExperts`) or one module each (``SequentialMLP``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,12 +59,22 @@ class Recipe:
     multiple of TP), ``qkv`` (q, k, v interleaved per KV group) or ``glu`` (gate, up,
     concatenated per shard). ``shard_dim`` is the tensor-parallel
     split dimension (None: replicated); ``expert`` selects the expert-TP group.
+    ``stacked``: the parameter stacks that many experts along a new first dimension, each
+    made by this recipe from its share of ``hf_keys`` (expert-major; 0: not stacked).
     """
 
     hf_keys: tuple[str, ...]
     kind: str = "copy"
     shard_dim: int | None = None
     expert: bool = False
+    stacked: int = 0
+
+    def per_expert(self) -> list[Recipe]:
+        """The recipe of each stacked expert (``[self]`` when not stacked)."""
+        if not self.stacked:
+            return [self]
+        k = len(self.hf_keys) // self.stacked
+        return [replace(self, hf_keys=self.hf_keys[e * k : (e + 1) * k], stacked=0) for e in range(self.stacked)]
 
 
 class ParamMapper:
@@ -78,7 +90,8 @@ class ParamMapper:
         "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight", None),
     }
     _SHARED = re.compile(r"mlp\.shared_experts\.(linear_fc1\.weight|linear_fc2\.weight|gate_weight)")
-    _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+    _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")  # SequentialMLP
+    _STACKED = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight")  # GroupedExperts
 
     def __init__(self, hf_config: PretrainedConfig, model: GPTModel) -> None:
         self.cfg = hf_config
@@ -137,17 +150,27 @@ class ParamMapper:
             return Recipe(keys, "qkv", 0)
         e = self._EXPERT.fullmatch(rest)
         if e:
-            expert = self.expert_offset + int(e.group(1))
-            keys = self.arch.experts
-            if e.group(2) == "linear_fc1":
-                fc1 = (keys.gate.format(l=l, e=expert), keys.up.format(l=l, e=expert))
-                return Recipe(fc1, "glu", 0, expert=True)
-            return Recipe((keys.down.format(l=l, e=expert),), shard_dim=1, expert=True)
+            return self._expert_recipe(l, self.expert_offset + int(e.group(1)), e.group(2))
+        stacked = self._STACKED.fullmatch(rest)
+        if stacked:
+            experts = [self._expert_recipe(l, self.expert_offset + i, stacked.group(1)) for i in range(self.local_experts)]
+            keys = tuple(key for recipe in experts for key in recipe.hf_keys)
+            return replace(experts[0], hf_keys=keys, stacked=self.local_experts)
         raise KeyError(name)
+
+    def _expert_recipe(self, layer: int, expert: int, linear: str) -> Recipe:
+        keys = self.arch.experts
+        if linear == "linear_fc1":
+            return Recipe((keys.gate.format(l=layer, e=expert), keys.up.format(l=layer, e=expert)), "glu", 0, expert=True)
+        return Recipe((keys.down.format(l=layer, e=expert),), shard_dim=1, expert=True)
 
     # -------------------------------------------------------------- full <-> shard
 
     def to_shard(self, recipe: Recipe, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the parameter ``recipe`` makes of ``tensors`` (``hf_keys`` order)."""
+        if recipe.stacked:
+            k = len(recipe.hf_keys) // recipe.stacked
+            return torch.stack([self.to_shard(r, tensors[e * k : (e + 1) * k]) for e, r in enumerate(recipe.per_expert())])
         rank, size = self._tp(recipe)
         if recipe.kind == "vocab":
             full = tensors[0]
@@ -164,6 +187,8 @@ class ParamMapper:
 
     def to_full(self, recipe: Recipe, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Inverse of :meth:`to_shard` given every TP rank's shard (in rank order)."""
+        if recipe.stacked:
+            return [full for e, r in enumerate(recipe.per_expert()) for full in self.to_full(r, [s[e] for s in shards])]
         if recipe.kind == "vocab":
             return [torch.cat(shards, 0)[: self.cfg.vocab_size]]
         if recipe.kind == "copy":

@@ -9,12 +9,16 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from moe_rl.config import EXPERT_MODULES
+from moe_rl.models.grouped_experts import GroupedExperts
 
 
 class RMSNorm(torch.nn.Module):
@@ -73,11 +77,15 @@ class LatentAttentionCore(DotProductAttention):
             raise ValueError(f"MLA value head size {v_channels} != kv_channels {self.config.kv_channels}")
 
 
-def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none") -> TransformerBlockSubmodules:
+def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", experts: str = "grouped") -> TransformerBlockSubmodules:
     """This pipeline stage's local-spec decoder layers (MoE or dense, by
     ``config.moe_layer_freq``) whose input, pre-MLP, QK and final norms are
     :class:`RMSNorm` (the stock torch norm refuses sequence parallelism).
-    ``qk_norm``: ``none``, ``head`` (each head) or ``full`` (:class:`FullWidthQKNorm`)."""
+    ``qk_norm``: ``none``, ``head`` (each head) or ``full`` (:class:`FullWidthQKNorm`);
+    ``experts``: ``grouped`` (:class:`GroupedExperts`) or ``sequential`` (megatron's
+    ``SequentialMLP``)."""
+    if experts not in EXPERT_MODULES:
+        raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODULES)}")
     norm = ModuleSpec(module=RMSNorm)
     q_norm, k_norm = {
         "none": (None, None),
@@ -99,6 +107,8 @@ def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none") -> Tran
         elif config.qk_layernorm:
             sub.self_attention.submodules.q_layernorm = q_norm
             sub.self_attention.submodules.k_layernorm = k_norm
+        if experts == "grouped" and isinstance(sub.mlp.submodules, MoESubmodules):
+            sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     offset = get_transformer_layer_offset(config)
     local = layer_specs[offset : offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)

@@ -63,26 +63,30 @@ def build_policy(
     recompute_activations: bool,
     logprob_config: LogProbConfig,
     expert_bias_update_rate: float = 1e-3,
+    experts: str = "grouped",
 ) -> Policy:
     """The policy's stage with ``hf_dir``'s weights, megatron DDP, the optimizer and its
     learning-rate schedule over ``total_steps`` RL steps. Routers with an expert bias move
-    it by ``expert_bias_update_rate`` per optimizer step (megatron-core's rule)."""
+    it by ``expert_bias_update_rate`` per optimizer step (megatron-core's rule); routed
+    experts are built as ``experts`` (``model.experts``)."""
     overrides = {
         **replay_config_overrides(replay),
         **(FULL_RECOMPUTE if recompute_activations else {}),
         "moe_router_bias_update_rate": expert_bias_update_rate,
     }
     config = make_transformer_config(hf_config, layout, **overrides)
-    model = build_model(hf_config, config, logprob_config)
+    model = build_model(hf_config, config, logprob_config, experts)
     load_hf_weights(model, hf_config, hf_dir)
     ddp = wrap_ddp(model, config, optim)
     optimizer = build_optimizer([ddp], optim)
     return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, optim, total_steps), hf_config)
 
 
-def build_reference(hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> GPTModel:
+def build_reference(
+    hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, experts: str = "grouped"
+) -> GPTModel:
     """A frozen copy of the starting policy's stage (for the KL penalty)."""
-    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config)
+    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config, experts)
     load_hf_weights(model, hf_config, hf_dir)
     return model.eval()
 
@@ -144,8 +148,11 @@ def _load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
             target.copy_(value, non_blocking=False)
 
 
-def build_reference_for(policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig) -> Reference:
-    """``algorithm.reference``: ``host`` (swapped into the policy) or ``device`` (a second model)."""
+def build_reference_for(
+    policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, experts: str = "grouped"
+) -> Reference:
+    """``algorithm.reference``: ``host`` (swapped into the policy) or ``device`` (a second
+    model, its experts built as the policy's: ``experts``)."""
     if mode == "host":
         return HostReference.snapshot(policy)
-    return DeviceReference(build_reference(policy.hf_config, hf_dir, layout, logprob_config))
+    return DeviceReference(build_reference(policy.hf_config, hf_dir, layout, logprob_config, experts))

@@ -125,12 +125,14 @@ class Trainer:
         self.policy = build_policy(
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
-            expert_bias_update_rate=cfg.routing.expert_bias_update_rate,
+            expert_bias_update_rate=cfg.routing.expert_bias_update_rate, experts=cfg.model.experts,
         )  # fmt: skip
         self.expert_bias = self._build_expert_bias_tracker()
         # the starting weights (taken before a resumed run loads its checkpoint)
         self.reference = (
-            build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs) if cfg.algorithm.kl_coef > 0 else None
+            build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs, cfg.model.experts)
+            if cfg.algorithm.kl_coef > 0
+            else None
         )  # fmt: skip
         self.monitor = self._build_monitor()
         self.start_step = self._resume()

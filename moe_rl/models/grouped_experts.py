@@ -1,0 +1,75 @@
+"""This rank's routed experts as two stacked weights: the experts module moe-rl's layer
+spec gives megatron-core's ``MoELayer`` (in place of ``SequentialMLP``, one ``MLP``
+module per expert).
+
+``linear_fc1.weight`` is ``[local experts, 2 * ffn / ETP, hidden]`` (each expert's gate
+rows, then its up rows, as ``SequentialMLP``'s ``linear_fc1``), ``linear_fc2.weight``
+``[local experts, hidden, ffn / ETP]``. The tokens arrive grouped by expert (the token
+dispatcher's output), so each projection is one grouped matmul (``torch.nn.functional.
+grouped_mm``) where it runs, otherwise one matmul per expert over the stacked weight.
+No communication happens here: the dispatcher moves tokens between expert-parallel and
+expert-tensor-parallel ranks and reduces the partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+
+class StackedLinear(torch.nn.Module):
+    """``weight[e]`` applied to the rows of expert ``e`` (rows grouped by expert)."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, config: TransformerConfig, partition_dim: int) -> None:
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=device))
+        # always "parallel", as megatron marks its expert linears: each rank's slice is its own
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
+        itemsize = self.weight.element_size()
+        # torch's grouped matmul: CPU (any dtype) and, not yet checked on a GPU here, nothing else
+        self.grouped = (
+            hasattr(F, "grouped_mm") and self.weight.device.type == "cpu"
+            and (in_features * itemsize) % 16 == 0 and (out_features * itemsize) % 16 == 0
+        )  # fmt: skip
+
+    def forward(self, rows: Tensor, tokens_per_expert: Tensor, offsets: Tensor) -> Tensor:
+        if self.grouped and rows.shape[0] > 0:
+            return F.grouped_mm(rows.to(self.weight.dtype), self.weight.mT, offs=offsets)
+        groups = rows.split(tokens_per_expert.tolist())
+        return torch.cat([F.linear(group, self.weight[e]) for e, group in enumerate(groups)])
+
+
+class GroupedExperts(MegatronModule):
+    """Drop-in for megatron-core's ``SequentialMLP`` (same constructor and ``forward``
+    contract; gated SiLU, no biases, as every supported family)."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        plain_glu = config.gated_linear_unit and config.activation_func_clamp_value is None and not config.glu_linear_offset
+        if config.add_bias_linear or not plain_glu or config.fp8 or config.fp4:
+            raise ValueError("GroupedExperts runs gated experts without biases, clamps or fp8/fp4 only")
+        etp = pg_collection.expt_tp.size()
+        ffn = config.moe_ffn_hidden_size // etp
+        self.num_local_experts = num_local_experts
+        self.linear_fc1 = StackedLinear(num_local_experts, 2 * ffn, config.hidden_size, config, partition_dim=1)
+        self.linear_fc2 = StackedLinear(num_local_experts, config.hidden_size, ffn, config, partition_dim=2)
+        if config.perform_initialization:
+            with torch.no_grad():
+                for e in range(num_local_experts):
+                    config.init_method(self.linear_fc1.weight[e])
+                    config.output_layer_init_method(self.linear_fc2.weight[e])
+
+    def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor) -> tuple[Tensor, None]:
+        rows, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # (top-1 only, as SequentialMLP)
+            rows, probs = (probs.unsqueeze(-1) * rows).to(rows.dtype), torch.ones_like(probs)
+        offsets = tokens_per_expert.to(device=rows.device).cumsum(0).to(torch.int32)
+        gate, up = self.linear_fc1(rows, tokens_per_expert, offsets).chunk(2, dim=-1)
+        hidden = self.config.activation_func(gate) * up
+        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        return self.linear_fc2(hidden, tokens_per_expert, offsets), None
