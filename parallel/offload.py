@@ -6,7 +6,8 @@ gradient buffers and optimizer state must leave the GPU while the engine generat
 shrinks the storage to zero bytes; reloading grows it back and copies the bytes in. Every
 view of a storage (megatron-core's parameters and ``main_grad`` are views into DDP's
 contiguous buffers, the distributed optimizer's shards are views too) stays valid, so no
-module, buffer or optimizer needs to know. On CPU the copy is real but frees nothing
+module, buffer or optimizer needs to know. Gradients are not copied: the next step zeroes
+them first, so they are freed and come back as zeros. On CPU the copy is real but frees nothing
 useful (host to host); it is what the tests check (bit-equal round trip, storages freed).
 """
 
@@ -18,45 +19,72 @@ import torch
 from megatron.core.optimizer import MegatronOptimizer
 
 KINDS = ("weights", "grads", "optimizer")
+# the next training step zeroes the gradient buffers before anything reads them: their
+# storages are freed without a copy and come back as zeros
+DISCARDED = frozenset({"grads"})
 
 
 class DeviceOffloader:
-    """Offloads and reloads ``kind`` s of state of ``modules`` and ``optimizer``."""
+    """Offloads and reloads ``kind`` s of state of ``modules`` and ``optimizer``.
+
+    Host buffers (pinned on CUDA) are allocated on the first offload and reused by every
+    later one (pinned allocations are slow and fragment host memory), so the host keeps
+    one copy of the offloaded state for the whole run."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], optimizer: MegatronOptimizer | None) -> None:
         self.modules = list(modules)
         self.optimizer = optimizer
-        self._host: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
+        # per kind: (storage, its size, its host copy or None when discarded)
+        self._moved: dict[str, list[tuple[torch.UntypedStorage, int, torch.Tensor | None]]] = {}
+        self._spare: dict[int, list[torch.Tensor]] = {}  # free host buffers by size
 
     def offloaded(self) -> list[str]:
-        return sorted(self._host)
+        return sorted(self._moved)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this offloader holds (its buffers, in use or spare)."""
+        in_use = sum(host.numel() for saved in self._moved.values() for _, _, host in saved if host is not None)
+        return in_use + sum(host.numel() for spare in self._spare.values() for host in spare)
 
     def offload(self, kinds: Iterable[str] = KINDS) -> int:
-        """Move ``kinds`` to host memory; returns the bytes freed on the device."""
+        """Move ``kinds`` to host memory (``DISCARDED`` kinds are only freed); returns the
+        bytes freed on the device."""
         freed = 0
         for kind in _checked(kinds):
-            if kind in self._host:
+            if kind in self._moved:
                 continue
             saved = []
             for storage in _unique(self._tensors(kind)):
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-                host.untyped_storage().copy_(storage, non_blocking=True)
-                saved.append((storage, host))
-            _synchronize(saved)
-            for storage, _ in saved:
-                freed += storage.nbytes()
+                host = None if kind in DISCARDED else self._host_buffer(storage)
+                if host is not None:
+                    host.untyped_storage().copy_(storage, non_blocking=True)
+                saved.append((storage, storage.nbytes(), host))
+            _synchronize([storage for storage, _, _ in saved])
+            for storage, nbytes, _ in saved:
+                freed += nbytes
                 storage.resize_(0)
-            self._host[kind] = saved
+            self._moved[kind] = saved
         return freed
 
     def onload(self, kinds: Iterable[str] = KINDS) -> None:
         """Bring ``kinds`` back (each storage regrown and refilled in place)."""
         for kind in _checked(kinds):
-            for storage, host in self._host.pop(kind, []):
-                storage.resize_(host.numel())
-                storage.copy_(host.untyped_storage(), non_blocking=True)
+            for storage, nbytes, host in self._moved.pop(kind, []):
+                storage.resize_(nbytes)
+                if host is None:
+                    torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+                else:
+                    storage.copy_(host.untyped_storage(), non_blocking=True)
+                    self._spare.setdefault(nbytes, []).append(host)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+
+    def _host_buffer(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        spare = self._spare.get(storage.nbytes())
+        if spare:
+            return spare.pop()
+        return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
 
     def _tensors(self, kind: str) -> Iterator[torch.Tensor]:
         if kind == "weights":
@@ -104,6 +132,6 @@ def _checked(kinds: Iterable[str]) -> list[str]:
     return kinds
 
 
-def _synchronize(saved) -> None:
-    if any(storage.device.type == "cuda" for storage, _ in saved):
+def _synchronize(storages: list[torch.UntypedStorage]) -> None:
+    if any(storage.device.type == "cuda" for storage in storages):
         torch.cuda.synchronize()
