@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +24,12 @@ def demo_cache(tmp_path_factory) -> str:
                          capture_output=True, text=True, timeout=400, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return str(path)
+
+
+def run_check_script(name: str, *args: str, timeout_s: int = 300) -> dict:
+    """Run ``tests/<name>`` (a one-process check that prints JSON lines) in a fresh
+    Python; its last JSON line."""
+    script = Path(__file__).with_name(name)
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script), *args], capture_output=True, text=True, timeout=timeout_s)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

@@ -4,15 +4,12 @@ StackedLinear against one matmul per expert, including experts that get no token
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from conftest import run_check_script
 from moe_rl.models.grouped_experts import StackedLinear
 from moe_rl.models.tiny import save_tiny_checkpoint
 
@@ -20,10 +17,7 @@ from moe_rl.models.tiny import save_tiny_checkpoint
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("grouped") / "hf", "qwen3_moe", seed=4)
-    script = Path(__file__).with_name("grouped_experts_checks.py")
-    out = subprocess.run([sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    return run_check_script("grouped_experts_checks.py", hf_dir)
 
 
 @pytest.mark.parametrize("variant", ["grouped", "fallback"])

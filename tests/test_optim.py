@@ -3,23 +3,16 @@ rank has nothing to shard) and multi-tensor on CPU, and its first step is Adam's
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from conftest import run_check_script
 from moe_rl.models.tiny import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("optim") / "hf", "qwen3_moe", seed=3)
-    script = Path(__file__).with_name("optim_checks.py")
-    out = subprocess.run([sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    return run_check_script("optim_checks.py", hf_dir)
 
 
 def test_one_data_parallel_rank_does_not_shard_unless_asked(result) -> None:
