@@ -177,7 +177,7 @@ def main() -> None:
         import trl  # noqa: F401
 
         model_dir = _demo_model()
-        steps = "4" if q else "8"
+        steps = "4" if q else "16"
         runs: dict[str, list[dict]] = {"moe-rl": [], "trl": []}
         for _ in range(1 if q else 3):  # alternating, so machine noise hits both sides alike
             for side in runs:
