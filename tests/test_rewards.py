@@ -31,6 +31,16 @@ def test_math_correct(response: str, answer: str, expected: float) -> None:
     assert math_correct(sample(response, answer)) == expected
 
 
+def test_math_correct_answers_a_repeated_response_from_its_cache() -> None:
+    from moe_rl.rewards.rules import _math_equal
+
+    first = math_correct(sample("so \\boxed{12}", "12"))
+    hits = _math_equal.cache_info().hits
+    assert math_correct(sample("so \\boxed{12}", "12")) == first == 1.0
+    assert _math_equal.cache_info().hits == hits + 1
+    assert math_correct(sample("so \\boxed{12}", "13")) == 0.0  # keyed by the answer too
+
+
 def test_format_and_length() -> None:
     assert format_reward(sample("answer \\boxed{7}")) == 1.0
     assert format_reward(sample("answer 7")) == 0.0
