@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
 # how routed experts are built (moe_rl.models.layers.decoder_block_spec)
 EXPERT_MODULES = ("grouped", "sequential")
+ATTENTION_MODULES = ("sdpa", "local")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ModelConfig:
     # routed experts: grouped (stacked weights, a grouped matmul per projection) or sequential
     # (megatron-core's SequentialMLP, one module per expert); checkpoints are the same HF tensors
     experts: str = "grouped"
+    # core attention: sdpa (torch's fused scaled_dot_product_attention) or local (megatron's,
+    # which keeps [batch x heads, s, s] scores per layer)
+    attention: str = "sdpa"
 
 
 @dataclass
@@ -439,6 +443,7 @@ def _validate_rewards(reward: RewardConfig) -> None:
 def _validate_model_and_data(c: Config) -> None:
     m = c.model
     _choice("model.experts", m.experts, EXPERT_MODULES)
+    _choice("model.attention", m.attention, ATTENTION_MODULES)
     if m.hf_dir is not None:
         _check_hf_dir(m.hf_dir)
     else:

@@ -69,6 +69,8 @@ BAD = [
     (["train.progress=maybe"], "train.progress='maybe' must be true or false"),
     (["model.hf_dir=/nonexistent"], "model.hf_dir='/nonexistent' has no config.json"),
     (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
+    (["model.experts=loop"], "model.experts='loop' is not valid; valid: grouped, sequential"),
+    (["model.attention=flash"], "model.attention='flash' is not valid; valid: sdpa, local"),
     (["data.task=/no/such.jsonl"], "data.task='/no/such.jsonl' is neither 'arithmetic' nor an existing dataset file"),
     (["data.eval_task=/no/such.parquet"], "data.eval_task='/no/such.parquet' is neither 'arithmetic' nor an existing"),
     ([f"data.task={__file__}"], "a dataset file must end in .jsonl, .json (JSON lines) or .parquet"),

@@ -12,7 +12,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from transformers import AutoConfig, PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
-from moe_rl.models.layers import decoder_block_spec
+from moe_rl.models.layers import LayerModules, decoder_block_spec
 from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
 from parallel.layout import ParallelLayout
 
@@ -78,10 +78,13 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 
 def build_model(
-    hf_config: PretrainedConfig, config: TransformerConfig, logprob_config: LogProbConfig | None = None, experts: str = "grouped"
+    hf_config: PretrainedConfig,
+    config: TransformerConfig,
+    logprob_config: LogProbConfig | None = None,
+    modules: LayerModules = LayerModules(),
 ) -> GPTModel:
     """This rank's pipeline stage of the model (initialised randomly: load weights next),
-    its routed experts as ``experts`` (see :func:`moe_rl.models.layers.decoder_block_spec`).
+    its layers' experts and attention built as ``modules`` says.
 
     The output layer is a :class:`LogProbHead`: the model returns per-token log-probs
     and entropies of given targets (at ``logprob_config.temperature``) instead of
@@ -91,7 +94,7 @@ def build_model(
     post = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, architecture_of(hf_config).qk_norm(hf_config), experts),
+        transformer_layer_spec=decoder_block_spec(config, architecture_of(hf_config).qk_norm(hf_config), modules),
         vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre,

@@ -22,6 +22,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
+from moe_rl.models.layers import causal_mask
+
 
 @dataclass
 class MicroBatch:
@@ -77,7 +79,6 @@ def run_microbatches(
     device = next(chunks[0].parameters()).device
     batches = iter(enumerate(micro_batches))
     sp_size = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    causal_masks: dict[int, Tensor] = {}
 
     def forward_step(data_iterator, model_chunk):
         index, mb = next(data_iterator)
@@ -85,10 +86,10 @@ def run_microbatches(
         b, s = ids.shape
         positions = torch.arange(s, device=device).unsqueeze(0).expand_as(ids)
         # explicit (True = masked), so that no pass, activation recompute included, builds one
-        causal_mask = causal_masks.setdefault(s, torch.ones(s, s, dtype=torch.bool, device=device).triu(1)[None, None])
+        mask = causal_mask(s, device)
         for hook in hooks:
             hook.before_forward(index, b * s // sp_size)
-        out = model_chunk(ids, positions, attention_mask=causal_mask, labels=mb.targets.to(device))
+        out = model_chunk(ids, positions, attention_mask=mask, labels=mb.targets.to(device))
         for hook in hooks:
             hook.after_forward(index)
         return out, partial(_loss_wrapper, loss_fn, mb)

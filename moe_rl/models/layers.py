@@ -4,11 +4,15 @@ heads."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -17,8 +21,24 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from moe_rl.config import EXPERT_MODULES
+from moe_rl.config import ATTENTION_MODULES, EXPERT_MODULES
 from moe_rl.models.grouped_experts import GroupedExperts
+
+
+@dataclass(frozen=True)
+class LayerModules:
+    """Which implementation builds a decoder layer's parts (``model.experts``,
+    ``model.attention``): ``grouped`` (:class:`GroupedExperts`) or ``sequential``
+    (megatron's ``SequentialMLP``); ``sdpa`` (:class:`SdpaAttention`) or ``local``
+    (megatron's ``DotProductAttention``, ``[batch x heads, s, s]`` scores)."""
+
+    experts: str = "grouped"
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        for key, value, valid in (("experts", self.experts, EXPERT_MODULES), ("attention", self.attention, ATTENTION_MODULES)):
+            if value not in valid:
+                raise ValueError(f"{key}={value!r} is not one of {', '.join(valid)}")
 
 
 class RMSNorm(torch.nn.Module):
@@ -65,6 +85,45 @@ class FullWidthQKNorm(torch.nn.Module):
         return self.weight.view(x.shape[-2:]) * normed.to(x.dtype)
 
 
+@lru_cache(maxsize=8)
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, length, length]``, True above the diagonal (masked): the mask the forward
+    passes give megatron's attention, one object per length and device (so that
+    :class:`SdpaAttention` recognises it and attends causally without reading it)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+class SdpaAttention(DotProductAttention):
+    """megatron-core's local core attention computed by torch's
+    ``scaled_dot_product_attention``: fused kernels, no ``[batch x heads, s, s]`` scores
+    kept (flash or memory-efficient kernels on GPUs). Given :func:`causal_mask` (or no
+    mask, with a causal mask type) it attends causally (``is_causal``); any other mask
+    (True = masked) is applied as given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.softmax_type != "vanilla" or self.config.window_size is not None:
+            raise ValueError("SdpaAttention runs vanilla-softmax full attention only (model.attention=local otherwise)")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SdpaAttention takes no attention bias or packed sequences")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
+        length = q.shape[2]
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal and length == k.shape[2] and length > 1
+        if attention_mask is not None and attention_mask is causal_mask(length, attention_mask.device):
+            attention_mask = None
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            is_causal=causal and attention_mask is None,
+            dropout_p=self.attention_dropout.p if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, heads * v dim]
+
+
 class LatentAttentionCore(DotProductAttention):
     """megatron-core's local attention for multi-head latent attention: MLA passes the
     query/key and value head sizes (``k_channels``, ``v_channels``), which the local
@@ -77,15 +136,16 @@ class LatentAttentionCore(DotProductAttention):
             raise ValueError(f"MLA value head size {v_channels} != kv_channels {self.config.kv_channels}")
 
 
-def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", experts: str = "grouped") -> TransformerBlockSubmodules:
+class LatentSdpaAttention(SdpaAttention, LatentAttentionCore):
+    """:class:`SdpaAttention` taking MLA's query/key and value head sizes."""
+
+
+def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", modules: LayerModules = LayerModules()) -> TransformerBlockSubmodules:
     """This pipeline stage's local-spec decoder layers (MoE or dense, by
     ``config.moe_layer_freq``) whose input, pre-MLP, QK and final norms are
     :class:`RMSNorm` (the stock torch norm refuses sequence parallelism).
     ``qk_norm``: ``none``, ``head`` (each head) or ``full`` (:class:`FullWidthQKNorm`);
-    ``experts``: ``grouped`` (:class:`GroupedExperts`) or ``sequential`` (megatron's
-    ``SequentialMLP``)."""
-    if experts not in EXPERT_MODULES:
-        raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODULES)}")
+    ``modules`` picks the experts and the core attention."""
     norm = ModuleSpec(module=RMSNorm)
     q_norm, k_norm = {
         "none": (None, None),
@@ -103,11 +163,15 @@ def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", experts
         if config.multi_latent_attention:  # the norms of the compressed q and kv (DeepSeek)
             sub.self_attention.submodules.q_layernorm = norm
             sub.self_attention.submodules.kv_layernorm = norm
-            sub.self_attention.submodules.core_attention = ModuleSpec(module=LatentAttentionCore)
-        elif config.qk_layernorm:
-            sub.self_attention.submodules.q_layernorm = q_norm
-            sub.self_attention.submodules.k_layernorm = k_norm
-        if experts == "grouped" and isinstance(sub.mlp.submodules, MoESubmodules):
+            latent_core = LatentSdpaAttention if modules.attention == "sdpa" else LatentAttentionCore
+            sub.self_attention.submodules.core_attention = ModuleSpec(module=latent_core)
+        else:
+            if modules.attention == "sdpa":
+                sub.self_attention.submodules.core_attention = ModuleSpec(module=SdpaAttention)
+            if config.qk_layernorm:
+                sub.self_attention.submodules.q_layernorm = q_norm
+                sub.self_attention.submodules.k_layernorm = k_norm
+        if modules.experts == "grouped" and isinstance(sub.mlp.submodules, MoESubmodules):
             sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     offset = get_transformer_layer_offset(config)
     local = layer_specs[offset : offset + get_num_layers_to_build(config)]

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from moe_rl.models.builder import build_model, make_transformer_config, named_weights
 from moe_rl.models.forward import ForwardHooks, LossFn, MicroBatch, run_microbatches
 from moe_rl.models.hf_weights import load_hf_weights
+from moe_rl.models.layers import LayerModules
 from moe_rl.models.weight_buckets import HFWeights
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.routing.replay import replay_config_overrides
@@ -63,19 +64,19 @@ def build_policy(
     recompute_activations: bool,
     logprob_config: LogProbConfig,
     expert_bias_update_rate: float = 1e-3,
-    experts: str = "grouped",
+    modules: LayerModules = LayerModules(),
 ) -> Policy:
     """The policy's stage with ``hf_dir``'s weights, megatron DDP, the optimizer and its
     learning-rate schedule over ``total_steps`` RL steps. Routers with an expert bias move
-    it by ``expert_bias_update_rate`` per optimizer step (megatron-core's rule); routed
-    experts are built as ``experts`` (``model.experts``)."""
+    it by ``expert_bias_update_rate`` per optimizer step (megatron-core's rule); experts
+    and attention are built as ``modules`` says."""
     overrides = {
         **replay_config_overrides(replay),
         **(FULL_RECOMPUTE if recompute_activations else {}),
         "moe_router_bias_update_rate": expert_bias_update_rate,
     }
     config = make_transformer_config(hf_config, layout, **overrides)
-    model = build_model(hf_config, config, logprob_config, experts)
+    model = build_model(hf_config, config, logprob_config, modules)
     load_hf_weights(model, hf_config, hf_dir)
     ddp = wrap_ddp(model, config, optim)
     optimizer = build_optimizer([ddp], optim)
@@ -83,10 +84,10 @@ def build_policy(
 
 
 def build_reference(
-    hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, experts: str = "grouped"
+    hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, modules: LayerModules = LayerModules()
 ) -> GPTModel:
     """A frozen copy of the starting policy's stage (for the KL penalty)."""
-    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config, experts)
+    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config, modules)
     load_hf_weights(model, hf_config, hf_dir)
     return model.eval()
 
@@ -149,10 +150,10 @@ def _load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
 
 
 def build_reference_for(
-    policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, experts: str = "grouped"
+    policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, modules: LayerModules = LayerModules()
 ) -> Reference:
     """``algorithm.reference``: ``host`` (swapped into the policy) or ``device`` (a second
-    model, its experts built as the policy's: ``experts``)."""
+    model, built of the policy's ``modules``)."""
     if mode == "host":
         return HostReference.snapshot(policy)
-    return DeviceReference(build_reference(policy.hf_config, hf_dir, layout, logprob_config, experts))
+    return DeviceReference(build_reference(policy.hf_config, hf_dir, layout, logprob_config, modules))

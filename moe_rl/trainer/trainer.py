@@ -27,6 +27,7 @@ from moe_rl.data.tasks import Task, make_task
 from moe_rl.evaluation import Evaluator, build_evaluator
 from moe_rl.models.architectures import architecture_of, model_dims
 from moe_rl.models.builder import load_hf_config
+from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.expert_bias import ExpertBiasTracker
@@ -122,15 +123,16 @@ class Trainer:
         formatter = _make_formatter(cfg, self.tokenizer)
         self._write_config()
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
+        modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention)
         self.policy = build_policy(
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
-            expert_bias_update_rate=cfg.routing.expert_bias_update_rate, experts=cfg.model.experts,
+            expert_bias_update_rate=cfg.routing.expert_bias_update_rate, modules=modules,
         )  # fmt: skip
         self.expert_bias = self._build_expert_bias_tracker()
         # the starting weights (taken before a resumed run loads its checkpoint)
         self.reference = (
-            build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs, cfg.model.experts)
+            build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs, modules)
             if cfg.algorithm.kl_coef > 0
             else None
         )  # fmt: skip

@@ -1,0 +1,63 @@
+"""The layer modules (model.experts, model.attention): every choice gives megatron's
+SequentialMLP + local attention's log-probs and HF-named gradients on the same weights
+(GroupedExperts bit for bit, SdpaAttention to float error), with the grouped matmul and
+its fallback; SdpaAttention equals the local attention under each mask; StackedLinear is
+one matmul per expert, including experts that get no rows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import run_check_script
+from moe_rl.models.grouped_experts import StackedLinear
+from moe_rl.models.tiny import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("modules") / "hf", "qwen3_moe", seed=4)
+    return run_check_script("layer_modules_checks.py", hf_dir)
+
+
+@pytest.mark.parametrize("variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa"])
+def test_every_module_choice_gives_the_reference_model(result, variant: str) -> None:
+    r, scale = result[variant], result["grad_max_abs"]
+    assert scale > 1e-3
+    exact = variant == "grouped_local"  # the experts alone: the same arithmetic
+    assert r["logp_max_diff"] <= (0.0 if exact else 1e-5)
+    assert r["grad_max_diff"] <= (0.0 if exact else 1e-5 * scale)
+
+
+def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
+    assert result["grouped_sdpa"]["grouped_matmuls"] == 4 and result["fallback_sdpa"]["grouped_matmuls"] == 0
+    assert result["grouped_sdpa"]["sdpa_modules"] == 2 and result["grouped_local"]["sdpa_modules"] == 0
+
+
+@pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])
+def test_sdpa_attention_equals_megatrons_local_attention(result, mask: str) -> None:
+    assert result["attention"][mask] < 1e-5
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_stacked_linear_is_one_matmul_per_expert(grouped: bool) -> None:
+    config = SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32)
+    layer = StackedLinear(4, 8, 12, config, partition_dim=1)
+    torch.nn.init.normal_(layer.weight)
+    layer.grouped = layer.grouped and grouped
+    counts = torch.tensor([3, 0, 5, 2])  # expert 1 gets no rows
+    rows = torch.randn(10, 12, requires_grad=True)
+    out = layer(rows, counts, counts.cumsum(0).to(torch.int32))
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    starts = [0, 3, 3, 8, 10]
+    weight = layer.weight.detach().clone().requires_grad_()
+    rows_ref = rows.detach().clone().requires_grad_()
+    ref = torch.cat([rows_ref[starts[e] : starts[e + 1]] @ weight[e].T for e in range(4)])
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(rows.grad, rows_ref.grad)
+    torch.testing.assert_close(layer.weight.grad, weight.grad)
+    assert layer.weight.grad[1].abs().sum() == 0
