@@ -25,5 +25,5 @@ def test_cpu_adam_steps_all_tensors_at_once(result) -> None:
 
 def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None:
     assert result["moved"] > 1000
-    assert result["textbook_max_err"] < 1e-7
+    assert result["textbook_max_err"] < 1e-6  # a few float32 ulps of weights near 1; the step itself is lr = 1e-3
     assert result["auto_vs_sharded_max_diff"] < 1e-7
