@@ -61,3 +61,16 @@ def test_stacked_linear_is_one_matmul_per_expert(grouped: bool) -> None:
     torch.testing.assert_close(rows.grad, rows_ref.grad)
     torch.testing.assert_close(layer.weight.grad, weight.grad)
     assert layer.weight.grad[1].abs().sum() == 0
+
+
+def test_the_shared_causal_mask_is_recognised_and_only_the_newest_are_kept() -> None:
+    from moe_rl.models.layers import causal_mask, is_shared_causal_mask
+
+    cpu = torch.device("cpu")
+    mask = causal_mask(5, cpu)
+    assert torch.equal(mask[0, 0], torch.ones(5, 5, dtype=torch.bool).triu(1))
+    assert causal_mask(5, "cpu") is mask and is_shared_causal_mask(mask)
+    assert not is_shared_causal_mask(mask.clone())
+    for length in range(100, 108):  # eight newer lengths push it out
+        causal_mask(length, cpu)
+    assert not is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(107, cpu))

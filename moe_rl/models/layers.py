@@ -5,7 +5,6 @@ heads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
@@ -85,12 +84,26 @@ class FullWidthQKNorm(torch.nn.Module):
         return self.weight.view(x.shape[-2:]) * normed.to(x.dtype)
 
 
-@lru_cache(maxsize=8)
+_CAUSAL_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}  # the 8 newest, oldest first
+
+
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """``[1, 1, length, length]``, True above the diagonal (masked): the mask the forward
-    passes give megatron's attention, one object per length and device (so that
-    :class:`SdpaAttention` recognises it and attends causally without reading it)."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+    passes give megatron's attention, one object per length and device while it is among
+    the 8 newest (so that :class:`SdpaAttention` recognises it and attends causally
+    without reading it)."""
+    key = (length, torch.device(device))
+    mask = _CAUSAL_MASKS.get(key)
+    if mask is None:
+        mask = _CAUSAL_MASKS[key] = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+        if len(_CAUSAL_MASKS) > 8:
+            del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
+    return mask
+
+
+def is_shared_causal_mask(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` is :func:`causal_mask`'s (never builds one)."""
+    return mask is _CAUSAL_MASKS.get((mask.shape[-1], mask.device))
 
 
 class SdpaAttention(DotProductAttention):
@@ -111,7 +124,7 @@ class SdpaAttention(DotProductAttention):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
         length = q.shape[2]
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal and length == k.shape[2] and length > 1
-        if attention_mask is not None and attention_mask is causal_mask(length, attention_mask.device):
+        if attention_mask is not None and is_shared_causal_mask(attention_mask):
             attention_mask = None
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v,
