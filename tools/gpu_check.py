@@ -11,7 +11,11 @@ end of its output and the others still run):
 - ``big_moe``: a ~1.3B-parameter MoE made on the fly (16 layers x 64 experts, top-8,
   hidden 1024): optimizer-step time over 4 x 2048 tokens and its MFU;
 - ``logprob_memory``: peak memory of the chunked log-prob + entropy head (forward and
-  backward) at vocab 151,936 x 4,096 tokens against full logits.
+  backward) at vocab 151,936 x 4,096 tokens against full logits;
+- ``kernels``: what the layer modules would get on this GPU: torch's ``grouped_mm`` for
+  ``GroupedExperts`` (equal to one matmul per expert? faster?; the experts use it only on
+  CPU until this says so) and which ``scaled_dot_product_attention`` backends run
+  ``SdpaAttention``'s causal GQA and MLA shapes.
 
     python tools/gpu_check.py [--out gpu_check.json] [--smoke]
 
@@ -32,8 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "matmul", "parity", "train", "big_moe", "logprob_memory")
-LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 300, "big_moe": 180, "logprob_memory": 90}
+STAGES = ("env", "matmul", "parity", "train", "big_moe", "logprob_memory", "kernels")
+LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 300, "big_moe": 180, "logprob_memory": 90, "kernels": 90}
 
 
 def _device():
@@ -213,6 +217,52 @@ def stage_logprob_memory(smoke: bool, work: Path) -> dict:
         _sync()
         out[variant] = {"peak_extra_mb": _peak_mb() - base, "seconds": time.perf_counter() - start}
         weight.grad = None
+    return out
+
+
+def _timed(fn, reps: int = 5) -> float:
+    fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / reps
+
+
+def stage_kernels(smoke: bool, work: Path) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device, dtype = _device(), (torch.float32 if smoke else torch.bfloat16)
+    experts, rows, hidden, ffn = (4, 64, 64, 32) if smoke else (16, 8192, 2048, 768)
+    counts = torch.full((experts,), rows // experts)
+    offsets = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
+    w = torch.randn(experts, 2 * ffn, hidden, device=device, dtype=dtype) / hidden**0.5
+    looped = lambda: torch.cat([F.linear(part, w[e]) for e, part in enumerate(x.split(counts.tolist()))])  # noqa: E731
+    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "loop_s": _timed(looped)}}
+    try:
+        grouped = lambda: F.grouped_mm(x, w.mT, offs=offsets)  # noqa: E731
+        out["grouped_mm"].update(ok=True, max_diff=float((grouped() - looped()).abs().max()), grouped_s=_timed(grouped))
+    except Exception as e:  # noqa: BLE001 (a report)
+        out["grouped_mm"].update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+    seq, heads, groups = (64, 4, 2) if smoke else (4096, 32, 4)
+    for name, (d_qk, d_v, kv_heads) in {"gqa": (128, 128, groups), "mla": (192, 128, heads)}.items():
+        q = torch.randn(1, heads, seq, d_qk, device=device, dtype=dtype)
+        k = torch.randn(1, kv_heads, seq, d_qk, device=device, dtype=dtype)
+        v = torch.randn(1, kv_heads, seq, d_v, device=device, dtype=dtype)
+        backends = {}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+            try:
+                with sdpa_kernel([backend]):
+                    call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)  # noqa: E731
+                    base = _peak_mb(reset=True)
+                    backends[backend.name] = {"ok": True, "seconds": _timed(call, reps=3), "peak_extra_mb": _peak_mb() - base}
+            except Exception as e:  # noqa: BLE001 (a report)
+                backends[backend.name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        out[f"sdpa_{name}"] = backends
     return out
 
 
