@@ -8,23 +8,20 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_rl.models.architectures import model_dims
-from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
-from moe_rl.models.forward import MicroBatch, run_microbatches
+from moe_rl.models.builder import build_model, make_transformer_config
+from moe_rl.models.forward import run_microbatches
 from moe_rl.models.hf_weights import load_hf_weights
 from moe_rl.routing.hf_routing import transformers_routing
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.routing.replay import replay_config_overrides
-from parallel.distributed import init_distributed
-from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
+from one_process import random_micro_batches, start_one_process
+
 hf_dir = sys.argv[1]
-hf_config = load_hf_config(hf_dir)
-layout = ParallelLayout()
-init_distributed(layout, model_dims(hf_config), seed=0)
+hf_config, layout = start_one_process(hf_dir)
 gen = torch.Generator().manual_seed(0)
-batches = [MicroBatch(torch.randint(0, 64, (2, 10), generator=gen), lengths=torch.tensor([10, 7])) for _ in range(2)]
+batches = random_micro_batches([10, 7], gen)
 engine = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
 engine_routing = []
 for mb in batches:

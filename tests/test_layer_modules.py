@@ -49,7 +49,7 @@ def test_stacked_linear_is_one_matmul_per_expert(grouped: bool) -> None:
     layer.grouped = layer.grouped and grouped
     counts = torch.tensor([3, 0, 5, 2])  # expert 1 gets no rows
     rows = torch.randn(10, 12, requires_grad=True)
-    out = layer(rows, counts, counts.cumsum(0).to(torch.int32))
+    out = layer(rows, counts.cumsum(0).to(torch.int32), counts.tolist())
     upstream = torch.randn_like(out)
     (out * upstream).sum().backward()
     starts = [0, 3, 3, 8, 10]

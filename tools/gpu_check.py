@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "matmul", "parity", "train", "big_moe", "logprob_memory", "kernels")
@@ -61,6 +62,18 @@ def _peak_mb(reset: bool = False) -> float:
     if reset:
         torch.cuda.reset_peak_memory_stats()
     return torch.cuda.max_memory_allocated() / 2**20
+
+
+def _timed(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Seconds per call of ``fn`` over ``reps`` calls after ``warmup`` ones (device synced)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / reps
 
 
 def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -94,14 +107,7 @@ def stage_matmul(smoke: bool, work: Path) -> dict:
     n, dtype = (256, torch.float32) if smoke else (8192, torch.bfloat16)
     a = torch.randn(n, n, device=_device(), dtype=dtype)
     b = torch.randn(n, n, device=_device(), dtype=dtype)
-    for _ in range(3):
-        a @ b
-    _sync()
-    reps, start = 20, time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync()
-    seconds = (time.perf_counter() - start) / reps
+    seconds = _timed(lambda: a @ b, reps=20, warmup=3)
     return {"n": n, "dtype": str(dtype), "tflops": 2 * n**3 / seconds / 1e12}
 
 
@@ -174,12 +180,7 @@ def stage_big_moe(smoke: bool, work: Path) -> dict:
         step = lambda: train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))  # noqa: E731
         step()
         _peak_mb(reset=True)
-        _sync()
-        reps, start = 3, time.perf_counter()
-        for _ in range(reps):
-            step()
-        _sync()
-        seconds = (time.perf_counter() - start) / reps
+        seconds = _timed(step, reps=3, warmup=0)
     finally:
         destroy_distributed()
     # active parameters per token: attention, router, k of the experts, the output layer
@@ -220,32 +221,29 @@ def stage_logprob_memory(smoke: bool, work: Path) -> dict:
     return out
 
 
-def _timed(fn, reps: int = 5) -> float:
-    fn()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    _sync()
-    return (time.perf_counter() - start) / reps
-
-
 def stage_kernels(smoke: bool, work: Path) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from moe_rl.models.grouped_experts import StackedLinear
+
     device, dtype = _device(), (torch.float32 if smoke else torch.bfloat16)
     experts, rows, hidden, ffn = (4, 64, 64, 32) if smoke else (16, 8192, 2048, 768)
+    config = SimpleNamespace(use_cpu_initialization=device.type == "cpu", params_dtype=dtype)
+    layer = StackedLinear(experts, 2 * ffn, hidden, config, partition_dim=1)
+    torch.nn.init.normal_(layer.weight, std=hidden**-0.5)
     counts = torch.full((experts,), rows // experts)
-    offsets = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    offsets, sizes = counts.cumsum(0).to(device=device, dtype=torch.int32), counts.tolist()
     x = torch.randn(rows, hidden, device=device, dtype=dtype)
-    w = torch.randn(experts, 2 * ffn, hidden, device=device, dtype=dtype) / hidden**0.5
-    looped = lambda: torch.cat([F.linear(part, w[e]) for e, part in enumerate(x.split(counts.tolist()))])  # noqa: E731
-    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "loop_s": _timed(looped)}}
+
+    def run(grouped: bool) -> torch.Tensor:
+        layer.grouped = grouped
+        return layer(x, offsets, sizes)
+
+    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "loop_s": _timed(lambda: run(False))}}
     try:
-        grouped = lambda: F.grouped_mm(x, w.mT, offs=offsets)  # noqa: E731
-        out["grouped_mm"].update(ok=True, max_diff=float((grouped() - looped()).abs().max()), grouped_s=_timed(grouped))
+        out["grouped_mm"].update(ok=True, max_diff=float((run(True) - run(False)).abs().max()), grouped_s=_timed(lambda: run(True)))
     except Exception as e:  # noqa: BLE001 (a report)
         out["grouped_mm"].update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
     seq, heads, groups = (64, 4, 2) if smoke else (4096, 32, 4)

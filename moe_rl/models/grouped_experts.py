@@ -37,11 +37,12 @@ class StackedLinear(torch.nn.Module):
             and (in_features * itemsize) % 16 == 0 and (out_features * itemsize) % 16 == 0
         )  # fmt: skip
 
-    def forward(self, rows: Tensor, tokens_per_expert: Tensor, offsets: Tensor) -> Tensor:
+    def forward(self, rows: Tensor, offsets: Tensor, sizes: list[int] | None) -> Tensor:
+        """``offsets``: where each expert's rows end (int32, on the rows' device);
+        ``sizes``: its row counts, needed only where the grouped matmul does not run."""
         if self.grouped and rows.shape[0] > 0:
             return F.grouped_mm(rows.to(self.weight.dtype), self.weight.mT, offs=offsets)
-        groups = rows.split(tokens_per_expert.tolist())
-        return torch.cat([F.linear(group, self.weight[e]) for e, group in enumerate(groups)])
+        return torch.cat([F.linear(group, self.weight[e]) for e, group in enumerate(rows.split(sizes))])
 
 
 class GroupedExperts(MegatronModule):
@@ -69,7 +70,10 @@ class GroupedExperts(MegatronModule):
         if self.config.moe_apply_probs_on_input:  # (top-1 only, as SequentialMLP)
             rows, probs = (probs.unsqueeze(-1) * rows).to(rows.dtype), torch.ones_like(probs)
         offsets = tokens_per_expert.to(device=rows.device).cumsum(0).to(torch.int32)
-        gate, up = self.linear_fc1(rows, tokens_per_expert, offsets).chunk(2, dim=-1)
+        # the per-expert path needs the counts on the host: one device sync, for both projections
+        grouped = self.linear_fc1.grouped and self.linear_fc2.grouped and rows.shape[0] > 0
+        sizes = None if grouped else tokens_per_expert.tolist()
+        gate, up = self.linear_fc1(rows, offsets, sizes).chunk(2, dim=-1)
         hidden = self.config.activation_func(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        return self.linear_fc2(hidden, tokens_per_expert, offsets), None
+        return self.linear_fc2(hidden, offsets, sizes), None
