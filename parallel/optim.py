@@ -225,8 +225,11 @@ def _grads_finite(chunks: list[DistributedDataParallel]) -> bool:
     """True when no rank holds a NaN/Inf gradient (one device sync, one all-reduce)."""
     from parallel.collectives import any_rank
 
-    finite = [  # every parameter's main_grad is a view into one of these contiguous buffers
-        torch.isfinite(buffer.grad_data).all() for chunk in chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers
-    ]
-    local_bad = bool(finite) and not bool(torch.stack(finite).all())
+    # every parameter's main_grad is a view into one of these contiguous buffers; their
+    # min and max are finite exactly when every element is (NaN propagates): one read
+    # pass, no buffer-sized temporary (isfinite(...).all() takes a bool copy, ~10x slower)
+    extremes = [
+        value for chunk in chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers for value in torch.aminmax(buffer.grad_data)
+    ]  # fmt: skip
+    local_bad = bool(extremes) and not bool(torch.stack(extremes).isfinite().all())
     return not any_rank(local_bad)

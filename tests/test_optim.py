@@ -27,3 +27,20 @@ def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None
     assert result["moved"] > 1000
     assert result["textbook_max_err"] < 1e-6  # a few float32 ulps of weights near 1; the step itself is lr = 1e-3
     assert result["auto_vs_sharded_max_diff"] < 1e-7
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_finite_check_finds_any_nan_or_inf_in_any_gradient_buffer(bad) -> None:
+    """(One process, no process group: the check's all-reduce is the identity.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from parallel.optim import _grads_finite
+
+    dense, expert = torch.randn(1000), torch.randn(300)
+    if bad is not None:
+        expert[137] = bad
+    chunk = SimpleNamespace(buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)])
+    assert _grads_finite([chunk]) is (bad is None)
+    assert _grads_finite([SimpleNamespace(buffers=[], expert_parallel_buffers=[])])

@@ -53,11 +53,14 @@ class PromptFormatter:
 
     def encode(self, problem: Problem) -> tuple[list[int], bool]:
         """``(ids, truncated)``: the prompt's ids, the last ``max_tokens`` of them if longer."""
+        return self.encode_all([problem])[0]
+
+    def encode_all(self, problems: list[Problem]) -> list[tuple[list[int], bool]]:
+        """:meth:`encode` of each problem, in one tokenizer call."""
         # a chat template writes its own special tokens (BOS and the like)
-        ids = self.tokenizer(self.text(problem), add_special_tokens=not self.chat_template)["input_ids"]
-        if len(ids) > self.max_tokens:
-            return ids[-self.max_tokens :], True
-        return ids, False
+        texts = [self.text(problem) for problem in problems]
+        encoded = self.tokenizer(texts, add_special_tokens=not self.chat_template)["input_ids"] if texts else []
+        return [(ids[-self.max_tokens :], True) if len(ids) > self.max_tokens else (ids, False) for ids in encoded]
 
 
 def check_prompt_settings(template: str, system_prompt: str, chat_template: bool) -> None:

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -162,7 +162,7 @@ class RewardScorer:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
             outcomes = iter(self._pool.score(tasks))
         else:
-            outcomes = (self._call(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples)
+            outcomes = self._call_all([(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples])
         for j, spec in enumerate(self.specs):
             for i in range(len(samples)):
                 value, failure = next(outcomes)
@@ -176,14 +176,26 @@ class RewardScorer:
             values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
         return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
 
-    def _call(self, fn: RewardFn, sample: RewardInput, kwargs: dict) -> tuple[float, str | None]:
-        """One call on the scorer's reward thread (replaced after a timeout)."""
-        if self._thread is None:
-            self._thread = _RewardThread()
-        outcome = _call_safely(self._thread, fn, sample, kwargs, self.timeout_s)
-        if outcome[1] == "timeout":
-            self._thread = None  # still busy with the hung call
-        return outcome
+    def _call_all(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> Iterator[tuple[float, str | None]]:
+        """Each call's (value, failure kind), in order, run one at a time on the scorer's
+        reward thread. The calls are queued together (one hand-off per batch: a hand-off
+        per call cost more than a cached rule reward) and each gets ``timeout_s`` from when
+        the one before it ended; a call past it scores a timeout, and the thread, still busy
+        with it, is left behind: a fresh one runs the rest."""
+        while calls:
+            if self._thread is None:
+                self._thread = _RewardThread()
+            pending = self._thread.submit(calls)
+            for k, call in enumerate(pending):
+                if not call.done.wait(self.timeout_s):
+                    self._thread.abandon()
+                    self._thread = None
+                    yield 0.0, "timeout"
+                    calls = calls[k + 1 :]
+                    break
+                yield call.outcome()
+            else:
+                calls = []
 
     def close(self) -> None:
         """Stop the worker processes (if any)."""
@@ -192,43 +204,57 @@ class RewardScorer:
             self._pool = None
 
 
+@dataclass
+class _PendingCall:
+    """One reward call queued on a :class:`_RewardThread`; ``done`` is set once it ran."""
+
+    fn: RewardFn
+    sample: RewardInput
+    kwargs: dict
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+
+    def outcome(self) -> tuple[float, str | None]:
+        if self.error is not None:
+            log.debug("reward function raised: %r", self.error)
+            return 0.0, "error"
+        return reward_outcome(self.value)
+
+
 class _RewardThread:
     """One daemon thread that runs reward calls in turn (a thread per call cost more than
-    a rule reward itself). A call past its timeout leaves the thread behind and a new one
-    takes over: the hung call cannot stall the step, but its thread is not stopped (use
+    a rule reward itself). A call past its timeout leaves the thread behind
+    (:meth:`abandon`: the calls queued after it are dropped) and a new one takes over: the
+    hung call cannot stall the step, but its thread is not stopped (use
     ``reward.workers`` for that)."""
 
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(self._tasks,), daemon=True, name="moe-rl-reward").start()
+        self._abandoned = threading.Event()
+        threading.Thread(target=self._serve, args=(self._tasks, self._abandoned), daemon=True, name="moe-rl-reward").start()
 
     @staticmethod
-    def _serve(tasks: queue.SimpleQueue) -> None:
-        while True:
-            fn, sample, kwargs, box, done = tasks.get()
-            try:
-                box["value"] = fn(sample, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
-                box["error"] = e
-            done.set()
+    def _serve(tasks: queue.SimpleQueue, abandoned: threading.Event) -> None:
+        while not abandoned.is_set():
+            for call in tasks.get():
+                if abandoned.is_set():
+                    return
+                try:
+                    call.value = call.fn(call.sample, **call.kwargs)
+                except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
+                    call.error = e
+                call.done.set()
 
-    def call(self, fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> dict | None:
-        """``{"value": ...}`` or ``{"error": ...}``; None past ``timeout_s``."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        self._tasks.put((fn, sample, kwargs, box, done))
-        return box if done.wait(timeout_s) else None
+    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> list[_PendingCall]:
+        """Queue ``calls`` (run in order); wait on each one's ``done``."""
+        pending = [_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls]
+        self._tasks.put(pending)
+        return pending
 
-
-def _call_safely(runner: _RewardThread, fn: RewardFn, sample: RewardInput, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
-    """``fn(sample, **kwargs)`` on ``runner``'s thread: (value, None) or (0.0, failure kind)."""
-    box = runner.call(fn, sample, kwargs, timeout_s)
-    if box is None:
-        return 0.0, "timeout"
-    if "error" in box:
-        log.debug("reward function raised: %r", box["error"])
-        return 0.0, "error"
-    return reward_outcome(box["value"])
+    def abandon(self) -> None:
+        """Drop what is queued behind the running call; the thread ends after it."""
+        self._abandoned.set()
 
 
 def reward_outcome(value: Any) -> tuple[float, str | None]:

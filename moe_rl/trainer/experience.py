@@ -46,17 +46,17 @@ def generate_and_score(
     return_routing: bool = False,
 ) -> SampledRound:
     """``group_size`` responses to each problem, scored (training and evaluation alike)."""
-    encoded = [formatter.encode(p) for p in problems]
+    encoded = formatter.encode_all(problems)
     groups = engine.generate(
         [ids for ids, _ in encoded], group_size, sampling, seed=seed, return_routed_experts=return_routing
     )
     samples = [s for g in groups for s in g]
     eos = formatter.tokenizer.eos_token_id
-    inputs = []
-    for i, s in enumerate(samples):
-        problem = problems[i // group_size]
-        out = s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids
-        inputs.append(RewardInput(problem.prompt, formatter.tokenizer.decode(out), problem.answer, len(s.output_ids), sampling.max_new_tokens))
+    responses = formatter.tokenizer.batch_decode([s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples])
+    inputs = [
+        RewardInput(problems[i // group_size].prompt, text, problems[i // group_size].answer, len(s.output_ids), sampling.max_new_tokens)
+        for i, (s, text) in enumerate(zip(samples, responses))
+    ]  # fmt: skip
     return SampledRound(problems, samples, scorer.score(inputs), sum(t for _, t in encoded))
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,7 +92,7 @@ class StepLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         earlier = (run_dir / "tensorboard").is_dir()  # TensorBoard then hides earlier events past start_step
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None)
+        self.writer = BackgroundWriter(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None))
         _keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")
         if progress:
@@ -150,6 +153,62 @@ class StepLogger:
             self.bar.close()
         self.writer.close()
         self.jsonl.close()
+
+
+class BackgroundWriter:
+    """A TensorBoard ``SummaryWriter`` whose calls run in order on one worker thread, so
+    that building summaries (protobufs, histograms, figures) and flushing the event file
+    stay off the training step (~4-7 ms a step on 2 CPU cores). ``metrics.jsonl`` stays
+    written synchronously: it is the record a crash cannot lose. :meth:`close` drains the
+    queue; an error in a call is raised by the next call or by :meth:`close`."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="moe-rl-tensorboard", daemon=True)
+        self._thread.start()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._submit("add_scalar", tag, value, step)
+
+    def add_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        self._submit("add_histogram", tag, values, step)
+
+    def add_histogram_raw(self, tag: str, **kwargs: Any) -> None:
+        self._submit("add_histogram_raw", tag, **kwargs)
+
+    def add_figure(self, tag: str, figure: Any, step: int, close: bool = True) -> None:
+        self._submit("add_figure", tag, figure, step, close=close)
+
+    def flush(self) -> None:
+        self._submit("flush")
+
+    def close(self) -> None:
+        """Write everything queued, then close the event file."""
+        if self._thread.is_alive():
+            self._calls.put(None)
+            self._thread.join()
+        self._writer.close()
+        self._raise_error()
+
+    def _submit(self, method: str, *args: Any, **kwargs: Any) -> None:
+        self._raise_error()
+        self._calls.put((getattr(self._writer, method), args, kwargs))
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing TensorBoard events failed: {error!r}") from error
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            method, args, kwargs = call
+            if self._error is None:  # after a failure the rest is dropped (reported once)
+                try:
+                    method(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                    self._error = e
 
 
 def _keep_rows_up_to(path: Path, step: int) -> None:
