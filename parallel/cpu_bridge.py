@@ -39,6 +39,7 @@ def install() -> None:
     _patch_megatron()
     _patch_uneven_collectives()
     _patch_devices()
+    _run_compiled_helpers_eagerly()
     _INSTALLED = True
 
 
@@ -110,6 +111,14 @@ def _patch_torch_cuda() -> None:
     cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.Tensor.record_stream = lambda self, stream: None
+
+
+def _run_compiled_helpers_eagerly() -> None:
+    """megatron-core wraps small elementwise helpers (the router's expert-bias update, the
+    experts' activation) in ``torch.compile`` to fuse CUDA kernels. On a CPU that buys
+    nothing and costs a C++ compile of each at its first call and again at a new input
+    shape (0.1-0.4 s a time, within the first training steps); run them as written."""
+    torch.compiler.set_stance("force_eager")
 
 
 # ----------------------------------------------------------------- megatron-core

@@ -162,6 +162,30 @@ def test_in_process_rewards_share_one_thread_until_a_call_hangs() -> None:
     assert later != first[0]  # its thread was left with the hung call: a fresh one took over
 
 
+WARMED: list[int] = []
+
+
+def _warmed(s: RewardInput) -> float:
+    return float(len(WARMED))
+
+
+_warmed.warm_up = lambda: WARMED.append(threading.get_ident())
+
+
+def test_a_reward_is_warmed_up_on_its_thread_before_the_first_score() -> None:
+    WARMED.clear()
+    scorer = RewardScorer([RewardSpec("w", f"{__name__}:_warmed")])
+    assert scorer.score([sample("a")]).values.tolist() == [[1.0]]  # warmed once, before the call
+    assert WARMED != [threading.get_ident()]  # not on the caller's thread
+    scorer.score([sample("b")])
+    assert len(WARMED) == 1
+
+
+def test_math_correct_warm_up_leaves_results_unchanged() -> None:
+    math_correct.warm_up()
+    assert math_correct(RewardInput("q", "\\boxed{13}", "13")) == 1.0 and math_correct(RewardInput("q", "\\boxed{1c1}", "13")) == 0.0
+
+
 @pytest.mark.parametrize(
     "specs, conditionals, message",
     [

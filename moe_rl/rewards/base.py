@@ -152,6 +152,9 @@ class RewardScorer:
             from moe_rl.rewards.pool import RewardPool
 
             self._pool = RewardPool(workers, timeout_s, functions=sorted({s.fn for s in specs}))
+        else:  # while the run builds its model
+            self._thread = _RewardThread()
+            self._thread.submit([(warm_up, fn, {}) for fn in self._fns])
 
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
@@ -255,6 +258,18 @@ class _RewardThread:
     def abandon(self) -> None:
         """Drop what is queued behind the running call; the thread ends after it."""
         self._abandoned.set()
+
+
+def warm_up(fn: RewardFn) -> None:
+    """Run ``fn.warm_up()`` if the function has one (lazy imports, parser tables: work its
+    first calls would otherwise pay within a run's first steps); a failure is only logged."""
+    hook = getattr(fn, "warm_up", None)
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception as e:  # noqa: BLE001 - the real calls will report it
+        log.debug("warm-up of %r failed: %r", fn, e)
 
 
 def reward_outcome(value: Any) -> tuple[float, str | None]:

@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from moe_rl.rewards.base import RewardInput, reward_outcome
+from moe_rl.rewards.base import RewardInput, reward_outcome, warm_up
 
 Task = tuple[str, dict[str, Any], RewardInput]
 Outcome = tuple[float, str | None]  # (value, failure kind or None)
@@ -106,6 +106,8 @@ def _serve(conn: Connection, names: Sequence[str]) -> None:
 
     functions: dict[str, Any] = {name: resolve_reward_fn(name) for name in names}
     conn.send("ready")
+    for fn in functions.values():  # before the first task arrives, most likely
+        warm_up(fn)
     while True:
         try:
             name, kwargs, sample = conn.recv()
