@@ -140,30 +140,35 @@ def _routing_shape(exp: Experience) -> tuple[int, int]:
 
 
 def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape) -> PolicyMicroBatch:
-    """Rows of ``chunk`` (``None``: an empty row)."""
-    ids = torch.full((len(chunk), seq_len), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(chunk), seq_len - 1)
-    rollout_logp = torch.zeros(len(chunk), seq_len - 1)
-    lengths = torch.zeros(len(chunk), dtype=torch.long)
-    advantages = torch.zeros(len(chunk))
+    """Rows of ``chunk`` (``None``: an empty row), each tensor made at once from padded rows
+    (a tensor write per row and field cost more than the rest of the step's bookkeeping)."""
+    ids, mask, rollout_logp, lengths, advantages = [], [], [], [], []
     routed = [] if routing_shape is not None else None
-    for row, i in enumerate(chunk):
+    step_advantages = exp.advantages.tolist()
+    for i in chunk:
         if i is None:
+            ids.append([pad_id] * seq_len)
+            mask.append([0.0] * (seq_len - 1))
+            rollout_logp.append([0.0] * (seq_len - 1))
+            lengths.append(0)
+            advantages.append(0.0)
             if routed is not None:
                 routed.append(torch.zeros((0, *routing_shape), dtype=torch.int32))
             continue
         smp = exp.samples[i]
-        seq = smp.prompt_ids + smp.output_ids
         p, o = len(smp.prompt_ids), len(smp.output_ids)
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, p - 1 : p - 1 + o] = 1.0
-        rollout_logp[row, p - 1 : p - 1 + o] = torch.tensor(smp.output_logprobs)
-        lengths[row] = len(seq)
-        advantages[row] = exp.advantages[i]
+        after = seq_len - p - o  # padding past the sequence
+        ids.append(smp.prompt_ids + smp.output_ids + [pad_id] * after)
+        # position t predicts token t + 1: the response's tokens are predicted at p-1 .. p+o-2
+        mask.append([0.0] * (p - 1) + [1.0] * o + [0.0] * after)
+        rollout_logp.append([0.0] * (p - 1) + list(smp.output_logprobs) + [0.0] * after)
+        lengths.append(p + o)
+        advantages.append(step_advantages[i])
         if routed is not None:
             routed.append(smp.routed_experts)
     return PolicyMicroBatch(
-        input_ids=ids, lengths=lengths, mask=mask, advantages=advantages, rollout_logp=rollout_logp,
+        input_ids=torch.tensor(ids, dtype=torch.long), lengths=torch.tensor(lengths, dtype=torch.long),
+        mask=torch.tensor(mask), advantages=torch.tensor(advantages), rollout_logp=torch.tensor(rollout_logp),
         routed_experts=routed, sample_indices=[-1 if i is None else i for i in chunk],
     )  # fmt: skip
 
