@@ -254,7 +254,8 @@ def _patch_devices() -> None:
 
     @functools.wraps(to)
     def to_cpu(self, *args, **kwargs):
-        args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if args and _is_cuda(args[0]):  # to(device, ...): the only place a positional device goes
+            args = ("cpu", *args[1:])
         return to(self, *args, **_on_cpu(kwargs)) if kwargs else to(self, *args)
 
     @functools.wraps(type_)

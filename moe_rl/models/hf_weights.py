@@ -17,6 +17,7 @@ one stacked parameter per projection and layer (``[local experts, ...]``,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,12 +70,17 @@ class Recipe:
     expert: bool = False
     stacked: int = 0
 
-    def per_expert(self) -> list[Recipe]:
-        """The recipe of each stacked expert (``[self]`` when not stacked)."""
-        if not self.stacked:
-            return [self]
-        k = len(self.hf_keys) // self.stacked
-        return [replace(self, hf_keys=self.hf_keys[e * k : (e + 1) * k], stacked=0) for e in range(self.stacked)]
+    def per_expert(self) -> tuple[Recipe, ...]:
+        """The recipe of each stacked expert (``(self,)`` when not stacked)."""
+        return _per_expert(self)
+
+
+@functools.lru_cache(maxsize=None)  # a few per layer; asked at every weight sync
+def _per_expert(recipe: Recipe) -> tuple[Recipe, ...]:
+    if not recipe.stacked:
+        return (recipe,)
+    k = len(recipe.hf_keys) // recipe.stacked
+    return tuple(replace(recipe, hf_keys=recipe.hf_keys[e * k : (e + 1) * k], stacked=0) for e in range(recipe.stacked))
 
 
 class ParamMapper:
@@ -189,14 +195,16 @@ class ParamMapper:
         """Inverse of :meth:`to_shard` given every TP rank's shard (in rank order)."""
         if recipe.stacked:
             return [full for e, r in enumerate(recipe.per_expert()) for full in self.to_full(r, [s[e] for s in shards])]
+        # one shard (no tensor parallelism): views of it, not copies
+        joined = shards[0] if len(shards) == 1 else None
         if recipe.kind == "vocab":
-            return [torch.cat(shards, 0)[: self.cfg.vocab_size]]
+            return [(joined if joined is not None else torch.cat(shards, 0))[: self.cfg.vocab_size]]
         if recipe.kind == "copy":
-            return [shards[0] if recipe.shard_dim is None else torch.cat(shards, recipe.shard_dim)]
+            return [shards[0] if recipe.shard_dim is None or joined is not None else torch.cat(shards, recipe.shard_dim)]
         if recipe.kind == "glu":
             halves = [s.chunk(2, 0) for s in shards]
-            return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
-        return self._split_qkv(torch.cat(shards, 0))
+            return list(halves[0]) if joined is not None else [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return self._split_qkv(joined if joined is not None else torch.cat(shards, 0))
 
     def _tp(self, recipe: Recipe) -> tuple[int, int]:
         if recipe.shard_dim is None:

@@ -46,6 +46,7 @@ class LocalEngine(RolloutEngine):
         self.model.eval()
         self._round_weights()
         self._version = weight_version
+        self._sources: list[tuple[Tensor, str]] | None = None  # made at the first weight update
         cfg = self.model.config
         self.arch = architecture_of(cfg)
         self._routers = RouterCapture(self.model)
@@ -85,34 +86,38 @@ class LocalEngine(RolloutEngine):
     def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
         """Weights from the trainer in this process, by HF checkpoint names (as
         :func:`moe_rl.models.hf_weights.gather_hf_tensors` gives them)."""
-        state = self.model.state_dict()
-        keys = self.arch.experts
-        num_experts = self.arch.num_experts(self.model.config)
-        missing = []
-        for name, target in state.items():
-            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
-            try:
-                if m and m.group(2) == "experts.gate_up_proj":
-                    l = int(m.group(1))
-                    value = torch.stack(
-                        [torch.cat([hf_tensors[keys.gate.format(l=l, e=e)], hf_tensors[keys.up.format(l=l, e=e)]]) for e in range(num_experts)]
-                    )
-                elif m and m.group(2) == "experts.down_proj":
-                    l = int(m.group(1))
-                    value = torch.stack([hf_tensors[keys.down.format(l=l, e=e)] for e in range(num_experts)])
-                elif m:
-                    value = hf_tensors[keys.router.format(l=int(m.group(1)))]
-                elif name == "lm_head.weight" and name not in hf_tensors and self.model.config.tie_word_embeddings:
-                    continue
-                else:
-                    value = hf_tensors[name]
-            except KeyError as e:
-                missing.append(str(e))
-                continue
-            target.copy_(self._rounded(value).to(target.dtype))
+        if self._sources is None:
+            self._sources = self._weight_sources()
+        missing = sorted({key for _, key in self._sources if key not in hf_tensors})
         if missing:
             raise ValueError(f"weight update lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for target, key in self._sources:
+            value = hf_tensors[key]
+            if value.shape != target.shape:
+                raise ValueError(f"weight update: {key} has shape {tuple(value.shape)}, the engine's is {tuple(target.shape)}")
+            target.copy_(self._rounded(value))
         self._version = weight_version
+
+    def _weight_sources(self) -> list[tuple[Tensor, str]]:
+        """(a view of this model's weights, the HF checkpoint tensor that fills it): the
+        stacked experts' ``gate_up_proj`` / ``down_proj`` by each expert's (and half's) key."""
+        keys = self.arch.experts
+        num_experts = self.arch.num_experts(self.model.config)
+        sources = []
+        for name, target in self.model.state_dict().items():
+            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
+            l = int(m.group(1)) if m else None
+            if m and m.group(2) == "experts.gate_up_proj":
+                ffn = target.shape[1] // 2
+                for e in range(num_experts):
+                    sources += [(target[e, :ffn], keys.gate.format(l=l, e=e)), (target[e, ffn:], keys.up.format(l=l, e=e))]
+            elif m and m.group(2) == "experts.down_proj":
+                sources += [(target[e], keys.down.format(l=l, e=e)) for e in range(num_experts)]
+            elif m:
+                sources.append((target, keys.router.format(l=l)))
+            elif not (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
+                sources.append((target, name))
+        return sources
 
     # ------------------------------------------------------------ generation
 
