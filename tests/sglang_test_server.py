@@ -130,6 +130,9 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(*_apply_received(st))
         if path == "/init_weights_update_group":
             return self._send(*_join_group(st, body))
+        if path == "/destroy_weights_update_group":
+            leave_weight_update_group(st.groups.pop(body.get("group_name"), None))
+            return self._send(200, {"success": True, "message": "Succeeded to destroy custom process group."})
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             if not st.in_weight_update:
                 return self._send(400, {"success": False, "message": f"{path} must be called between /begin_weight_update and /end_weight_update"})
@@ -162,7 +165,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/_test/stats":
             return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
                                     "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
-                                    "memory_events": st.memory_events})
+                                    "memory_events": st.memory_events, "weight_groups": sorted(st.groups)})
         return self._send(404, {"error": {"message": f"no route {path}"}})
 
     def _generate(self, body: dict) -> None:

@@ -178,39 +178,53 @@ def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
 SGLANG_RUNS = {"none": ("tp2", "parallel.tp=2"), "r2": ("pp2", "parallel.pp=2"), "r3": ("ep2", "parallel.ep=2")}
 
 
+@pytest.fixture(scope="module")
+def sglang_servers(cache, tmp_path_factory):
+    """Two SGLang-protocol test servers shared by the SGLang runs, as long-lived servers
+    are by successive (restarted, resumed) trainers: each run joins them in a
+    weight-update group of its own and syncs its weights first. They start, as SGLang
+    does, at weight_version "default"."""
+    import httpx
+
+    servers = start_test_servers(cache, tmp_path_factory.mktemp("servers"), 2)
+    try:
+        for server in servers:
+            server.wait_healthy(timeout_s=120)
+            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "default"
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.mark.parametrize("replay", list(SGLANG_RUNS))
-def test_train_against_an_sglang_protocol_server(cache, tmp_path: Path, replay: str) -> None:
-    """The trainer's SGLang path end to end on 2 processes (tp2 | pp2 | ep2) with two servers
-    that start at weight_version "default" (as SGLang does): a distributed sync in several
-    buckets before the first rollout and after every step, each server's weights afterwards
-    bit-equal to the trainer's."""
+def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path: Path, replay: str) -> None:
+    """The trainer's SGLang path end to end on 2 processes (tp2 | pp2 | ep2) with two
+    servers: a distributed sync in several buckets before the first rollout and after
+    every step, each server's weights afterwards bit-equal to the trainer's."""
     import httpx
 
     from moe_rl.rollout.local import LocalEngine
     from sglang_test_server import weights_digest
 
-    servers = start_test_servers(cache, tmp_path, 2)
     layout, layout_setting = SGLANG_RUNS[replay]
-    urls = ",".join(s.url for s in servers)
-    try:
-        for server in servers:
-            server.wait_healthy(timeout_s=120)
-            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "default"
-        out = moe_rl("train", "--nproc", "2", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
-                     layout_setting, "rollout.engine=sglang", f"rollout.sglang_urls=[{urls}]",
-                     "rollout.sync_bucket_mb=0.05", f"routing.replay={replay}")  # fmt: skip
-        assert out.returncode == 0, out.stderr[-3000:]
-        final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
-        for server in servers:
-            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
-            assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model), layout
-            stats = httpx.get(server.url + "/_test/stats").json()
-            assert stats["weight_updates"] == 3 and stats["weight_update_requests"] >= 3 * 2, stats  # 3 syncs, >1 bucket each
-        if replay == "none":  # the servers now serve the last checkpoint: in fp32 they route as the trainer does
-            _engine_drift_is_zero(servers[0].url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
-    finally:
-        for server in servers:
-            server.stop()
+    urls = ",".join(s.url for s in sglang_servers)
+    before = [httpx.get(server.url + "/_test/stats").json() for server in sglang_servers]
+    out = moe_rl("train", "--nproc", "2", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
+                 layout_setting, "rollout.engine=sglang", f"rollout.sglang_urls=[{urls}]",
+                 "rollout.sync_bucket_mb=0.05", f"routing.replay={replay}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
+    for server, earlier in zip(sglang_servers, before):
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "2"
+        assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model), layout
+        stats = httpx.get(server.url + "/_test/stats").json()
+        updates = stats["weight_updates"] - earlier["weight_updates"]
+        requests = stats["weight_update_requests"] - earlier["weight_update_requests"]
+        assert updates == 3 and requests >= 3 * 2, stats  # 3 syncs, >1 bucket each
+        assert stats["weight_groups"] == [], stats  # the trainer's weight-update group was torn down at its end
+    if replay == "none":  # the servers now serve the last checkpoint: in fp32 they route as the trainer does
+        _engine_drift_is_zero(sglang_servers[0].url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
     metrics = rows(tmp_path / "run")
     assert sorted(metrics) == [1, 2] and metrics[2]["train/grad_norm"] > 0
     for step in (1, 2):

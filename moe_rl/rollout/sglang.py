@@ -267,6 +267,14 @@ class SGLangEngine(RolloutEngine):
         ]  # fmt: skip
         return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size))
 
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Ask every server to leave ``group_name`` (best effort: SGLang versions without
+        ``/destroy_weights_update_group`` keep it, which costs them only the idle group)."""
+        try:
+            self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check_success=False)
+        except RolloutError as e:
+            log.info("servers kept weight-update group %s: %s", group_name, e)
+
     @contextlib.contextmanager
     def weight_update(self, weight_version: str) -> Iterator[None]:
         """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable, Protocol
@@ -80,7 +81,7 @@ class DistributedSync(WeightSync):
     the first rank talks to the servers. ``engine`` is an
     :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
 
-    GROUP_NAME = "moe-rl-weights"
+    GROUP_PREFIX = "moe-rl-weights"  # + a suffix of its own per connection (see _connect)
 
     def __init__(
         self,
@@ -97,6 +98,7 @@ class DistributedSync(WeightSync):
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
         self.group = None
+        self.group_name = ""
 
     def push(self, weights: WeightSource, version: str) -> None:
         if self.engine is None:  # this rank's shards travel to the first rank
@@ -107,7 +109,7 @@ class DistributedSync(WeightSync):
             self.group = self._connect()
 
         def send(bucket) -> None:
-            self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.GROUP_NAME, weight_version=version)
+            self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.group_name, weight_version=version)
 
         with self.engine.weight_update(version):
             count = weights.send_buckets(self.bucket_bytes, self.dtype, send)
@@ -119,11 +121,14 @@ class DistributedSync(WeightSync):
 
         address = self.address or reachable_address(self.engine.urls)
         port = free_port()
+        # a name of its own: servers keep a group by name, and one that an earlier trainer
+        # left (a restarted or resumed run against long-lived servers) refuses the name
+        self.group_name = f"{self.GROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
         join = lambda world_size: join_weight_update_group(  # noqa: E731
             backend=self.backend, address=address, port=port, world_size=world_size, rank=0,
-            group_name=self.GROUP_NAME, timeout_s=self.timeout_s,
+            group_name=self.group_name, timeout_s=self.timeout_s,
         )  # fmt: skip
-        return self.engine.init_weights_update_group(address, port, self.GROUP_NAME, self.backend, join)
+        return self.engine.init_weights_update_group(address, port, self.group_name, self.backend, join)
 
     def _broadcast(self, named_tensors) -> None:
         for _, tensor in named_tensors:
@@ -132,6 +137,8 @@ class DistributedSync(WeightSync):
     def close(self) -> None:
         from parallel.weight_update_group import leave_weight_update_group
 
+        if self.group is not None and self.engine is not None:
+            self.engine.destroy_weights_update_group(self.group_name)
         leave_weight_update_group(self.group)
         self.group = None
 
