@@ -183,8 +183,9 @@ class RewardScorer:
         """Each call's (value, failure kind), in order, run one at a time on the scorer's
         reward thread. The calls are queued together (one hand-off per batch: a hand-off
         per call cost more than a cached rule reward) and each gets ``timeout_s`` from when
-        the one before it ended; a call past it scores a timeout, and the thread, still busy
-        with it, is left behind: a fresh one runs the rest."""
+        the one before it ended (a warm-up still running at the first batch counts against its
+        first call); a call past it scores a timeout, and the thread, still busy with it, is
+        left behind: a fresh one runs the rest."""
         while calls:
             if self._thread is None:
                 self._thread = _RewardThread()
