@@ -10,7 +10,8 @@ those, ``[batch, seq, 2]`` (log-prob, entropy), when it is called with ``labels`
   output weight, one sequence chunk at a time, and combines the shards' max, sum-exp,
   target logit and ``sum p*z`` with all-reduces over the tensor-parallel group: no rank
   ever holds more than ``chunk x batch x vocab/TP`` logits, and a chunk's logits are
-  recomputed in the backward pass instead of being kept (activation checkpointing).
+  recomputed in the backward pass instead of being kept (activation checkpointing), unless
+  they are small (``LogProbConfig.keep_logits_mb``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class LogProbConfig:
     chunk_size: int = 1024  # sequence positions per logits chunk
     with_entropy: bool = True
     vocab_size: int | None = None  # the real vocabulary; rows past it (TP padding) get no probability
+    # a chunk whose fp32 logits take at most this much is kept for the backward pass (with
+    # its few logit-sized intermediates) instead of recomputed: recomputing saves nothing
+    # worth its time there (small vocabularies, short micro-batches)
+    keep_logits_mb: float = 32.0
 
 
 def vocab_parallel_logprobs(
@@ -53,21 +58,13 @@ def vocab_parallel_logprobs(
     tp_size = dist.get_world_size(group) if group is not None else 1
     vocab_start = weight.shape[0] * (dist.get_rank(group) if tp_size > 1 else 0)
     real_rows = weight.shape[0] if config.vocab_size is None else min(weight.shape[0], max(config.vocab_size - vocab_start, 0))
+    chunk_logits_mb = min(config.chunk_size, hidden.shape[0]) * hidden.shape[1] * weight.shape[0] * 4 / 2**20
+    recompute = torch.is_grad_enabled() and chunk_logits_mb > config.keep_logits_mb
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], config.chunk_size):
         chunk = slice(start, start + config.chunk_size)
-        logp, ent = checkpoint(
-            _chunk_logprobs,
-            hidden[chunk],
-            weight,
-            targets[chunk],
-            vocab_start,
-            real_rows,
-            config.temperature,
-            config.with_entropy,
-            group if tp_size > 1 else None,
-            use_reentrant=False,
-        )
+        args = (hidden[chunk], weight, targets[chunk], vocab_start, real_rows, config.temperature, config.with_entropy, group if tp_size > 1 else None)
+        logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
         logps.append(logp)
         entropies.append(ent)
     return torch.cat(logps), torch.cat(entropies)
