@@ -38,13 +38,12 @@ def build_collector(
     hf_config: PretrainedConfig,
     formatter: PromptFormatter,
     task: Task,
+    scorer: RewardScorer,
     closing: contextlib.ExitStack,
 ) -> ExperienceCollector:
-    """The first rank's collector; what it starts is registered on ``closing``. Its
-    ``return_routing`` says whether the run gets the engine's routing."""
+    """The first rank's collector (scoring with ``scorer``); what it starts is registered
+    on ``closing``. Its ``return_routing`` says whether the run gets the engine's routing."""
     engine = build_engine(cfg, hf_dir, hf_config, closing)
-    scorer = build_scorer(cfg)
-    closing.callback(scorer.close)
     return ExperienceCollector(
         cfg=cfg,
         task=task,

@@ -47,7 +47,7 @@ from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.placement import Placement
-from moe_rl.trainer.rollout_setup import build_collector, build_placement, build_weight_sync, check_server_placement
+from moe_rl.trainer.rollout_setup import build_collector, build_placement, build_scorer, build_weight_sync, check_server_placement
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
     all_reduce, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
@@ -119,6 +119,10 @@ class Trainer:
         self.device = rank_device()
         self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
         self.hf_config = load_hf_config(self.hf_dir)
+        # the first rank's rewards first: their warm-up (lazy parsers) runs while the model builds
+        scorer = build_scorer(cfg) if is_first_rank() else None
+        if scorer:
+            self._closing.callback(scorer.close)
         self.tokenizer = _load_tokenizer(self.hf_dir)
         formatter = _make_formatter(cfg, self.tokenizer)
         self._write_config()
@@ -138,7 +142,7 @@ class Trainer:
         )  # fmt: skip
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
-        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, self._closing) if is_first_rank() else None
+        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, scorer, self._closing) if scorer else None
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
         if self.background:
             self._closing.callback(self.background.close)
