@@ -184,9 +184,13 @@ def main() -> None:
                 runs[side].append(sub_json([str(TOOLS / "bench_peer.py"), "--side", side, "--model", model_dir, "--steps", steps]))
         step = {side: statistics.median(r["median_step_s"] for r in rs) for side, rs in runs.items()}
         rss = {side: max(r["peak_rss_mib"] for r in rs) for side, rs in runs.items()}
+        # each round's two runs follow each other within seconds: their ratio cancels most of
+        # the machine's slower and faster spells, which last tens of seconds
+        round_ratios = [m["median_step_s"] / t["median_step_s"] for m, t in zip(runs["moe-rl"], runs["trl"])]
         results["peer"] = {
             "moe_rl_step_s": step["moe-rl"], "trl_step_s": step["trl"], "rounds": len(runs["trl"]),
             "time_ratio_moe_rl_over_trl": step["moe-rl"] / step["trl"],
+            "round_time_ratios": round_ratios, "median_round_time_ratio": statistics.median(round_ratios),
             "moe_rl_peak_rss_mib": rss["moe-rl"], "trl_peak_rss_mib": rss["trl"],
             "memory_ratio_moe_rl_over_trl": rss["moe-rl"] / rss["trl"],
         }  # fmt: skip
@@ -263,6 +267,8 @@ def _print_table(r: dict) -> None:
     if isinstance(r["peer"], dict):
         pe = r["peer"]
         rows.append((f"GRPO step vs TRL (same model, batch; median of {pe['rounds']} alternating runs)", f"moe-rl {pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x time"))
+        rounds = ", ".join(f"{x:.2f}x" for x in pe["round_time_ratios"])
+        rows.append(("  time, run by run", f"median {pe['median_round_time_ratio']:.2f}x of {rounds}"))
         rows.append(("  peak RSS", f"{pe['moe_rl_peak_rss_mib']:.0f} vs {pe['trl_peak_rss_mib']:.0f} MiB = {pe['memory_ratio_moe_rl_over_trl']:.2f}x"))
     else:
         rows.append(("GRPO step vs TRL", r["peer"]))
