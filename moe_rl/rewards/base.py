@@ -212,8 +212,8 @@ class RewardScorer:
 class _PendingCall:
     """One reward call queued on a :class:`_RewardThread`; ``done`` is set once it ran."""
 
-    fn: RewardFn
-    sample: RewardInput
+    fn: Callable[..., Any]  # a reward function (or, at the start, :func:`warm_up`)
+    sample: Any  # its first argument: a RewardInput (for warm_up: the reward function)
     kwargs: dict
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None

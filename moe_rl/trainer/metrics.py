@@ -204,7 +204,7 @@ class BackgroundWriter:
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
             method, args, kwargs = call
-            if self._error is None:  # after a failure the rest is dropped (reported once)
+            if self._error is None:  # calls after a failure are dropped until it has been raised
                 try:
                     method(*args, **kwargs)
                 except BaseException as e:  # noqa: BLE001 - handed to the training thread
