@@ -383,7 +383,7 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
 
 
 def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
-    from moe_rl.routing.replay import REPLAY_MODES
+    from moe_rl.routing.modes import REPLAY_MODES
 
     _choice("routing.replay", routing.replay, REPLAY_MODES)
     _positive("routing.expert_bias_update_rate", routing.expert_bias_update_rate, allow_zero=True)
@@ -497,8 +497,7 @@ def _check_hf_dir(hf_dir: str) -> None:
         raise ConfigError(f"model.hf_dir={hf_dir!r}: config.json is not readable JSON ({type(e).__name__})") from None
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"model.hf_dir={hf_dir!r} has model_type={model_type!r}; supported: {', '.join(ARCHITECTURES.names())}")
-    from moe_rl.models.architectures import unsupported_setting
-    from moe_rl.models.builder import load_hf_config
+    from moe_rl.models.architectures import load_hf_config, unsupported_setting
 
     try:
         problem = unsupported_setting(load_hf_config(hf_dir))

@@ -7,7 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import model_dims
-from moe_rl.models.builder import load_hf_config
+from moe_rl.models.architectures import load_hf_config
 from moe_rl.models.forward import MicroBatch
 from parallel.distributed import init_distributed
 from parallel.layout import ParallelLayout

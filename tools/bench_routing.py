@@ -48,7 +48,8 @@ def main() -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl.models.architectures import model_dims
-    from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
+    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import load_hf_weights
     from moe_rl.models.tiny import save_tiny_checkpoint

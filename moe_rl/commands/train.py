@@ -30,7 +30,15 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     if args.nproc is not None and args.nproc < 1:
         return fail(f"--nproc {args.nproc} must be >= 1")
-    if args.nproc and "RANK" not in os.environ:
+    spawn = bool(args.nproc) and "RANK" not in os.environ
+    from parallel.distributed import launch_env
+    from parallel.layout import LayoutError
+
+    try:  # fail fast: before spawning ranks or building anything (the model's checks come later)
+        cfg.parallel.validate(args.nproc if spawn else launch_env().world_size)
+    except LayoutError as e:
+        return fail(str(e))
+    if spawn:
         from parallel.launch import spawn_local
 
         argv = ["-m", "moe_rl.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
@@ -38,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging()
     from moe_rl.rollout.types import RolloutError
     from moe_rl.trainer.trainer import TrainingStopped, train
-    from parallel.layout import LayoutError
 
     try:
         train(cfg)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
 from moe_rl.data.tasks import Problem
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from moe_rl.config import DataConfig
 
 PROMPT_FIELD = "{prompt}"

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from moe_rl.algorithms.registry import Registry
 from parallel.layout import ModelDims
@@ -254,6 +254,14 @@ ARCHITECTURES.register("deepseek_v3")(
         unsupported=_mla_problem,
     )
 )
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """The ``config.json`` of a local HF model directory (never a hub download)."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a Hugging Face config from {path!r}: {e}") from None
 
 
 def architecture_of(hf_config: PretrainedConfig) -> Architecture:

@@ -9,20 +9,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
 from moe_rl.models.layers import LayerModules, decoder_block_spec
 from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
 from parallel.layout import ParallelLayout
-
-
-def load_hf_config(path: str) -> PretrainedConfig:
-    """The ``config.json`` of a local HF model directory (never a hub download)."""
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read a Hugging Face config from {path!r}: {e}") from None
 
 
 def make_transformer_config(

@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
-REPLAY_MODES = ("none", "r2", "r3")
+from moe_rl.routing.modes import REPLAY_MODES
 
 
 class ReplayError(RuntimeError):

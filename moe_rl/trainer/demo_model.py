@@ -105,7 +105,8 @@ def _creation_lock(target: Path) -> Iterator[None]:
 
 
 def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
-    from moe_rl.models.builder import build_model, load_hf_config, make_transformer_config
+    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
     from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp

@@ -25,8 +25,7 @@ from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task, make_task
 from moe_rl.evaluation import Evaluator, build_evaluator
-from moe_rl.models.architectures import architecture_of, model_dims
-from moe_rl.models.builder import load_hf_config
+from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
 from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
