@@ -21,7 +21,8 @@ memory is released, or after released weights until a full update, /generate fai
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
-/generate), ``die_after`` (exit the process when the Nth next /generate arrives).
+/generate), ``die_after`` (exit the process when the Nth next /generate arrives),
+``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once).
 ``GET /_test/weights_digest``: a hash of the engine's weights.
 
     python tests/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
@@ -241,6 +242,9 @@ def _join_group(st: State, body: dict) -> tuple[int, dict]:
     server has one rank), blocking until every rank has joined, as SGLang does."""
     if st.args.tp_size != 1:
         return 400, {"success": False, "message": "the test server joins weight-update groups with --tp-size 1 only"}
+    if st.faults.get("refuse_weight_groups", 0) > 0:
+        st.faults["refuse_weight_groups"] -= 1
+        return 200, {"success": False, "message": "Failed to initialize custom process group: injected refusal"}
     try:
         group = join_weight_update_group(
             backend=body["backend"], address=body["master_address"], port=int(body["master_port"]),

@@ -120,6 +120,23 @@ def test_update_weights_from_disk_and_stale_version(servers, ckpts) -> None:
         engine.update_weights_from_disk(ckpts["v0"], "0")
 
 
+def test_a_server_refusing_the_weight_group_is_reported_at_once(servers) -> None:
+    """One server refuses to join while the other waits in the rendezvous: the refusal is
+    raised at once (not after the rendezvous' timeout), naming the server."""
+    control(servers[0], "/_test/faults", {"refuse_weight_groups": 1})
+    engine = engine_for(servers)
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match=f"{servers[0].url}/init_weights_update_group failed.*injected refusal"):
+        engine.init_weights_update_group(
+            "127.0.0.1", port, "refused", "gloo",
+            join=lambda world_size: join_weight_update_group(backend="gloo", address="127.0.0.1", port=port, world_size=world_size,
+                                                             rank=0, group_name="refused", timeout_s=60),
+        )  # fmt: skip
+    assert time.monotonic() - start < 30
+    assert "refused" not in control(servers[0], "/_test/stats")["weight_groups"]
+
+
 def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> None:
     """Both servers join one gloo group (offsets 1 and 2) and receive v1's weights in two
     buckets; they then sample exactly what a local engine with v1 samples."""

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
 import logging
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import httpx
@@ -258,14 +260,16 @@ class SGLangEngine(RolloutEngine):
         """Every server's ranks join ``group_name`` (server i's TP rank r as
         ``1 + sum(previous servers' TP sizes) + r``) while ``join(world_size)`` makes this
         process rank 0; the requests block until every rank has joined, so they are all in
-        flight at once. Returns what ``join`` returns (the group)."""
+        flight at once. Returns what ``join`` returns (the group). ``join`` runs on a thread
+        of its own: a server that refuses is reported at once, not after the rendezvous'
+        timeout."""
         offsets, world_size = weight_group_offsets(self.server_ranks())
         payloads = [
             {"master_address": master_address, "master_port": master_port, "rank_offset": offset,
              "world_size": world_size, "group_name": group_name, "backend": backend}
             for offset in offsets
         ]  # fmt: skip
-        return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size))
+        return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Ask every server to leave ``group_name`` (best effort: SGLang versions without
@@ -333,16 +337,26 @@ class SGLangEngine(RolloutEngine):
         """Servers take back the memory ``tags`` name (all by default)."""
         self._post_all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
-    def _post_each(self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None) -> Any:
+    def _post_each(
+        self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None, *, wait_in_thread: bool = False
+    ) -> Any:
         """``payloads[i]`` to server ``i``, all in flight at once (requests that block until
-        this process acts: ``while_waiting()`` runs meanwhile; its result is returned)."""
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            pending = [pool.submit(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
+        this process acts: ``while_waiting()`` runs meanwhile; its result is returned).
+        ``wait_in_thread``: ``while_waiting`` runs on a thread of its own, so that a request
+        failing first is raised at once (a rendezvous that a refusing server never joins is
+        left to its own timeout, on a daemon thread)."""
+        requests = [_on_daemon_thread(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
+        if not wait_in_thread:
             result = while_waiting()
-            for f in pending:
-                f.result()
+        else:
+            waiting = _on_daemon_thread(while_waiting)
+            concurrent.futures.wait([waiting, *requests], return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = [f for f in requests if f.done() and f.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            result = waiting.result()
+        for f in requests:
+            f.result()
         return result
 
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
@@ -407,3 +421,18 @@ def weight_group_offsets(server_ranks: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(next_rank)
         next_rank += n
     return offsets, next_rank
+
+
+def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread (unlike a thread pool's, it never holds up the
+    interpreter's exit: a request or rendezvous left blocked ends with the process)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future

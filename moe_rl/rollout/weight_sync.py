@@ -124,10 +124,16 @@ class DistributedSync(WeightSync):
         # a name of its own: servers keep a group by name, and one that an earlier trainer
         # left (a restarted or resumed run against long-lived servers) refuses the name
         self.group_name = f"{self.GROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
-        join = lambda world_size: join_weight_update_group(  # noqa: E731
-            backend=self.backend, address=address, port=port, world_size=world_size, rank=0,
-            group_name=self.group_name, timeout_s=self.timeout_s,
-        )  # fmt: skip
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def join(world_size: int):  # on a thread of its own, whose current device must be this rank's
+            if device is not None:
+                torch.cuda.set_device(device)
+            return join_weight_update_group(
+                backend=self.backend, address=address, port=port, world_size=world_size, rank=0,
+                group_name=self.group_name, timeout_s=self.timeout_s,
+            )  # fmt: skip
+
         return self.engine.init_weights_update_group(address, port, self.group_name, self.backend, join)
 
     def _broadcast(self, named_tensors) -> None:
