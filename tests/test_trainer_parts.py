@@ -230,7 +230,7 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
 
 
 def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
-    from moe_rl.models.hf_weights import export_destination_problem
+    from moe_rl.models.export_dir import export_destination_problem
 
     assert export_destination_problem(tmp_path / "new") is None
     (tmp_path / "empty").mkdir()

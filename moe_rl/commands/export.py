@@ -32,8 +32,7 @@ def model_dir_of(checkpoint: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from moe_rl.commands._distributed import LayoutError, fail, maybe_spawn
-
-    from moe_rl.models.hf_weights import export_destination_problem
+    from moe_rl.models.export_dir import export_destination_problem
 
     problem = export_destination_problem(args.out)
     if problem:

@@ -38,6 +38,7 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
 from moe_rl.models.builder import named_weights, padded_vocab_size
+from moe_rl.models.export_dir import export_destination_problem
 from parallel.collectives import all_gather_objects, barrier, broadcast_object
 
 _TOKENIZER_FILES = (
@@ -380,19 +381,6 @@ def export_hf_weights(
         _replace_dir(tmp, out)
     barrier()
     return out
-
-
-def export_destination_problem(out: str | os.PathLike) -> str | None:
-    """Why ``out`` may not receive an export, or ``None``: only a new or empty directory,
-    or an earlier export (which is replaced), is ever written over."""
-    out = Path(out)
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        return f"{out} exists and is not a directory"
-    if any(out.iterdir()) and not (out / "model.safetensors.index.json").is_file():
-        return f"{out} is not empty and holds no earlier export (model.safetensors.index.json): give an empty or new directory"
-    return None
 
 
 def _replace_dir(new: Path, out: Path) -> None:
