@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from moe_rl.models.architectures import model_dims
-from moe_rl.models.architectures import load_hf_config
+from moe_rl.models.architectures import load_hf_config, model_dims
 from moe_rl.models.forward import MicroBatch
 from parallel.distributed import init_distributed
 from parallel.layout import ParallelLayout

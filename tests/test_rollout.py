@@ -5,6 +5,7 @@ against the trainer."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -127,13 +128,13 @@ def test_a_server_refusing_the_weight_group_is_reported_at_once(servers) -> None
     engine = engine_for(servers)
     port = free_port()
     start = time.monotonic()
-    with pytest.raises(RolloutError, match=f"{servers[0].url}/init_weights_update_group failed.*injected refusal"):
+    with pytest.raises(RolloutError, match=re.escape(f"{servers[0].url}/init_weights_update_group failed") + ".*injected refusal"):
         engine.init_weights_update_group(
             "127.0.0.1", port, "refused", "gloo",
             join=lambda world_size: join_weight_update_group(backend="gloo", address="127.0.0.1", port=port, world_size=world_size,
-                                                             rank=0, group_name="refused", timeout_s=60),
+                                                             rank=0, group_name="refused", timeout_s=10),
         )  # fmt: skip
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 8  # (the join alone would wait its 10 s)
     assert "refused" not in control(servers[0], "/_test/stats")["weight_groups"]
 
 

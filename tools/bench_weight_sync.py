@@ -79,8 +79,7 @@ class PeakSampler:
 def worker(hf_dir: str, bucket_mb: float, out: str) -> None:
     import torch
 
-    from moe_rl.models.architectures import model_dims
-    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.weight_buckets import HFWeights
     from parallel.collectives import barrier, rank

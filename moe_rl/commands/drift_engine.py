@@ -25,8 +25,7 @@ def run_rank(args: argparse.Namespace) -> int:
     """One process of the measurement (every rank of the layout runs it)."""
     from moe_rl.commands._distributed import layout_from
     from moe_rl.commands.export import model_dir_of
-    from moe_rl.models.architectures import model_dims
-    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.architectures import load_hf_config, model_dims
     from parallel.collectives import broadcast_object, is_first_rank
     from parallel.distributed import destroy_distributed, init_distributed
 

@@ -88,8 +88,7 @@ def _engine(args: argparse.Namespace, cfg, model_dir: Path):
     """The local engine on the checkpoint, or the SGLang servers (synced when asked)."""
     import torch
 
-    from moe_rl.models.architectures import architecture_of
-    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.architectures import architecture_of, load_hf_config
 
     if not args.engine:
         from moe_rl.rollout.local import LocalEngine

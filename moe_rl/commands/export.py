@@ -51,8 +51,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from moe_rl.commands._distributed import layout_from
-    from moe_rl.models.architectures import model_dims
-    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.hf_weights import SafetensorsDir, export_hf_weights, load_hf_weights
     from parallel.distributed import destroy_distributed, init_distributed

@@ -41,8 +41,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from moe_rl.commands._distributed import layout_from
-    from moe_rl.models.architectures import model_dims
-    from moe_rl.models.architectures import load_hf_config
+    from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import load_hf_weights

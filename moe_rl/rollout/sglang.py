@@ -269,7 +269,12 @@ class SGLangEngine(RolloutEngine):
              "world_size": world_size, "group_name": group_name, "backend": backend}
             for offset in offsets
         ]  # fmt: skip
-        return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True)
+        try:
+            return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True)
+        except RolloutError:
+            raise
+        except (OSError, RuntimeError, ValueError) as e:  # the rendezvous itself (e.g. its timeout)
+            raise RolloutError(f"joining weight-update group {group_name} at {master_address}:{master_port} failed: {type(e).__name__}: {e}") from e
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Ask every server to leave ``group_name`` (best effort: SGLang versions without
@@ -341,20 +346,18 @@ class SGLangEngine(RolloutEngine):
         self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None, *, wait_in_thread: bool = False
     ) -> Any:
         """``payloads[i]`` to server ``i``, all in flight at once (requests that block until
-        this process acts: ``while_waiting()`` runs meanwhile; its result is returned).
-        ``wait_in_thread``: ``while_waiting`` runs on a thread of its own, so that a request
-        failing first is raised at once (a rendezvous that a refusing server never joins is
-        left to its own timeout, on a daemon thread)."""
+        this process acts: ``while_waiting()`` runs meanwhile; its result is returned); every
+        request has been answered when this returns or raises. ``wait_in_thread``: instead,
+        ``while_waiting`` runs on a thread of its own and a failed request is raised as soon
+        as it fails (a rendezvous that a refusing server never joins is left to its own
+        timeout, on a daemon thread; a group it still makes is left at once)."""
         requests = [_on_daemon_thread(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
-        if not wait_in_thread:
+        if wait_in_thread:
+            return _unless_refused(requests, _on_daemon_thread(while_waiting))
+        try:
             result = while_waiting()
-        else:
-            waiting = _on_daemon_thread(while_waiting)
-            concurrent.futures.wait([waiting, *requests], return_when=concurrent.futures.FIRST_EXCEPTION)
-            failed = [f for f in requests if f.done() and f.exception() is not None]
-            if failed:
-                raise failed[0].exception()
-            result = waiting.result()
+        finally:
+            concurrent.futures.wait(requests)
         for f in requests:
             f.result()
         return result
@@ -436,3 +439,25 @@ def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.
 
     threading.Thread(target=run, daemon=True).start()
     return future
+
+
+def _unless_refused(requests: list[concurrent.futures.Future], join: concurrent.futures.Future) -> Any:
+    """``join``'s result once it and every request succeeded; a failed request is raised as
+    soon as it fails (a group ``join`` still makes is then left)."""
+    concurrent.futures.wait([join, *requests], return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = [f for f in requests if f.done() and f.exception() is not None]
+    if failed:
+        join.add_done_callback(_leave_group_if_made)
+        failed[0].result()
+    result = join.result()
+    for f in requests:
+        f.result()
+    return result
+
+
+def _leave_group_if_made(join: concurrent.futures.Future) -> None:
+    """Leave the weight-update group a finished ``join`` made (one no server will use)."""
+    if join.exception() is None:
+        from parallel.weight_update_group import leave_weight_update_group
+
+        leave_weight_update_group(join.result())

@@ -36,7 +36,8 @@ from torch import Tensor
 
 from moe_rl.models.forward import MicroBatch
 from moe_rl.routing.probe import Consumer, ProbedRouting, RouterProbe
-from moe_rl.routing.replay import REPLAY_MODES, RoutingReplay, engine_routing_to_replay, to_local_tokens
+from moe_rl.routing.modes import REPLAY_MODES
+from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
 STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load", "expert_bias_effect")
