@@ -177,20 +177,19 @@ def main() -> None:
         import trl  # noqa: F401
 
         model_dir = _demo_model()
-        steps = "4" if q else "16"
-        runs: dict[str, list[dict]] = {"moe-rl": [], "trl": []}
-        for _ in range(1 if q else 3):  # alternating, so machine noise hits both sides alike
-            for side in runs:
-                runs[side].append(sub_json([str(TOOLS / "bench_peer.py"), "--side", side, "--model", model_dir, "--steps", steps]))
-        step = {side: statistics.median(r["median_step_s"] for r in rs) for side, rs in runs.items()}
-        rss = {side: max(r["peak_rss_mib"] for r in rs) for side, rs in runs.items()}
-        # each round's two runs follow each other within seconds: their ratio cancels most of
-        # the machine's slower and faster spells, which last tens of seconds
-        round_ratios = [m["median_step_s"] / t["median_step_s"] for m, t in zip(runs["moe-rl"], runs["trl"])]
+        rounds = [sub_json([str(TOOLS / "bench_peer.py"), "--side", "both", "--model", model_dir,
+                            "--steps", "12" if q else "60", "--steps-per-turn", "3"]) for _ in range(1 if q else 3)]  # fmt: skip
+        step = {side: statistics.median(r[side]["median_step_s"] for r in rounds) for side in ("moe-rl", "trl")}
+        rss = {side: max(r[side]["peak_rss_mib"] for r in rounds) for side in ("moe-rl", "trl")}
+        # the two processes take turns of 3 steps: a moe-rl turn and the TRL turn after it
+        # ran within a second of each other, so their ratio cancels the machine's spells
+        turn_ratios = [x for r in rounds for x in r["turn_time_ratios"]]
         results["peer"] = {
-            "moe_rl_step_s": step["moe-rl"], "trl_step_s": step["trl"], "rounds": len(runs["trl"]),
+            "moe_rl_step_s": step["moe-rl"], "trl_step_s": step["trl"], "runs": len(rounds), "turns": len(turn_ratios),
             "time_ratio_moe_rl_over_trl": step["moe-rl"] / step["trl"],
-            "round_time_ratios": round_ratios, "median_round_time_ratio": statistics.median(round_ratios),
+            "run_time_ratios": [r["moe-rl"]["median_step_s"] / r["trl"]["median_step_s"] for r in rounds],
+            "median_turn_time_ratio": statistics.median(turn_ratios),
+            "response_tokens": {side: statistics.mean(x for r in rounds for x in r[side]["response_tokens"]) for side in step},
             "moe_rl_peak_rss_mib": rss["moe-rl"], "trl_peak_rss_mib": rss["trl"],
             "memory_ratio_moe_rl_over_trl": rss["moe-rl"] / rss["trl"],
         }  # fmt: skip
@@ -266,9 +265,11 @@ def _print_table(r: dict) -> None:
     ]  # fmt: skip
     if isinstance(r["peer"], dict):
         pe = r["peer"]
-        rows.append((f"GRPO step vs TRL (same model, batch; median of {pe['rounds']} alternating runs)", f"moe-rl {pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x time"))
-        rounds = ", ".join(f"{x:.2f}x" for x in pe["round_time_ratios"])
-        rows.append(("  time, run by run", f"median {pe['median_round_time_ratio']:.2f}x of {rounds}"))
+        rows.append((f"GRPO step vs TRL (same model, batch; {pe['runs']} runs taking turns)", f"moe-rl {pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x time"))
+        runs = ", ".join(f"{x:.2f}x" for x in pe["run_time_ratios"])
+        rows.append(("  time, run by run / turn by turn", f"{runs} / median {pe['median_turn_time_ratio']:.2f}x of {pe['turns']} turns"))
+        tokens = pe["response_tokens"]
+        rows.append(("  mean response tokens", f"moe-rl {tokens['moe-rl']:.2f}, TRL {tokens['trl']:.2f}"))
         rows.append(("  peak RSS", f"{pe['moe_rl_peak_rss_mib']:.0f} vs {pe['trl_peak_rss_mib']:.0f} MiB = {pe['memory_ratio_moe_rl_over_trl']:.2f}x"))
     else:
         rows.append(("GRPO step vs TRL", r["peer"]))

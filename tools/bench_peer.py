@@ -1,8 +1,12 @@
 """One GRPO step (rollout + update) of the same tiny Qwen3-MoE and batch in TRL's
 GRPOTrainer and in moe-rl, each in its own process; prints JSON (median step time,
-peak RSS). Run by tools/bench.py; needs `pip install trl` for the TRL side.
+mean response tokens, peak RSS). Run by tools/bench.py; needs `pip install trl`.
 
-    python tools/bench_peer.py --side trl|moe-rl --model DIR [--steps 6]
+    python tools/bench_peer.py --side both|trl|moe-rl --model DIR [--steps 6]
+
+``--side both`` runs the two processes taking turns of a few steps (one runs while
+the other waits for its turn): the machine's slow and fast spells, which last seconds,
+then hit both sides alike, and each process's peak memory is still its own.
 """
 
 from __future__ import annotations
@@ -10,17 +14,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import select
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
 PROMPTS, GROUP, NEW_TOKENS = 8, 4, 6
+TURN_TIMEOUT_S = 600.0
 
 
-def trl_side(model_dir: str, steps: int) -> dict:
+class Turns:
+    """This side's end of the turn-taking pipes: a turn is ``steps`` steps; :meth:`wait`
+    (before a step) blocks until this side's turn, :meth:`done` (after it) hands the turn
+    over after its last step. Without pipes both return at once."""
+
+    def __init__(self, fds: str | None, steps: int) -> None:
+        self.go, self.finished = map(int, fds.split(",")) if fds else (None, None)
+        self.steps, self.taken = steps, 0
+
+    def wait(self) -> None:
+        if self.go is not None and self.taken % self.steps == 0:
+            if not select.select([self.go], [], [], TURN_TIMEOUT_S)[0] or not os.read(self.go, 1):
+                raise SystemExit(f"no turn in {TURN_TIMEOUT_S:.0f}s: the other side stopped")
+
+    def done(self) -> None:
+        self.taken += 1
+        if self.finished is not None and self.taken % self.steps == 0:
+            os.write(self.finished, b".")
+
+    def warm(self, times: list[float]) -> list[list[float]]:
+        """The step times to compare, turn by turn: none of the first turn (warm-up), and
+        no turn's first step (it starts with caches the other process filled and its
+        threads asleep). Without pipes: one turn of every step but the first."""
+        if self.go is None:
+            return [times[1:] or times]
+        return [times[i + 1 : i + self.steps] for i in range(self.steps, len(times), self.steps) if i + 1 < len(times)]
+
+
+def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -33,17 +70,21 @@ def trl_side(model_dir: str, steps: int) -> dict:
     data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    def correct(completions, answer, **_):
+    def correct(completions, answer, completion_ids, **_):
+        lengths.append(statistics.mean(len(c) for c in completion_ids))
         return [math_correct(RewardInput("", c, a)) for c, a in zip(completions, answer)]
 
     times: list[float] = []
+    lengths: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
+            turns.wait()
             self.t = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t)
+            turns.done()
 
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
@@ -54,37 +95,109 @@ def trl_side(model_dir: str, steps: int) -> dict:
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[correct], args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[Timer()])  # fmt: skip
     trainer.train()
-    return {"step_times": times}
+    return {"step_times": times, "response_tokens": lengths}
 
 
-def moe_rl_side(model_dir: str, steps: int, run_dir: str) -> dict:
+def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
     overrides = [
         f"model.hf_dir={model_dir}", f"train.run_dir={run_dir}", f"train.steps={steps}", "train.progress=false",
         f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={NEW_TOKENS}",
         "algorithm.updates_per_batch=1", "routing.metrics=false", "algorithm.micro_batch_size=32",
         "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]",
     ]  # fmt: skip
+    from moe_rl import tags
     from moe_rl.cli import main
+    from moe_rl.trainer.trainer import Trainer
 
+    train_step = Trainer.train_step
+
+    def taking_turns(trainer: Trainer, step: int) -> dict:
+        turns.wait()
+        try:
+            return train_step(trainer, step)
+        finally:
+            turns.done()
+
+    Trainer.train_step = taking_turns  # perf/step_time_s is timed inside train_step
     code = main(["train", *overrides])
     if code != 0:
         raise SystemExit(code)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {"step_times": [r["perf/step_time_s"] for r in rows]}
+    return {"step_times": [r["perf/step_time_s"] for r in rows], "response_tokens": [r[tags.RESPONSE_LENGTH_MEAN] for r in rows]}
+
+
+def both_sides(model_dir: str, steps: int, steps_per_turn: int) -> dict:
+    """Each side in its own process, taking turns of ``steps_per_turn`` steps (moe-rl
+    first); their JSON."""
+    sides = ("moe-rl", "trl")
+    procs, go, finished, logs = {}, {}, {}, {}
+    for side in sides:
+        go_r, go[side] = os.pipe()
+        finished[side], done_w = os.pipe()
+        logs[side] = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-W", "ignore", __file__, "--side", side, "--model", model_dir, "--steps", str(steps),
+               "--turns", f"{go_r},{done_w}", "--steps-per-turn", str(steps_per_turn)]  # fmt: skip
+        procs[side] = subprocess.Popen(cmd, pass_fds=(go_r, done_w), stdout=logs[side], stderr=subprocess.STDOUT, text=True)
+        os.close(go_r)
+        os.close(done_w)
+    running, turn = list(sides), 0
+    _give_turn(go[sides[0]])
+    while running:
+        side = running[turn % len(running)]
+        if not select.select([finished[side]], [], [], TURN_TIMEOUT_S)[0]:
+            for p in procs.values():
+                p.kill()
+            raise SystemExit(f"{side}: no step ended in {TURN_TIMEOUT_S:.0f}s")
+        if not os.read(finished[side], 1):  # the side exited
+            running.remove(side)
+        else:
+            turn += 1
+        if running:
+            _give_turn(go[running[turn % len(running)]])
+    out = {side: _side_json(side, procs[side], logs[side]) for side in sides}
+    # a moe-rl turn and the TRL turn right after it ran within a second of each other
+    pairs = zip(out["moe-rl"]["warm_turns"], out["trl"]["warm_turns"])
+    ratios = [statistics.median(m) / statistics.median(t) for m, t in pairs]
+    out["turn_time_ratios"], out["median_turn_time_ratio"] = ratios, statistics.median(ratios)
+    return out
+
+
+def _give_turn(fd: int) -> None:
+    try:
+        os.write(fd, b".")
+    except BrokenPipeError:  # that side has exited (its end of the pipe tells the loop next)
+        pass
+
+
+def _side_json(side: str, proc: subprocess.Popen, log) -> dict:
+    code = proc.wait()
+    log.seek(0)
+    text = log.read()
+    m = re.search(r"^BENCH_JSON (.*)$", text, re.M)
+    if code != 0 or not m:
+        raise SystemExit(f"{side} failed ({code}): {text[-1500:]}")
+    return json.loads(m.group(1))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--side", choices=["trl", "moe-rl"], required=True)
+    p.add_argument("--side", choices=["both", "trl", "moe-rl"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps-per-turn", type=int, default=4, help="with --side both")
+    p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both
     args = p.parse_args()
+    if args.side == "both":
+        print("BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn)), flush=True)
+        return
+    turns = Turns(args.turns, args.steps_per_turn)
     if args.side == "trl":
-        out = trl_side(args.model, args.steps)
+        out = trl_side(args.model, args.steps, turns)
     else:
-        out = moe_rl_side(args.model, args.steps, tempfile.mkdtemp())
-    times = out["step_times"][1:] or out["step_times"]  # the first step warms up
-    out.update(median_step_s=statistics.median(times), peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        out = moe_rl_side(args.model, args.steps, tempfile.mkdtemp(), turns)
+    out["warm_turns"] = turns.warm(out["step_times"])
+    out["median_step_s"] = statistics.median(t for turn in out["warm_turns"] for t in turn)
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("BENCH_JSON " + json.dumps(out), flush=True)
 
 

@@ -40,7 +40,7 @@ def make_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=token_dispatcher_type(layout),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         gradient_accumulation_fusion=False,
@@ -53,6 +53,14 @@ def make_transformer_config(
     kwargs.update(overrides)
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     return config_class(**kwargs)
+
+
+def token_dispatcher_type(layout: ParallelLayout) -> str:
+    """megatron-core's token dispatcher: ``alltoall`` where experts are spread over ranks;
+    ``allgather`` where each rank holds every expert whole (EP = expert TP = 1), which then
+    moves no tokens between ranks and runs fewer ops (same outputs; ~9% off a tiny
+    model's update on CPU)."""
+    return "allgather" if layout.ep == 1 and layout.expert_tp == 1 else "alltoall"
 
 
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
