@@ -1,6 +1,7 @@
 """One process: the same HF weights and batch through every choice of experts module
 (GroupedExperts with the grouped matmul and with its per-expert fallback, megatron's
-SequentialMLP) and core attention (SdpaAttention, megatron's DotProductAttention); and
+SequentialMLP), core attention (SdpaAttention, megatron's DotProductAttention) and token
+dispatcher (the allgather one chosen at EP = 1, megatron's alltoall); and
 SdpaAttention against DotProductAttention on random inputs under each mask it may get.
 Run by test_layer_modules; prints one JSON line."""
 
@@ -28,8 +29,8 @@ def loss_fn(le, mb):
     return -(le[..., 0] * torch.linspace(0.5, 1.5, le.shape[-2])).sum() / 40, {}
 
 
-def run(modules: LayerModules, grouped_matmul: bool = True) -> dict:
-    config = make_transformer_config(hf_config, layout)
+def run(modules: LayerModules, grouped_matmul: bool = True, **overrides) -> dict:
+    config = make_transformer_config(hf_config, layout, **overrides)
     model = build_model(hf_config, config, modules=modules)
     load_hf_weights(model, hf_config, hf_dir)
     stacked = [m for m in model.modules() if isinstance(m, StackedLinear)]
@@ -42,7 +43,9 @@ def run(modules: LayerModules, grouped_matmul: bool = True) -> dict:
     run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False)
     grads = gather_hf_tensors(model, hf_config, source=lambda name, p: p.main_grad)
     sdpa = sum(isinstance(m, SdpaAttention) for m in model.modules())
-    return {"logp": logp, "grads": grads, "grouped_matmuls": sum(m.grouped for m in stacked), "sdpa_modules": sdpa}
+    dispatchers = {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
+    return {"logp": logp, "grads": grads, "grouped_matmuls": sum(m.grouped for m in stacked), "sdpa_modules": sdpa,
+            "dispatchers": sorted(dispatchers)}  # fmt: skip
 
 
 def attention_checks(config) -> dict:
@@ -72,20 +75,28 @@ def attention_checks(config) -> dict:
 reference = run(LayerModules(experts="sequential", attention="local"))
 out = {}
 variants = {
-    "grouped_sdpa": (LayerModules(), True),
-    "fallback_sdpa": (LayerModules(), False),
-    "grouped_local": (LayerModules(attention="local"), True),
-    "sequential_sdpa": (LayerModules(experts="sequential"), True),
+    "grouped_sdpa": (LayerModules(), True, {}),
+    "fallback_sdpa": (LayerModules(), False, {}),
+    "grouped_local": (LayerModules(attention="local"), True, {}),
+    "sequential_sdpa": (LayerModules(experts="sequential"), True, {}),
+    "grouped_sdpa_alltoall": (LayerModules(), True, {"moe_token_dispatcher_type": "alltoall"}),
 }
-for name, (modules, grouped) in variants.items():
-    r = run(modules, grouped)
+runs = {}
+for name, (modules, grouped, overrides) in variants.items():
+    r = runs[name] = run(modules, grouped, **overrides)
     assert r["grads"].keys() == reference["grads"].keys(), sorted(r["grads"].keys() ^ reference["grads"].keys())[:4]
     out[name] = {
         "logp_max_diff": float((r["logp"] - reference["logp"]).abs().max()),
         "grad_max_diff": max(float((r["grads"][k] - reference["grads"][k]).abs().max()) for k in r["grads"]),
         "grouped_matmuls": r["grouped_matmuls"],
         "sdpa_modules": r["sdpa_modules"],
+        "dispatchers": r["dispatchers"],
     }
+a, b = runs["grouped_sdpa_alltoall"], runs["grouped_sdpa"]
+out["alltoall_vs_allgather"] = {
+    "logp_max_diff": float((a["logp"] - b["logp"]).abs().max()),
+    "grad_max_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
+}
 out["grad_max_abs"] = max(float(g.abs().max()) for g in reference["grads"].values())
 out["attention"] = attention_checks(make_transformer_config(hf_config, layout))
 print(json.dumps(out))

@@ -22,7 +22,7 @@ def result(tmp_path_factory) -> dict:
     return run_check_script("layer_modules_checks.py", hf_dir)
 
 
-@pytest.mark.parametrize("variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa"])
+@pytest.mark.parametrize("variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa", "grouped_sdpa_alltoall"])
 def test_every_module_choice_gives_the_reference_model(result, variant: str) -> None:
     r, scale = result[variant], result["grad_max_abs"]
     assert scale > 1e-3
@@ -34,6 +34,14 @@ def test_every_module_choice_gives_the_reference_model(result, variant: str) -> 
 def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
     assert result["grouped_sdpa"]["grouped_matmuls"] == 4 and result["fallback_sdpa"]["grouped_matmuls"] == 0
     assert result["grouped_sdpa"]["sdpa_modules"] == 2 and result["grouped_local"]["sdpa_modules"] == 0
+
+
+def test_the_allgather_dispatcher_chosen_at_ep_1_equals_alltoall(result) -> None:
+    """One process (EP = expert TP = 1) builds the allgather dispatcher; megatron's alltoall
+    one gives the same log-probs and gradients to the last bit."""
+    assert result["grouped_sdpa"]["dispatchers"] == ["MoEAllGatherTokenDispatcher"]
+    assert result["grouped_sdpa_alltoall"]["dispatchers"] == ["MoEAlltoAllTokenDispatcher"]
+    assert result["alltoall_vs_allgather"] == {"logp_max_diff": 0.0, "grad_max_diff": 0.0}
 
 
 @pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])
