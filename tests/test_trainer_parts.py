@@ -1,5 +1,6 @@
 """The trainer's parts on their own (one process, no process group): typed micro-batches,
-the policy objective, weight sync, the local engine's weight precision, config types."""
+the policy objective, weight sync, the local engine's weight precision, config types,
+TensorBoard writing."""
 
 from __future__ import annotations
 
@@ -355,3 +356,27 @@ def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
     torch.testing.assert_close(grad_packed, grad_whole)
     real, padded = batch.padding
     assert real == sum(exp.lengths) and padded < rows * max(exp.lengths)
+
+
+def test_tensorboard_scalars_of_a_step_are_one_event_and_read_back_by_tag(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    from moe_rl.trainer.metrics import BackgroundWriter
+
+    writer = BackgroundWriter(SummaryWriter(str(tmp_path)))
+    for step in (1, 2):
+        for i in range(5):
+            writer.add_scalar(f"a/x{i}", step * 10 + i, step)
+        writer.add_histogram("h", torch.arange(4.0) * step, step)
+        writer.add_scalar("b/late", step / 2, step)  # after another kind of call: its own event
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0}).Reload()
+    for i in range(5):
+        assert [(e.step, e.value) for e in events.Scalars(f"a/x{i}")] == [(1, 10 + i), (2, 20 + i)]
+    assert [(e.step, e.value) for e in events.Scalars("b/late")] == [(1, 0.5), (2, 1.0)]
+    assert [e.step for e in events.Histograms("h")] == [1, 2]
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    scalar_events = [e for e in LegacyEventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value[0].HasField("simple_value")]
+    assert [(e.step, len(e.summary.value)) for e in scalar_events] == [(1, 5), (1, 1), (2, 5), (2, 1)]

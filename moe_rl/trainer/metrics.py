@@ -158,19 +158,27 @@ class StepLogger:
 class BackgroundWriter:
     """A TensorBoard ``SummaryWriter`` whose calls run in order on one worker thread, so
     that building summaries (protobufs, histograms, figures) and flushing the event file
-    stay off the training step (~4-7 ms a step on 2 CPU cores). ``metrics.jsonl`` stays
-    written synchronously: it is the record a crash cannot lose. :meth:`close` drains the
-    queue; an error in a call is raised by the next call or by :meth:`close`."""
+    stay off the training step. The scalars of one step go into one event (a ``Summary``
+    with a value per tag, as TensorFlow's merged summaries; ``add_scalar`` writes an event
+    each, ~60 us a tag, 8x the cost). ``metrics.jsonl`` stays written synchronously: it is
+    the record a crash cannot lose. :meth:`close` drains the queue; an error in a call is
+    raised by the next call or by :meth:`close`."""
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._scalars: list[tuple[str, float]] = []  # of step self._scalars_step, not yet queued
+        self._scalars_step = 0
         self._thread = threading.Thread(target=self._serve, name="moe-rl-tensorboard", daemon=True)
         self._thread.start()
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._submit("add_scalar", tag, value, step)
+        self._raise_error()
+        if self._scalars and step != self._scalars_step:
+            self._queue_scalars()
+        self._scalars.append((tag, float(value)))
+        self._scalars_step = step
 
     def add_histogram(self, tag: str, values: Tensor, step: int) -> None:
         self._submit("add_histogram", tag, values, step)
@@ -186,6 +194,7 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Write everything queued, then close the event file."""
+        self._queue_scalars()
         if self._thread.is_alive():
             self._calls.put(None)
             self._thread.join()
@@ -194,7 +203,20 @@ class BackgroundWriter:
 
     def _submit(self, method: str, *args: Any, **kwargs: Any) -> None:
         self._raise_error()
+        self._queue_scalars()
         self._calls.put((getattr(self._writer, method), args, kwargs))
+
+    def _queue_scalars(self) -> None:
+        if self._scalars:
+            self._calls.put((self._write_scalars, (self._scalars, self._scalars_step), {}))
+            self._scalars = []
+
+    def _write_scalars(self, scalars: list[tuple[str, float]], step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        values = [value for tag, x in scalars for value in scalar(tag, x).value]
+        self._writer.file_writer.add_summary(Summary(value=values), step)
 
     def _raise_error(self) -> None:
         if self._error is not None:
