@@ -49,12 +49,14 @@ class Turns:
             os.write(self.finished, b".")
 
     def warm(self, times: list[float]) -> list[list[float]]:
-        """The step times to compare, turn by turn: none of the first turn (warm-up), and
-        no turn's first step (it starts with caches the other process filled and its
-        threads asleep). Without pipes: one turn of every step but the first."""
+        """The step times to compare, turn by turn: none of the first turn (warm-up) or the
+        last (the side that finished first is saving and exiting meanwhile), and no turn's
+        first step (it starts with caches the other process filled and its threads asleep).
+        Without pipes: one turn of every step but the first."""
         if self.go is None:
             return [times[1:] or times]
-        return [times[i + 1 : i + self.steps] for i in range(self.steps, len(times), self.steps) if i + 1 < len(times)]
+        starts = range(self.steps, len(times), self.steps)[:-1]
+        return [times[i + 1 : i + self.steps] for i in starts if i + 1 < len(times)]
 
 
 def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
