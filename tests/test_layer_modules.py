@@ -36,6 +36,16 @@ def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
     assert result["grouped_sdpa"]["sdpa_modules"] == 2 and result["grouped_local"]["sdpa_modules"] == 0
 
 
+@pytest.mark.parametrize(("tp", "ep", "etp", "dispatcher"), [
+    (1, 1, None, "allgather"), (2, 1, 1, "allgather"), (2, 1, None, "alltoall"), (1, 2, None, "alltoall"), (2, 2, 1, "alltoall"),
+])  # fmt: skip
+def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(tp: int, ep: int, etp: int | None, dispatcher: str) -> None:
+    from moe_rl.models.builder import token_dispatcher_type
+    from parallel.layout import ParallelLayout
+
+    assert token_dispatcher_type(ParallelLayout(tp=tp, ep=ep, etp=etp)) == dispatcher
+
+
 def test_the_allgather_dispatcher_chosen_at_ep_1_equals_alltoall(result) -> None:
     """One process (EP = expert TP = 1) builds the allgather dispatcher; megatron's alltoall
     one gives the same log-probs and gradients to the last bit."""

@@ -177,12 +177,12 @@ def main() -> None:
         import trl  # noqa: F401
 
         model_dir = _demo_model()
-        rounds = [sub_json([str(TOOLS / "bench_peer.py"), "--side", "both", "--model", model_dir,
-                            "--steps", "12" if q else "60", "--steps-per-turn", "3"]) for _ in range(1 if q else 3)]  # fmt: skip
+        rounds = [sub_json([str(TOOLS / "bench_peer.py"), "--side", "both", "--model", model_dir, "--steps", "12" if q else "60",
+                            "--steps-per-turn", "3", "--first", first]) for first in ("moe-rl", "trl", "moe-rl")[: 1 if q else 3]]  # fmt: skip
         step = {side: statistics.median(r[side]["median_step_s"] for r in rounds) for side in ("moe-rl", "trl")}
         rss = {side: max(r[side]["peak_rss_mib"] for r in rounds) for side in ("moe-rl", "trl")}
-        # the two processes take turns of 3 steps: a moe-rl turn and the TRL turn after it
-        # ran within a second of each other, so their ratio cancels the machine's spells
+        # the two processes take turns of 3 steps (who starts alternates run by run): paired
+        # turns ran within a second of each other, so their ratio cancels the machine's spells
         turn_ratios = [x for r in rounds for x in r["turn_time_ratios"]]
         results["peer"] = {
             "moe_rl_step_s": step["moe-rl"], "trl_step_s": step["trl"], "runs": len(rounds), "turns": len(turn_ratios),

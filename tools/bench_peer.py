@@ -2,7 +2,7 @@
 GRPOTrainer and in moe-rl, each in its own process; prints JSON (median step time,
 mean response tokens, peak RSS). Run by tools/bench.py; needs `pip install trl`.
 
-    python tools/bench_peer.py --side both|trl|moe-rl --model DIR [--steps 6]
+    python tools/bench_peer.py --side both|trl|moe-rl --model DIR [--steps 24] [--steps-per-turn 3]
 
 ``--side both`` runs the two processes taking turns of a few steps (one runs while
 the other waits for its turn): the machine's slow and fast spells, which last seconds,
@@ -128,10 +128,10 @@ def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
     return {"step_times": [r["perf/step_time_s"] for r in rows], "response_tokens": [r[tags.RESPONSE_LENGTH_MEAN] for r in rows]}
 
 
-def both_sides(model_dir: str, steps: int, steps_per_turn: int) -> dict:
-    """Each side in its own process, taking turns of ``steps_per_turn`` steps (moe-rl
-    first); their JSON."""
-    sides = ("moe-rl", "trl")
+def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "moe-rl") -> dict:
+    """Each side in its own process, taking turns of ``steps_per_turn`` steps (``first``
+    starts); their JSON and the per-turn paired time ratios."""
+    sides = (first, "trl" if first == "moe-rl" else "moe-rl")
     procs, go, finished, logs = {}, {}, {}, {}
     for side in sides:
         go_r, go[side] = os.pipe()
@@ -142,26 +142,36 @@ def both_sides(model_dir: str, steps: int, steps_per_turn: int) -> dict:
         procs[side] = subprocess.Popen(cmd, pass_fds=(go_r, done_w), stdout=logs[side], stderr=subprocess.STDOUT, text=True)
         os.close(go_r)
         os.close(done_w)
-    running, turn = list(sides), 0
-    _give_turn(go[sides[0]])
-    while running:
-        side = running[turn % len(running)]
-        if not select.select([finished[side]], [], [], TURN_TIMEOUT_S)[0]:
-            for p in procs.values():
-                p.kill()
-            raise SystemExit(f"{side}: no step ended in {TURN_TIMEOUT_S:.0f}s")
-        if not os.read(finished[side], 1):  # the side exited
-            running.remove(side)
-        else:
-            turn += 1
-        if running:
-            _give_turn(go[running[turn % len(running)]])
+    try:
+        _take_turns(list(sides), procs, go, finished, logs)
+    finally:
+        for proc in procs.values():
+            proc.kill()
     out = {side: _side_json(side, procs[side], logs[side]) for side in sides}
-    # a moe-rl turn and the TRL turn right after it ran within a second of each other
+    # turn i of one side and turn i of the other ran right after each other
     pairs = zip(out["moe-rl"]["warm_turns"], out["trl"]["warm_turns"])
     ratios = [statistics.median(m) / statistics.median(t) for m, t in pairs]
     out["turn_time_ratios"], out["median_turn_time_ratio"] = ratios, statistics.median(ratios)
     return out
+
+
+def _take_turns(running: list[str], procs: dict, go: dict, finished: dict, logs: dict) -> None:
+    """Hand the turn round ``running`` until every side has exited; a side that fails
+    (or ends no turn within the timeout) stops the run at once."""
+    turn = 0
+    _give_turn(go[running[0]])
+    while running:
+        side = running[turn % len(running)]
+        if not select.select([finished[side]], [], [], TURN_TIMEOUT_S)[0]:
+            raise SystemExit(f"{side}: no turn ended in {TURN_TIMEOUT_S:.0f}s")
+        if os.read(finished[side], 1):
+            turn += 1
+        else:  # the side exited: it must have succeeded
+            if procs[side].wait() != 0:
+                _side_json(side, procs[side], logs[side])  # raises with its log
+            running.remove(side)
+        if running:
+            _give_turn(go[running[turn % len(running)]])
 
 
 def _give_turn(fd: int) -> None:
@@ -185,12 +195,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--side", choices=["both", "trl", "moe-rl"], required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--steps-per-turn", type=int, default=4, help="with --side both")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps-per-turn", type=int, default=3, help="with --side both: >= 2, and --steps > 2x it")
+    p.add_argument("--first", choices=["moe-rl", "trl"], default="moe-rl", help="with --side both: the side that starts")
     p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both
     args = p.parse_args()
     if args.side == "both":
-        print("BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn)), flush=True)
+        if args.steps_per_turn < 2 or args.steps <= 2 * args.steps_per_turn:
+            p.error("--side both needs --steps-per-turn >= 2 and --steps > 2 x --steps-per-turn (a turn's first step, "
+                    "the first turn and the last are not counted)")  # fmt: skip
+        print("BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn, args.first)), flush=True)
         return
     turns = Turns(args.turns, args.steps_per_turn)
     if args.side == "trl":
