@@ -59,7 +59,10 @@ def token_dispatcher_type(layout: ParallelLayout) -> str:
     """megatron-core's token dispatcher: ``alltoall`` where experts are spread over ranks;
     ``allgather`` where each rank holds every expert whole (EP = expert TP = 1), which then
     moves no tokens between ranks and runs fewer ops (same outputs; ~9% off a tiny
-    model's update on CPU)."""
+    model's update on CPU). Micro-batches of different lengths (``variable_seq_lengths``,
+    which megatron's config check refuses with allgather) are safe there: allgather's
+    trouble is ranks of its expert group gathering unequal token counts, and that group is
+    this rank alone."""
     return "allgather" if layout.ep == 1 and layout.expert_tp == 1 else "alltoall"
 
 
