@@ -56,7 +56,7 @@ class Turns:
         if self.go is None:
             return [times[1:] or times]
         starts = range(self.steps, len(times), self.steps)[:-1]
-        return [times[i + 1 : i + self.steps] for i in starts if i + 1 < len(times)]
+        return [times[i + 1 : i + self.steps] for i in starts]
 
 
 def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
@@ -166,9 +166,8 @@ def _take_turns(running: list[str], procs: dict, go: dict, finished: dict, logs:
             raise SystemExit(f"{side}: no turn ended in {TURN_TIMEOUT_S:.0f}s")
         if os.read(finished[side], 1):
             turn += 1
-        else:  # the side exited: it must have succeeded
-            if procs[side].wait() != 0:
-                _side_json(side, procs[side], logs[side])  # raises with its log
+        else:  # the side exited
+            _side_json(side, procs[side], logs[side])  # raises with its log unless it succeeded
             running.remove(side)
         if running:
             _give_turn(go[running[turn % len(running)]])
