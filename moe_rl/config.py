@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -79,6 +80,14 @@ class RolloutConfig:
     server_ep: int = 1
     server_gpus: list[int] = field(default_factory=list)  # GPUs of a launched server (must not be the trainer's)
     mem_fraction_static: float = 0.8
+    # a launched server: the Python that runs sglang.launch_server ("": this one; SGLang's own
+    # venv, e.g. .venv-sglang/bin/python from tools/setup.sh --sglang), extra launch flags
+    # (after moe-rl's own: a flag given here wins), how long it may take to become healthy,
+    # and --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels)
+    server_python: str = ""
+    server_args: list[str] = field(default_factory=list)
+    server_start_timeout_s: float = 600.0
+    server_deterministic: bool = True
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
     # SGLang: how weights reach the servers after each step: distributed (buckets broadcast
     # over a weight-update group the servers join) | disk (a HF directory each server re-reads)
@@ -407,6 +416,9 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")
+    if r.launch_server and r.server_python and not os.access(os.path.expanduser(r.server_python), os.X_OK):
+        raise ConfigError(f"rollout.server_python={r.server_python!r} is not an executable (SGLang's Python: bash tools/setup.sh --sglang makes .venv-sglang/bin/python)")
+    _positive("rollout.server_start_timeout_s", r.server_start_timeout_s)
     if not 1 <= r.server_port <= 65535:
         raise ConfigError(f"rollout.server_port={r.server_port} must be in [1, 65535]")
     if not 0 < r.mem_fraction_static <= 1:

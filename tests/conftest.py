@@ -18,6 +18,10 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # the warm-start settings of every end-to-end test's built-in model (the cache key)
 WARM_START = ["warm_start.steps=20", "warm_start.batch_size=16"]
+ROOT = Path(__file__).resolve().parents[1]
+# real SGLang for CPU (bash tools/setup.sh --sglang); the tests marked real_sglang need it
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+STAND_IN_SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +43,64 @@ def run_check_script(name: str, *args: str, timeout_s: int = 300) -> dict:
     out = subprocess.run([sys.executable, "-W", "ignore", str(script), *args], capture_output=True, text=True, timeout=timeout_s)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def demo_model_dir(cache: str) -> str:
+    """The built-in model's HF directory inside a ``demo_cache``."""
+    (model,) = [p for p in Path(cache).glob("demo-*") if p.is_dir()]
+    return str(model)
+
+
+def start_sglang(model_path: str, log_dir: Path, *, real: bool, extra_args: list[str] = ()):
+    """An SGLang server on ``model_path`` started by moe-rl's own server management, with
+    routed experts: real SGLang on its CPU backend (``real``), or the protocol stand-in."""
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from parallel.launch import free_port
+
+    if real:
+        command, device, deterministic = [str(SGLANG_PYTHON), "-m", "sglang.launch_server"], "cpu", False
+    else:
+        command, device, deterministic = STAND_IN_SERVER, "cuda", True  # "cuda": no CPU flags (the stand-in knows none)
+    settings = ServerSettings(
+        model_path=model_path, port=free_port(), return_routed_experts=True, deterministic=deterministic,
+        device=device, launch_command=command, extra_args=list(extra_args),
+    )  # fmt: skip
+    server = SGLangServer(settings, log_dir)
+    try:
+        server.wait_healthy(timeout_s=400 if real else 120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def require_real_sglang() -> None:
+    if not SGLANG_PYTHON.exists():
+        pytest.skip("real SGLang is not installed here (bash tools/setup.sh --sglang makes .venv-sglang)")
+
+
+@pytest.fixture(scope="session")
+def real_sglang(demo_cache, tmp_path_factory):
+    """One real SGLang 0.5.23 server (CPU backend) for the whole session, on the built-in
+    model; tests that change its weights load them back (``demo_weights_on``)."""
+    require_real_sglang()
+    server = start_sglang(demo_model_dir(demo_cache), tmp_path_factory.mktemp("real_sglang"), real=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stand_in_sglang(demo_cache, tmp_path_factory):
+    """The project's SGLang-protocol stand-in on the built-in model."""
+    server = start_sglang(demo_model_dir(demo_cache), tmp_path_factory.mktemp("stand_in_sglang"), real=False)
+    yield server
+    server.stop()
+
+
+def demo_weights_on(server, cache: str, version: str = "demo") -> str:
+    """Load the built-in model's weights into ``server`` as ``version``; its URL."""
+    import httpx
+
+    reply = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": demo_model_dir(cache), "weight_version": version}, timeout=120)
+    assert reply.status_code == 200 and reply.json()["success"], reply.text
+    return server.url

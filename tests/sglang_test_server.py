@@ -84,10 +84,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *a):  # quiet
         pass
 
-    def _send(self, status: int, body) -> None:
+    def _send(self, status: int, body, content_type: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -110,33 +110,37 @@ class Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError:
             return self._send(400, {"error": {"message": "request body is not JSON"}})
         if path in ("/health", "/health_generate"):
-            return self._send(200, {})
-        if path == "/get_model_info":
+            return self._send(200, b"")
+        if path in ("/model_info", "/get_model_info"):  # the get_ names are deprecated in 0.5.23
             return self._send(200, {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version})
-        if path == "/get_server_info":
-            return self._send(200, {"tp_size": st.args.tp_size, "ep_size": st.args.ep_size, "random_seed": st.args.random_seed,
+        if path in ("/server_info", "/get_server_info"):
+            return self._send(200, {"tp_size": st.args.tp_size, "ep_size": st.args.ep_size, "dp_size": 1, "pp_size": 1,
+                                    "random_seed": st.args.random_seed, "version": "0.5.23", "weight_version": st.args.weight_version,
                                     "enable_return_routed_experts": st.args.enable_return_routed_experts})
         if path == "/generate":
             return self._generate(body)
         if path == "/update_weights_from_disk":
-            with st.lock:
-                st.engine.update_weights_from_disk(body["model_path"], str(body.get("weight_version") or st.engine.weight_version))
-                st.weights_lost = False
-            return self._send(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+            return self._send(*_load_from_disk(st, body))
         if path == "/begin_weight_update":
+            if st.in_weight_update:
+                return self._send(400, {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"})
             st.in_weight_update = True
-            return self._send(200, {"success": True, "message": "weight update begun"})
+            return self._send(200, {"success": True, "message": "Success"})
         if path == "/end_weight_update":
+            if not st.in_weight_update:
+                return self._send(400, {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"})
             st.in_weight_update = False
             return self._send(*_apply_received(st))
         if path == "/init_weights_update_group":
             return self._send(*_join_group(st, body))
         if path == "/destroy_weights_update_group":
-            leave_weight_update_group(st.groups.pop(body.get("group_name"), None))
+            if body.get("group_name") not in st.groups:
+                return self._send(400, {"success": False, "message": "The group to be destroyed does not exist."})
+            leave_weight_update_group(st.groups.pop(body.get("group_name")))
             return self._send(200, {"success": True, "message": "Succeeded to destroy custom process group."})
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             if not st.in_weight_update:
-                return self._send(400, {"success": False, "message": f"{path} must be called between /begin_weight_update and /end_weight_update"})
+                return self._send(400, {"success": False, "message": f"{path.strip('/')} must run between begin_weight_update() and end_weight_update()"})
             status, reply = _receive_broadcast(st, body) if path.endswith("distributed") else _receive_tensors(st, body)
             if status != 200:
                 return self._send(status, reply)
@@ -147,16 +151,16 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(*_memory_occupation(st, path, body))
         if path == "/pause_generation":
             st.paused.set()
-            return self._send(200, {"success": True})
+            return self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
         if path == "/continue_generation":
             st.paused.clear()
-            return self._send(200, {"success": True})
+            return self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
         if path == "/flush_cache":
-            return self._send(200, {"success": True})
+            return self._send(200, b"Cache flushed.\n", content_type="text/plain")
         if path == "/abort_request":
             st.aborts += 1
             st.aborted.append(body)
-            return self._send(200, {"success": True})
+            return self._send(200, b"")
         if path == "/_test/faults":
             st.faults = body
             return self._send(200, {"success": True})
@@ -167,7 +171,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
                                     "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
                                     "memory_events": st.memory_events, "weight_groups": sorted(st.groups)})
-        return self._send(404, {"error": {"message": f"no route {path}"}})
+        return self._send(404, {"detail": "Not Found"})
 
     def _generate(self, body: dict) -> None:
         st = self.state
@@ -188,23 +192,34 @@ class Handler(BaseHTTPRequestHandler):
         sp = body.get("sampling_params") or {}
         unknown = sorted(set(sp) - SAMPLING_KEYS)
         if unknown:
-            return self._send(400, {"error": {"message": f"Unknown sampling parameter(s): {unknown}"}})
+            return self._send(400, {"error": f"unknown field `{unknown[0]}`, expected one of {sorted(SAMPLING_KEYS)}"})
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids and all(isinstance(row, list) for row in ids):  # a batch: one reply each
+            replies = [self._generate_one(st, {**body, "input_ids": row, "rid": None}, sp) for row in ids]
+            bad = next((r for r in replies if r[0] != 200), None)
+            return self._send(*(bad or (200, [r[1] for r in replies])))
+        return self._send(*self._generate_one(st, body, sp))
+
+    def _generate_one(self, st: State, body: dict, sp: dict) -> tuple[int, dict]:
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            return self._send(400, {"error": {"message": "input_ids must be a non-empty list of token ids"}})
+            return 400, {"error": {"message": "input_ids must be a non-empty list of token ids"}}
         if st.released or st.weights_lost:
             why = f"memory {sorted(st.released)} is released" if st.released else "weights were released and not updated since"
-            return self._send(400, {"error": {"message": f"cannot generate: {why}"}})
+            return 400, {"error": {"message": f"cannot generate: {why}"}}
         if body.get("return_routed_experts") and not st.args.enable_return_routed_experts:
-            return self._send(400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}})
+            return 400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}}
         seed = sp.get("sampling_seed")
         if seed is None:
             seed = 42 if st.args.enable_deterministic_inference else int(time.time_ns() % (2**31))
+        temperature, top_k = float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1))
+        if temperature < 1e-6:  # greedy, as SGLang does it: top-1 at temperature 1 (log-probs at temperature 1)
+            temperature, top_k = 1.0, 1
         params = SamplingParams(
             max_new_tokens=int(sp.get("max_new_tokens", 128)),
-            temperature=float(sp.get("temperature", 1.0)),
+            temperature=temperature,
             top_p=float(sp.get("top_p", 1.0)),
-            top_k=int(sp.get("top_k", -1)),
+            top_k=top_k,
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
         )
         while st.paused.is_set():
@@ -218,14 +233,17 @@ class Handler(BaseHTTPRequestHandler):
             "prompt_tokens": len(ids),
             "completion_tokens": len(sample.output_ids),
             "cached_tokens": 0,
+            "num_retractions": 0,
             "weight_version": st.engine.weight_version,
+            "weight_versions": [{"version": st.engine.weight_version, "start": 0, "end": len(sample.output_ids)}],
         }
         if body.get("return_logprob"):
+            meta["input_token_logprobs"] = []  # from logprob_start_len: the client asks for none
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)]
         if body.get("return_routed_experts"):
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts)
         reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
-        self._send(200, _inject_reply_fault(faults, reply, sample))
+        return 200, _inject_reply_fault(st.faults, reply, sample)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -300,6 +318,17 @@ def _memory_occupation(st: State, path: str, body: dict) -> tuple[int, dict]:
         st.released -= tags
         st.memory_events.append(["resume", sorted(tags)])
     return 200, {"success": True, "message": ""}
+
+
+def _load_from_disk(st: State, body: dict) -> tuple[int, dict]:
+    """``/update_weights_from_disk``: a directory that does not load is refused (HTTP 400)."""
+    try:
+        with st.lock:
+            st.engine.update_weights_from_disk(body["model_path"], str(body.get("weight_version") or st.engine.weight_version))
+            st.weights_lost = False
+    except (OSError, ValueError, KeyError) as e:
+        return 400, {"success": False, "message": f"Failed to get weights iterator: {type(e).__name__}: {e}", "num_paused_requests": 0}
+    return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
 
 def _apply_received(st: State) -> tuple[int, dict]:

@@ -19,6 +19,19 @@ from moe_rl.rollout.types import RolloutError
 from parallel.launch import dies_with_this_process
 
 
+# How SGLang serves without a GPU (measured on 0.5.23, see README "Real SGLang on CPU"):
+# its plain-torch attention and sampling, no overlap scheduler (it assumes CUDA streams), no
+# warm-up request, and a scheduler that sleeps when idle (else it spins a whole core beside
+# the trainer: a 0.2 s step took 17-21 s on 2 cores). A small KV pool: host memory is shared
+# with the trainer. Flags in ServerSettings.extra_args come later and win.
+CPU_SERVER_ARGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--disable-overlap-schedule", "--skip-server-warmup", "--sleep-on-idle",
+    "--max-total-tokens", "4096", "--max-running-requests", "16",
+)  # fmt: skip
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
 @dataclass
 class ServerSettings:
     model_path: str
@@ -32,6 +45,7 @@ class ServerSettings:
     seed: int = 0
     gpus: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of the server (None: inherited)
     memory_saver: bool = False  # --enable-memory-saver: it can release its GPU memory (colocated trainer)
+    device: str = "cuda"  # cuda | cpu (CPU_SERVER_ARGS; --enable-deterministic-inference needs CUDA)
     extra_args: list[str] = field(default_factory=list)
     launch_command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"])
 
@@ -48,10 +62,12 @@ class ServerSettings:
         ]  # fmt: skip
         if self.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
-        if self.deterministic:
+        if self.deterministic and self.device == "cuda":
             cmd.append("--enable-deterministic-inference")
         if self.memory_saver:
             cmd.append("--enable-memory-saver")
+        if self.device == "cpu":
+            cmd.extend(CPU_SERVER_ARGS)
         return cmd + list(self.extra_args)
 
     @property
@@ -60,6 +76,8 @@ class ServerSettings:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.device == "cpu":
+            env.update(CPU_SERVER_ENV)
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         return env
@@ -139,7 +157,10 @@ class SGLangServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RolloutError(f"SGLang server on {self.url} not healthy after {timeout_s:.0f}s; log: {self.log_path}")
+                raise RolloutError(
+                    f"SGLang server on {self.url} not healthy after {timeout_s:.0f}s (rollout.server_start_timeout_s); "
+                    f"log {self.log_path}, its tail:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
 
     def log_tail(self, lines: int = 20) -> str:

@@ -71,14 +71,14 @@ class SGLangEngine(RolloutEngine):
     @property
     def weight_version(self) -> str:
         """The version every sample must carry: given, or the servers' own (SGLang starts
-        at ``"default"``), read from ``/get_model_info`` when first needed."""
+        at ``"default"``), read from ``/model_info`` when first needed."""
         if self._version is None:
             self._version = self.read_weight_version()
         return self._version
 
     def read_weight_version(self) -> str:
         """The servers' current ``weight_version``; they must all serve the same one."""
-        versions = {url: str(body.get("weight_version")) for url, body in zip(self.urls, self._get_all("/get_model_info"))}
+        versions = {url: str(body.get("weight_version")) for url, body in zip(self.urls, self._get_info("model"))}
         if len(set(versions.values())) > 1:
             raise RolloutError(f"the SGLang servers serve different weight versions {versions}: sync their weights first")
         return next(iter(versions.values()))
@@ -208,14 +208,21 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------ control
 
-    def _get_all(self, path: str) -> list[dict]:
+    def _get_info(self, kind: str) -> list[dict]:
+        """Every server's ``/model_info`` or ``/server_info`` (``kind``: model | server);
+        a server without it (SGLang before 0.5.23) is asked the deprecated ``/get_*`` name."""
         replies = []
         with httpx.Client(timeout=self.timeout) as client:
             for url in self.urls:
-                try:
-                    replies.append(client.get(url + path).raise_for_status().json())
-                except (httpx.HTTPError, ValueError) as e:
-                    raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
+                for path in _INFO_PATHS[kind]:
+                    try:
+                        response = client.get(url + path)
+                        if response.status_code == 404 and path != _INFO_PATHS[kind][-1]:
+                            continue
+                        replies.append(response.raise_for_status().json())
+                        break
+                    except (httpx.HTTPError, ValueError) as e:
+                        raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
         return replies
 
     def _post_all(self, path: str, payload: dict | None = None, *, check_success: bool = True) -> list[dict]:
@@ -229,7 +236,8 @@ class SGLangEngine(RolloutEngine):
                 try:
                     body = response.json()
                 except ValueError:
-                    body = {}
+                    body = None
+                body = body if isinstance(body, dict) else {}  # /flush_cache answers a bare string
                 if response.status_code >= 400 or (check_success and body.get("success") is False):
                     raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
                 replies.append(body)
@@ -247,7 +255,7 @@ class SGLangEngine(RolloutEngine):
 
     def _read_server_ranks(self) -> list[int]:
         sizes = []
-        for url, info in zip(self.urls, self._get_all("/get_server_info")):
+        for url, info in zip(self.urls, self._get_info("server")):
             for key in ("pp_size", "dp_size"):
                 if int(info.get(key) or 1) > 1:
                     raise RolloutError(f"{url}: distributed weight sync to a server with {key}={info[key]} is not supported; use rollout.weight_sync=disk")
@@ -365,7 +373,11 @@ class SGLangEngine(RolloutEngine):
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
         with httpx.Client(timeout=self.timeout) as client:
             response = client.post(url + path, json=payload)
-        body = response.json() if response.content else {}
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        body = body if isinstance(body, dict) else {}  # some endpoints answer a bare string
         if response.status_code >= 400 or body.get("success") is False:
             raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
         return body
@@ -375,8 +387,8 @@ class SGLangEngine(RolloutEngine):
         return not self.servers_without_routed_experts()
 
     def servers_without_routed_experts(self) -> list[str]:
-        """The servers whose ``/get_server_info`` says they do not return routed experts."""
-        infos = self._get_all("/get_server_info")
+        """The servers whose ``/server_info`` says they do not return routed experts."""
+        infos = self._get_info("server")
         return [url for url, info in zip(self.urls, infos) if not info.get("enable_return_routed_experts", False)]
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
@@ -412,6 +424,10 @@ class SGLangEngine(RolloutEngine):
                         client.post(url + "/abort_request", json={"rid": rid})
                     except httpx.TransportError:
                         break
+
+
+# SGLang 0.5.23's names first; its deprecated ones (the only ones of older servers) second
+_INFO_PATHS = {"model": ("/model_info", "/get_model_info"), "server": ("/server_info", "/get_server_info")}
 
 
 def weight_group_offsets(server_ranks: Sequence[int]) -> tuple[list[int], int]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
@@ -24,6 +27,9 @@ from moe_rl.trainer.policy import Policy
 from parallel.offload import DeviceOffloader
 
 log = logging.getLogger("moe_rl.train")
+if TYPE_CHECKING:
+    from moe_rl.rollout.server import ServerSettings
+
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -74,7 +80,7 @@ def use_engine_routing(cfg: Config, engine: RolloutEngine) -> bool:
         if engine.returns_routed_experts():
             return True
         why = "the rollout engine does not return routed experts: start SGLang with --enable-return-routed-experts"
-    except RolloutError as e:  # e.g. a router in front of the servers without /get_server_info
+    except RolloutError as e:  # e.g. a router in front of the servers without /server_info
         if r3:
             raise
         why = f"cannot tell whether the rollout engine returns routed experts ({e})"
@@ -114,18 +120,31 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     return engine
 
 
-def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> str:
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
+    """How this run launches its SGLang server: on a machine without CUDA, SGLang's CPU
+    backend (and no deterministic inference, which needs its CUDA kernels)."""
+    from moe_rl.rollout.server import ServerSettings
 
     r = cfg.rollout
-    settings = ServerSettings(
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and r.server_deterministic:
+        log.info("SGLang on CPU: --enable-deterministic-inference is left out (it needs CUDA kernels)")
+    python = os.path.expanduser(r.server_python) if r.server_python else sys.executable
+    return ServerSettings(
         model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
         mem_fraction_static=r.mem_fraction_static, return_routed_experts=wants_engine_routing(cfg),
-        deterministic=True, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None, memory_saver=r.colocate,
+        deterministic=r.server_deterministic, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None,
+        memory_saver=r.colocate, device=device, extra_args=list(r.server_args),
+        launch_command=[python, "-m", "sglang.launch_server"],
     )  # fmt: skip
-    server = SGLangServer(settings, Path(cfg.train.run_dir) / "logs")
+
+
+def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> str:
+    from moe_rl.rollout.server import SGLangServer
+
+    server = SGLangServer(server_settings(cfg, hf_dir), Path(cfg.train.run_dir) / "logs")
     closing.callback(server.stop)
-    server.wait_healthy()
+    server.wait_healthy(timeout_s=cfg.rollout.server_start_timeout_s)
     return server.url
 
 
