@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     code = _moe_rl(["prepare", "--config", str(first[0]), *args.overrides], out_dir / "prepare.log", threads=os.cpu_count() or 1)
     if code != 0:
         return fail(f"preparing the model failed; see {out_dir / 'prepare.log'}")
-    parallel = max(1, int(spec.get("parallel_runs", 1)))
+    parallel = runs_at_a_time(spec, [cfg for _, cfg in configs.values()])
     threads = max(1, (os.cpu_count() or 1) // parallel)
     pending = list(configs.items())
     active: list[tuple[str, subprocess.Popen, float]] = []
@@ -109,6 +109,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}")
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0
+
+
+def runs_at_a_time(spec: dict, configs: list) -> int:
+    """``parallel_runs``, except that runs on SGLang servers go one at a time: each run
+    syncs its own weights into the servers it uses (and a launched server takes a fixed
+    port), so two at once would sample from each other's weights."""
+    parallel = max(1, int(spec.get("parallel_runs", 1)))
+    if parallel > 1 and any(cfg.rollout.engine == "sglang" for cfg in configs):
+        print("[compare] the runs use SGLang servers: they run one at a time (each syncs its own weights into them)", flush=True)
+        return 1
+    return parallel
 
 
 def _shape_problem(spec) -> str | None:
