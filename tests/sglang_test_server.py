@@ -22,7 +22,9 @@ Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
 /generate), ``die_after`` (exit the process when the Nth next /generate arrives),
-``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once).
+``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once),
+``old_info_endpoints`` (404 for ``/model_info`` and ``/server_info``, as older servers).
+``tests/test_sglang_conformance.py`` checks that it answers as real SGLang 0.5.23 does.
 ``GET /_test/weights_digest``: a hash of the engine's weights.
 
     python tests/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
@@ -111,6 +113,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(400, {"error": {"message": "request body is not JSON"}})
         if path in ("/health", "/health_generate"):
             return self._send(200, b"")
+        if path in ("/model_info", "/server_info") and st.faults.get("old_info_endpoints"):
+            return self._send(404, {"detail": "Not Found"})  # a server before 0.5.23's names
         if path in ("/model_info", "/get_model_info"):  # the get_ names are deprecated in 0.5.23
             return self._send(200, {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version})
         if path in ("/server_info", "/get_server_info"):

@@ -209,6 +209,26 @@ def test_a_busy_port_is_refused_not_adopted(servers, tmp_path) -> None:
         SGLangServer(settings, tmp_path)
 
 
+def test_servers_before_0_5_23_are_asked_the_deprecated_info_names(servers) -> None:
+    for server in servers:
+        control(server, "/_test/faults", {"old_info_endpoints": True})
+    try:
+        assert httpx.get(servers[0].url + "/model_info").status_code == 404
+        engine = engine_for(servers)
+        assert engine.read_weight_version() == "default" and engine.server_ranks() == [1, 1] and engine.returns_routed_experts()
+    finally:
+        for server in servers:
+            control(server, "/_test/faults", {})
+
+
+def test_a_server_that_never_becomes_healthy_is_reported_with_its_log_tail(tmp_path) -> None:
+    hang = [sys.executable, "-c", "import time; print('loading weights 3/7', flush=True); time.sleep(600)"]
+    server = SGLangServer(ServerSettings(model_path="x", port=free_port(), launch_command=hang), tmp_path)
+    with pytest.raises(RolloutError, match="not healthy after 2s \\(rollout.server_start_timeout_s\\)(.|\n)*loading weights 3/7"):
+        server.wait_healthy(timeout_s=2)
+    assert server.process.poll() is not None  # stopped
+
+
 def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
     settings = ServerSettings(model_path="x", port=free_port(), launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"])
     server = SGLangServer(settings, tmp_path)

@@ -4,6 +4,8 @@ TensorBoard writing."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,6 +230,27 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
     with pytest.raises(ConfigError, match="fewer GPUs than rollout.server_tp=2"):
         load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"])
+
+
+def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) -> None:
+    """No CUDA: SGLang's CPU flags and environment, no deterministic inference (it needs
+    CUDA kernels), the configured Python and extra flags last (they win)."""
+    from moe_rl.rollout.server import CPU_SERVER_ARGS
+    from moe_rl.trainer.rollout_setup import server_settings
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", f"rollout.server_python={sys.executable}",
+                             "rollout.server_args=[--max-total-tokens, '8192']"])  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = server_settings(cfg, "model-dir")
+    command = cpu.command()
+    assert command[:3] == [sys.executable, "-m", "sglang.launch_server"] and "--enable-deterministic-inference" not in command
+    start = command.index("--device")
+    assert tuple(command[start : start + len(CPU_SERVER_ARGS)]) == CPU_SERVER_ARGS and command[-2:] == ["--max-total-tokens", "8192"]
+    assert cpu.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = server_settings(cfg, "model-dir")
+    assert "--enable-deterministic-inference" in gpu.command() and "--device" not in gpu.command()
+    assert gpu.environment().get("SGLANG_USE_CPU_ENGINE") == os.environ.get("SGLANG_USE_CPU_ENGINE")  # inherited only
 
 
 def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
