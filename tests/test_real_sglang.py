@@ -25,6 +25,7 @@ from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.sglang import SGLangEngine
 from moe_rl.rollout.types import RolloutError, SamplingParams
 from moe_rl.routing.drift import changed_frac
+from moe_rl.routing.encoding import decode_routed_experts
 from moe_rl.routing.hf_routing import transformers_routing
 
 pytestmark = pytest.mark.real_sglang
@@ -87,6 +88,30 @@ def test_samples_logprobs_and_routing_agree_with_the_trainer_side(real_sglang, d
     assert max(drift) < 0.1  # a few near-ties flip in bf16, most tokens route alike
     greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(1,))
     assert greedy_tokens(url, prompts) == [s.output_ids for [s] in local.generate(prompts, 1, greedy, seed=0)]
+
+
+def test_routed_experts_of_prefix_cached_tokens_equal_an_uncached_prefill(real_sglang, demo_cache):
+    """A second turn (turn 1's prompt and output, then inserted tokens) hits the prefix
+    cache; SGLang 0.5.23 still returns the routing of every position, equal to what a
+    prefill with nothing cached routes (multi-turn R3 can use it as returned)."""
+    url = demo_weights_on(real_sglang, demo_cache)
+
+    def routed(ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor, int]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+                "return_routed_experts": True}  # fmt: skip
+        meta = (reply := httpx.post(url + "/generate", json=body, timeout=120).json())["meta_info"]
+        return reply["output_ids"], decode_routed_experts(meta["routed_experts"], 2, 2), meta["cached_tokens"]
+
+    httpx.post(url + "/flush_cache", timeout=30)
+    first = prompt_ids(demo_cache)[0] * 4
+    output, turn_one, _ = routed(first, 6)
+    second = first + output + [21, 22, 23]  # the policy's tokens, then the environment's
+    _, turn_two, cached = routed(second, 6)
+    httpx.post(url + "/flush_cache", timeout=30)
+    _, uncached, _ = routed(second, 1)
+    assert cached >= len(first)  # the prefix cache was hit
+    assert torch.equal(turn_two[: len(second) - 1], uncached[: len(second) - 1])
+    assert torch.equal(turn_two[: len(turn_one)], turn_one)
 
 
 def test_close_aborts_only_its_own_requests(real_sglang, demo_cache):
