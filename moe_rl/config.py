@@ -184,6 +184,9 @@ class TrainConfig:
     resume_anyway: bool = False  # resume although the config differs from the checkpoint's run
     progress: bool = True
     max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
+    # how long a rank may wait in a collective: the other ranks wait in one while the first
+    # rank collects a step's rollouts (DAPO rounds of long samples) or evaluates
+    collective_timeout_min: float = 180.0
     eval_every: int = 0  # with data.eval_task: evaluate before training, every N steps and at the end (0: only at the end)
 
 
@@ -533,6 +536,7 @@ def _validate_training(c: Config) -> None:
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)
     _positive("train.max_skipped_updates", c.train.max_skipped_updates)
+    _positive("train.collective_timeout_min", c.train.collective_timeout_min)
     _positive("train.eval_every", c.train.eval_every, allow_zero=True)
     if not c.train.run_dir:
         raise ConfigError("train.run_dir is empty")

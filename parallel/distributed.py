@@ -59,6 +59,13 @@ def node_gpu_ids() -> list[str]:
     return names[:local]
 
 
+# Set (unless the user did) before CUDA and NCCL start: megatron's recommendation for TP
+# communication overlap (must precede CUDA init); and NCCL without cuMem allocations, as
+# SGLang sets it in its own processes: the weight-update group spans trainer and servers on
+# one node, and NCCL peers with different cuMem settings fail or hang (slime sets it too).
+COMMUNICATION_ENVIRONMENT = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_CUMEM_ENABLE": "0"}
+
+
 def process_group_backend(use_cuda: bool) -> str:
     """NCCL for CUDA tensors with gloo beside it for CPU tensors (a stray CPU collective
     works instead of failing), or gloo alone on CPU machines."""
@@ -70,14 +77,16 @@ def init_distributed(
     model: ModelDims | None = None,
     *,
     seed: int = 1234,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 180.0,
 ) -> LaunchEnv:
-    """Validate ``layout``, create the process group and megatron's parallel groups."""
+    """Validate ``layout``, create the process group and megatron's parallel groups.
+    ``timeout_minutes``: how long a collective may wait (non-first ranks wait in one for
+    the whole rollout and evaluation) before the watchdog ends the run."""
     env = launch_env()
     layout.validate(env.world_size, model)  # before any group exists
     use_cuda = torch.cuda.is_available()
-    # megatron's recommendation for TP communication overlap; must precede CUDA init
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for name, value in COMMUNICATION_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     if not use_cuda:
         from parallel import cpu_bridge
 

@@ -65,6 +65,10 @@ class DeviceOffloader:
                 freed += nbytes
                 storage.resize_(0)
             self._moved[kind] = saved
+        if freed and torch.cuda.is_available():
+            # the freed blocks stay in this process's caching allocator until emptied: a
+            # colocated SGLang server could not have them back
+            torch.cuda.empty_cache()
         return freed
 
     def onload(self, kinds: Iterable[str] = KINDS) -> None:

@@ -59,6 +59,7 @@ def r3_maxdiff(hf_dir: str, model, replay, batches: list[MicroBatch], plain: lis
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
+    from moe_rl.models.architectures import architecture_of
     from moe_rl.routing.hf_routing import transformers_routing
     from moe_rl.routing.replay import engine_routing_to_replay
 
@@ -70,6 +71,7 @@ def r3_maxdiff(hf_dir: str, model, replay, batches: list[MicroBatch], plain: lis
         per_mb.append(
             engine_routing_to_replay(
                 seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
+                num_experts=architecture_of(hf_model.config).num_experts(hf_model.config),
                 tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                 sequence_parallel=model.config.sequence_parallel,
             )

@@ -313,7 +313,7 @@ def _memory_occupation(st: State, path: str, body: dict) -> tuple[int, dict]:
     """SGLang's memory saver: released memory cannot generate; released weights are lost."""
     if not st.args.enable_memory_saver:
         return 400, {"success": False, "message": f"{path} needs the server started with --enable-memory-saver"}
-    tags = set(body.get("tags") or ["weights", "kv_cache"])
+    tags = set(body.get("tags") or ["weights", "kv_cache", "cuda_graph"])  # none named: all, as in SGLang 0.5.23
     if path.startswith("/release"):
         st.released |= tags
         st.weights_lost = st.weights_lost or "weights" in tags

@@ -34,18 +34,21 @@ def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:
     k, layers_all = 2, 3
     seq_a = torch.tensor([[[1, 2], [3, 4], [5, 6]], [[7, 0], [1, 3], [2, 4]]])  # 2 positions
     seq_b = torch.tensor([[[6, 5], [4, 3], [2, 1]]])  # 1 position
-    out = engine_routing_to_replay([seq_a, seq_b], seq_len=4, layer_numbers=[0, 2], top_k=k)
+    out = engine_routing_to_replay([seq_a, seq_b], seq_len=4, layer_numbers=[0, 2], top_k=k, num_experts=8)
     assert len(out) == 2 and out[0].shape == (8, 2)
-    # megatron order: token (t, j) at t * b + j; missing positions get experts 0..k-1
-    expected_l0 = torch.tensor([[1, 2], [6, 5], [7, 0], [0, 1], [0, 1], [0, 1], [0, 1], [0, 1]])
+    # megatron order: token (t, j) at t * b + j; a position t without engine routing gets
+    # experts 2t, 2t+1 (mod 8): padding spreads over the experts instead of piling on 0 and 1
+    expected_l0 = torch.tensor([[1, 2], [6, 5], [7, 0], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]])
     assert torch.equal(out[0], expected_l0)
     assert torch.equal(out[1][0], torch.tensor([5, 6])) and torch.equal(out[1][2], torch.tensor([2, 4]))
-    sp = engine_routing_to_replay([seq_a, seq_b], 4, [0, 2], k, tp_rank=1, tp_size=2, sequence_parallel=True)
+    sp = engine_routing_to_replay([seq_a, seq_b], 4, [0, 2], k, num_experts=8, tp_rank=1, tp_size=2, sequence_parallel=True)
     assert torch.equal(sp[0], expected_l0[4:])
+    long_pad = engine_routing_to_replay([seq_b], seq_len=33, layer_numbers=[0], top_k=2, num_experts=8)[0][1:]
+    assert torch.equal(torch.bincount(long_pad.flatten(), minlength=8), torch.full((8,), 8))  # every expert alike
     with pytest.raises(ReplayError, match="top_k"):
-        engine_routing_to_replay([seq_a], 4, [0], top_k=3)
+        engine_routing_to_replay([seq_a], 4, [0], top_k=3, num_experts=8)
     with pytest.raises(ReplayError, match="covers 3 layers"):
-        engine_routing_to_replay([seq_a], 4, [5], top_k=2)
+        engine_routing_to_replay([seq_a], 4, [5], top_k=2, num_experts=8)
     with pytest.raises(ReplayError, match="divisible by tp"):
         to_local_tokens(torch.zeros(1, 5), tp_size=2, sequence_parallel=True)
 

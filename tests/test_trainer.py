@@ -278,7 +278,7 @@ def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -
         assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model)
     finally:
         server.stop()
-    turn = [["release", ["kv_cache", "weights"]], ["resume", ["weights"]], ["resume", ["kv_cache"]]]
+    turn = [["release", ["cuda_graph", "kv_cache", "weights"]], ["resume", ["weights"]], ["resume", ["cuda_graph", "kv_cache"]]]
     # per step: the update, then each checkpoint (its optimizer state is brought back for it)
     assert stats["memory_events"] == turn * 4, stats["memory_events"]
     assert stats["weight_updates"] == 1 + 4 and stats["weight_update_requests"] >= 2 * 5  # several buckets each
@@ -330,6 +330,15 @@ def test_async_rollouts_train_on_samples_one_version_behind(layout_runs: Path) -
     # the ratio's denominator is the behaviour policy: at the first update it is the
     # trainer's log-prob of the rollout weights' samples, which differ from the trained weights
     assert last["train/logp_mismatch_max"] > 1e-3
+
+
+def test_collectives_wait_as_configured_and_nccl_runs_without_cumem(layout_runs: Path) -> None:
+    """train.collective_timeout_min reaches the process group (the other ranks wait in a
+    collective through each rollout); NCCL_CUMEM_ENABLE=0 is set as SGLang sets it, since
+    the weight-update group spans both on one node."""
+    for run in ("one-r2", "tp2-r2", "pp2ep2-r2"):
+        facts = json.loads((layout_runs / f"{run}.process_group.json").read_text())
+        assert facts == {"timeout_s": 45 * 60, "NCCL_CUMEM_ENABLE": "0"}, (run, facts)
 
 
 def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path) -> None:

@@ -26,7 +26,7 @@ from parallel.distributed import destroy_distributed
 
 TINY = ["rollout.prompts_per_step=4", "rollout.group_size=5", "rollout.max_new_tokens=5", "warm_start.steps=20",
         "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=4",
-        "algorithm.updates_per_batch=1", "routing.after_update_pass=false"]  # fmt: skip
+        "algorithm.updates_per_batch=1", "routing.after_update_pass=false", "train.collective_timeout_min=45"]  # fmt: skip
 VARIANTS = {
     "none": [],
     "r2": ["routing.replay=r2"],
@@ -45,6 +45,17 @@ VARIANTS = {
 }
 
 
+def process_group_facts() -> dict:
+    """The default process group's collective timeout and the NCCL environment it started with."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return {"timeout_s": backend.options._timeout.total_seconds(), "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE")}
+
+
 def main() -> None:
     out, cache = Path(sys.argv[1]), sys.argv[2]
     for spec in sys.argv[3:]:
@@ -59,6 +70,7 @@ def main() -> None:
                 scalars = trainer.train_step(step)
         if is_first_rank():
             (out / f"{name}.json").write_text(json.dumps(scalars))
+            (out / f"{name}.process_group.json").write_text(json.dumps(process_group_facts()))
     destroy_distributed()
 
 

@@ -341,14 +341,15 @@ class SGLangEngine(RolloutEngine):
         ]  # fmt: skip
         self._post_each("/update_weights_from_tensor", payloads)
 
-    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Servers free their GPU memory (``tags``: ``weights``, ``kv_cache``; all by
-        default) for a colocated trainer; needs ``--enable-memory-saver``."""
-        self._post_all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+    def release_memory_occupation(self, tags: Sequence[str]) -> None:
+        """Servers free the GPU memory ``tags`` name (``weights``, ``kv_cache``,
+        ``cuda_graph``) for a colocated trainer; needs ``--enable-memory-saver``. Always
+        named: SGLang releases all three for no tags, and each must be taken back."""
+        self._post_all("/release_memory_occupation", {"tags": list(tags)})
 
-    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Servers take back the memory ``tags`` name (all by default)."""
-        self._post_all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+    def resume_memory_occupation(self, tags: Sequence[str]) -> None:
+        """Servers take back the memory ``tags`` name."""
+        self._post_all("/resume_memory_occupation", {"tags": list(tags)})
 
     def _post_each(
         self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None, *, wait_in_thread: bool = False

@@ -238,6 +238,7 @@ class RoutingMonitor:
             mb.input_ids.shape[1],
             self.probe.layer_numbers,
             self.probe.top_k,
+            num_experts=self.num_experts,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=cfg.sequence_parallel,

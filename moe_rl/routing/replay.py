@@ -177,6 +177,7 @@ def engine_routing_to_replay(
     layer_numbers: Sequence[int],
     top_k: int,
     *,
+    num_experts: int,
     tp_rank: int = 0,
     tp_size: int = 1,
     sequence_parallel: bool = False,
@@ -184,15 +185,20 @@ def engine_routing_to_replay(
     """One micro-batch's engine routing as this rank's per-layer replay indices.
 
     ``routed[j]`` is sequence j's ``[n_j, num_layers, k]`` (SGLang: n_j = its length - 1).
-    Positions without engine routing (the last token, right padding) get experts
-    ``0..k-1``: their routing cannot change any earlier token's log-prob. Dense layers are
+    Positions without engine routing (the last token, right padding) cannot change any
+    earlier token's log-prob; they get ``top_k`` distinct experts that rotate with the
+    position over all ``num_experts`` (position p: ``p*k .. p*k+k-1`` mod E), so padding
+    spreads over every expert-parallel rank instead of loading the first. Dense layers are
     skipped by taking only ``layer_numbers``; the sequence-parallel slice of this TP rank
     is kept; the result is in megatron's ``[s, b]`` token order.
     """
     b = len(routed)
     device = routed[0].device if b else torch.device("cpu")
     layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=device)
-    full = torch.arange(top_k, dtype=torch.int64, device=device).expand(seq_len, b, len(layers), top_k).clone()
+    if not 0 < top_k <= num_experts:
+        raise ReplayError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    rotating = (torch.arange(seq_len, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % num_experts
+    full = rotating[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
     for j, r in enumerate(routed):
         n = min(r.shape[0], seq_len)
         if r.shape[-1] != top_k:

@@ -7,7 +7,11 @@ the order slime and verl use:
     -> for_training: engine releases all its memory; trainer state back on the GPU
     -> update
     -> for_rollout: grads + optimizer to host; engine takes back its weights memory;
-       weights synced; trainer weights to host; engine takes back its KV cache
+       weights synced; trainer weights to host; engine takes back its KV cache and CUDA graphs
+
+Every memory kind is named when released, and every released kind is taken back: SGLang
+releases ``weights``, ``kv_cache`` and ``cuda_graph`` when asked with no tags, and a
+decode that replays CUDA graphs whose memory is still released reads unmapped memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Callable, Iterator, Protocol
 
 from parallel.collectives import barrier
 from parallel.offload import DeviceOffloader
+
+ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory-saver tags
 
 
 class Placement(Protocol):
@@ -54,20 +60,21 @@ class Colocation:
         self.released: set[str] = set()  # the engine memory kinds released now (first rank)
 
     def for_training(self) -> None:
-        if self.engine is not None and self.released != {"weights", "kv_cache"}:
-            self.engine.release_memory_occupation()
-            self.released = {"weights", "kv_cache"}
+        held = [kind for kind in ENGINE_MEMORY if kind not in self.released]
+        if self.engine is not None and held:
+            self.engine.release_memory_occupation(held)
+            self.released.update(held)
         barrier()  # no rank reloads before the engine has freed the node's memory
         self.offloader.onload()
 
     def for_rollout(self, sync_weights: Callable[[], None]) -> None:
         self.offloader.offload(["grads", "optimizer"])
         barrier()
-        self._resume("weights")
+        self._resume(["weights"])
         sync_weights()  # collective: reads the trainer's weights, still on the device
         self.offloader.offload(["weights"])
         barrier()
-        self._resume("kv_cache")
+        self._resume(["kv_cache", "cuda_graph"])
 
     @contextlib.contextmanager
     def trainer_resident(self, sync_weights: Callable[[], None]) -> Iterator[None]:
@@ -78,7 +85,8 @@ class Colocation:
         if was_offloaded:  # a released engine's weights are gone: they are synced again
             self.for_rollout(sync_weights)
 
-    def _resume(self, kind: str) -> None:
-        if self.engine is not None and kind in self.released:
-            self.engine.resume_memory_occupation([kind])
-            self.released.discard(kind)
+    def _resume(self, kinds: list[str]) -> None:
+        released = [kind for kind in kinds if kind in self.released]
+        if self.engine is not None and released:
+            self.engine.resume_memory_occupation(released)
+            self.released.difference_update(released)

@@ -110,7 +110,8 @@ class Trainer:
         # a data file without usable problems fails here, before any model or process group
         task = _make_task(cfg, cfg.data.task, "data.task")
         eval_task = _make_task(cfg, cfg.data.eval_task, "data.eval_task") if cfg.data.eval_task else None
-        init_distributed(cfg.parallel, dims, seed=cfg.train.seed)  # validates the layout before any group exists
+        # validates the layout before any group exists
+        init_distributed(cfg.parallel, dims, seed=cfg.train.seed, timeout_minutes=cfg.train.collective_timeout_min)
         torch.manual_seed(cfg.train.seed)
         # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
         # generation with trained weights ran ~3x slower without this
