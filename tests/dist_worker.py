@@ -148,7 +148,26 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
         json.dump(result, f)
 
 
-def expert_bias_update_checks(model, config, batch: list[MicroBatch]) -> dict:
+def bf16_export_keeps_fp32_biases(model, hf_config, biases: torch.Tensor) -> dict:
+    """A bf16 export and a bf16 weight sync send everything in bf16 but the expert biases,
+    which keep their fp32 values exactly (collective)."""
+    from moe_rl.models.weight_buckets import HFWeights
+
+    def check(tensors: dict) -> bool | None:  # None: this rank holds no bias to check
+        bias = sorted(k for k in tensors if k.endswith("e_score_correction_bias"))
+        if not bias:
+            return None
+        others = {t.dtype for k, t in tensors.items() if k not in bias}
+        exported = torch.stack([tensors[k] for k in bias])
+        return exported.dtype == torch.float32 and torch.equal(exported, biases) and others <= {torch.bfloat16}
+
+    exported = gather_hf_tensors(model, hf_config, dtype=torch.bfloat16)
+    synced: dict = {}
+    HFWeights(model, hf_config).send_buckets(1 << 12, torch.bfloat16, synced.update)  # to rank 0
+    return {"bf16_export_keeps_fp32_biases": check(exported), "bf16_sync_keeps_fp32_biases": check(synced)}
+
+
+def expert_bias_update_checks(model, config, hf_config, batch: list[MicroBatch]) -> dict:
     """megatron-core's aux-loss-free rule through our ``train_step``: an update skipped for
     NaN gradients leaves the expert biases as they were; a normal one moves every bias
     element by exactly the rate (or 0 where its expert's load is exactly average)."""
@@ -164,6 +183,7 @@ def expert_bias_update_checks(model, config, batch: list[MicroBatch]) -> dict:
     moved = (biases() - after_skip).abs()
     rate = config.moe_router_bias_update_rate
     return {
+        **bf16_export_keeps_fp32_biases(model, hf_config, biases()),
         "nan_update_skipped": not skipped.updated,
         "bias_kept_on_skip": torch.equal(before, after_skip),
         "bias_moved_by_rate": bool((((moved - rate).abs() < 1e-7) | (moved == 0)).all()) and bool((moved > 0).any()),
@@ -203,7 +223,7 @@ def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], 
         torch.save(torch.cat([r["entropy"] for r in plain]), out / "entropy.pt")
     export_hf_weights(model, hf_config, out / "export")
     if bias_checks and config.moe_router_enable_expert_bias:  # (the same on every rank: the checks are collective)
-        result.update(expert_bias_update_checks(model, config, batch))
+        result.update(expert_bias_update_checks(model, config, hf_config, batch))
     (out / f"replay_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     from megatron.core.transformer.moe.router_replay import RouterReplay
 

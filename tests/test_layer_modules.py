@@ -89,6 +89,13 @@ def test_the_shared_causal_mask_is_recognised_and_only_the_newest_are_kept() -> 
     assert torch.equal(mask[0, 0], torch.ones(5, 5, dtype=torch.bool).triu(1))
     assert causal_mask(5, "cpu") is mask and is_shared_causal_mask(mask)
     assert not is_shared_causal_mask(mask.clone())
+    # megatron's recompute (tensor_parallel.random.CheckpointFunction.backward) re-enters the
+    # layer with torch.utils.checkpoint.detach_variable(saved inputs): still the shared mask
+    from torch.utils.checkpoint import detach_variable
+
+    (recomputed,) = detach_variable((mask,))
+    assert recomputed is not mask and is_shared_causal_mask(recomputed)
+    assert not is_shared_causal_mask(mask[..., :4, :4]) and not is_shared_causal_mask(mask.transpose(-1, -2))
     for length in range(100, 108):  # eight newer lengths push it out
         causal_mask(length, cpu)
     assert not is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(107, cpu))

@@ -305,6 +305,14 @@ def multi_token_prediction_keys(keys: set[str], hf_config: PretrainedConfig) -> 
     return {k for k in keys if k.startswith(prefixes)} if prefixes else set()
 
 
+def served_dtype(name: str, own: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype megatron parameter/buffer ``name`` is exported and synced in: ``dtype`` (the
+    served one; ``None``: its own), except the routers' expert biases, which keep their own
+    fp32 (in bf16 their 1e-3 update steps vanish and a resume would not be exact; HF
+    checkpoints and SGLang keep ``e_score_correction_bias`` in fp32 too)."""
+    return own if dtype is None or name.endswith("router.expert_bias") else dtype
+
+
 @torch.no_grad()
 def gather_hf_tensors(
     model: GPTModel,
@@ -329,7 +337,7 @@ def gather_hf_tensors(
         shards = gather_shards(source(name, param).detach(), recipe, mapper)
         if is_writer(recipe):
             for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
-                tensors[key] = (full if dtype is None else full.to(dtype)).contiguous()
+                tensors[key] = full.to(served_dtype(name, full.dtype, dtype)).contiguous()
     return tensors
 
 

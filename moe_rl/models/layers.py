@@ -102,8 +102,13 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
 
 
 def is_shared_causal_mask(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` is :func:`causal_mask`'s (never builds one)."""
-    return mask is _CAUSAL_MASKS.get((mask.shape[-1], mask.device))
+    """Whether ``mask`` is :func:`causal_mask`'s or an alias of it (never builds one).
+    megatron's activation recompute re-runs a layer on ``detach()``ed copies of its inputs:
+    another object over the same memory, which must take the same (causal) kernel path."""
+    shared = _CAUSAL_MASKS.get((mask.shape[-1], mask.device))
+    if shared is None:
+        return False
+    return mask is shared or (mask.data_ptr() == shared.data_ptr() and mask.shape == shared.shape and mask.stride() == shared.stride())
 
 
 class SdpaAttention(DotProductAttention):

@@ -29,7 +29,7 @@ from megatron.core.models.gpt import GPTModel
 from transformers import PretrainedConfig
 
 from moe_rl.models.builder import named_weights
-from moe_rl.models.hf_weights import ParamMapper, Recipe, export_hf_weights, gather_shards, is_writer
+from moe_rl.models.hf_weights import ParamMapper, Recipe, export_hf_weights, gather_shards, is_writer, served_dtype
 from parallel.collectives import all_gather_objects, rank, rank_device
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -48,9 +48,13 @@ class WeightEntry:
     def numel(self) -> int:
         return sum(int(torch.Size(shape).numel()) for _, shape in self.tensors)
 
+    def sent_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        """What it is sent in when the sync's dtype is ``dtype`` (expert biases keep fp32)."""
+        return served_dtype(self.param, self.dtype, dtype)
+
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        """Its size sent in ``dtype`` (default: its own)."""
-        return self.numel() * torch.empty((), dtype=dtype or self.dtype).element_size()
+        """Its size sent in a sync of ``dtype`` (default: its own)."""
+        return self.numel() * torch.empty((), dtype=self.sent_dtype(dtype)).element_size()
 
 
 def plan_buckets(entries: list[WeightEntry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[WeightEntry]]:
@@ -123,7 +127,7 @@ class WeightStreamer:
         me, device = rank(), rank_device()
         out: NamedTensors = []
         for entry in bucket:
-            dtype = sync_dtype or entry.dtype
+            dtype = entry.sent_dtype(sync_dtype)
             if self.writer_of.get(entry.param) == entry.writer:  # this rank holds a shard of it
                 full = self._gather_full(entry.param, dtype, device)
                 if me == self.dst:
