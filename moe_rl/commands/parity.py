@@ -65,7 +65,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         if reporter:
             ours = torch.cat([r["logprobs"] for r in results])
             our_entropy = torch.cat([r["entropy"] for r in results])
-            theirs, their_entropy = transformers_logprobs(args.hf_dir, ids)
+            theirs, their_entropy = (t.to(ours.device) for t in transformers_logprobs(args.hf_dir, ids))  # transformers runs on CPU
             diff = (ours - theirs).abs().max().item()
             entropy_diff = (our_entropy - their_entropy).abs().max().item()
             ok = max(diff, entropy_diff) <= args.tolerance

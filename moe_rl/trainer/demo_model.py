@@ -140,7 +140,7 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
         batches = [MicroBatch(ids[mine])]
 
         def loss_fn(le, mb, total=total, mask=mask[mine]):
-            loss = -(le[..., 0] * mask).sum() / total
+            loss = -(le[..., 0] * mask.to(le.device)).sum() / total  # the batch is built on CPU, log-probs on the rank's device
             return loss, {"nll": loss.detach()}
 
         train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))
