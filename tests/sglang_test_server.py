@@ -75,6 +75,7 @@ class State:
         self.released: set[str] = set()  # memory kinds released (/release_memory_occupation)
         self.weights_lost = False  # released weights are gone until the next full update
         self.memory_events: list[list] = []  # [["release" | "resume", tags], ...]
+        self.releases_after_updates: list[int] = []  # weight updates done before each release
         self.weight_updates = 0  # completed /update_weights_from_* sequences (and disk loads)
         self.weight_update_requests = 0  # /update_weights_from_distributed requests (buckets)
 
@@ -174,7 +175,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/_test/stats":
             return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
                                     "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
-                                    "memory_events": st.memory_events, "weight_groups": sorted(st.groups)})
+                                    "memory_events": st.memory_events, "releases_after_updates": st.releases_after_updates, "weight_groups": sorted(st.groups)})
         return self._send(404, {"detail": "Not Found"})
 
     def _generate(self, body: dict) -> None:
@@ -318,6 +319,7 @@ def _memory_occupation(st: State, path: str, body: dict) -> tuple[int, dict]:
         st.released |= tags
         st.weights_lost = st.weights_lost or "weights" in tags
         st.memory_events.append(["release", sorted(tags)])
+        st.releases_after_updates.append(st.weight_updates)
     else:
         st.released -= tags
         st.memory_events.append(["resume", sorted(tags)])

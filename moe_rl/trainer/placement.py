@@ -52,12 +52,21 @@ class SeparatePlacement:
 
 class Colocation:
     """Trainer and SGLang servers share GPUs. ``engine``: an
-    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
+    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere.
+    Made after :meth:`free_engine_memory`, which runs before the trainer builds its state."""
 
     def __init__(self, engine, offloader: DeviceOffloader) -> None:
         self.engine = engine
         self.offloader = offloader
-        self.released: set[str] = set()  # the engine memory kinds released now (first rank)
+        self.released: set[str] = set(ENGINE_MEMORY)  # the engine memory kinds released now (first rank)
+
+    @staticmethod
+    def free_engine_memory(engine) -> None:
+        """Collective, at start-up: the servers (started, and sized, on free GPUs) release
+        all their memory before any rank builds its model, DDP buffers and masters."""
+        if engine is not None:
+            engine.release_memory_occupation(ENGINE_MEMORY)
+        barrier()
 
     def for_training(self) -> None:
         held = [kind for kind in ENGINE_MEMORY if kind not in self.released]

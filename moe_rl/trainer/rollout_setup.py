@@ -176,6 +176,13 @@ def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path, 
     return DiskSync(engine, run_dir / "weights" / "current")
 
 
+def make_room_for_the_trainer(cfg: Config, engine: RolloutEngine | None) -> None:
+    """Collective, before the trainer builds its model: colocated servers (``rollout.colocate``)
+    release all their GPU memory; separate ones keep theirs."""
+    if cfg.rollout.colocate:
+        Colocation.free_engine_memory(engine)
+
+
 def build_placement(cfg: Config, engine: RolloutEngine | None, policy: Policy) -> Placement:
     """``rollout.colocate``: trainer and SGLang servers take turns on the same GPUs."""
     if not cfg.rollout.colocate:

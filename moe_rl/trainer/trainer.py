@@ -46,7 +46,9 @@ from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.placement import Placement
-from moe_rl.trainer.rollout_setup import build_collector, build_placement, build_scorer, build_weight_sync, check_server_placement
+from moe_rl.trainer.rollout_setup import (
+    build_collector, build_placement, build_scorer, build_weight_sync, check_server_placement, make_room_for_the_trainer,
+)  # fmt: skip
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
     all_reduce, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
@@ -126,6 +128,11 @@ class Trainer:
         self.tokenizer = _load_tokenizer(self.hf_dir)
         formatter = _make_formatter(cfg, self.tokenizer)
         self._write_config()
+        # the rollout side before the trainer's model: colocated servers size their memory on
+        # free GPUs, then give all of it back before any rank builds its state
+        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, scorer, self._closing) if scorer else None
+        engine = self.collector.engine if self.collector else None
+        make_room_for_the_trainer(cfg, engine)
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
         modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention)
         self.policy = build_policy(
@@ -142,7 +149,6 @@ class Trainer:
         )  # fmt: skip
         self.monitor = self._build_monitor()
         self.start_step = self._resume()
-        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, scorer, self._closing) if scorer else None
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
         if self.background:
             self._closing.callback(self.background.close)
@@ -153,7 +159,6 @@ class Trainer:
         )  # fmt: skip
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
-        engine = self.collector.engine if self.collector else None
         self.weight_sync = build_weight_sync(cfg, engine, self.run_dir, self.hf_config)
         self._closing.callback(self.weight_sync.close)
         self.placement = build_placement(cfg, engine, self.policy)
