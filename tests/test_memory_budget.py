@@ -1,0 +1,49 @@
+"""tools/memory_budget.py against hand arithmetic (a tiny Qwen3-MoE counted by hand) and the
+Qwen3-30B-A3B figures the example configs quote."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from memory_budget import GB, Layout, ParamCounts, budget, count_params, layout_from_config, stage_budget  # noqa: E402
+
+TINY = {"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 2, "moe_intermediate_size": 3, "num_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 8, "tie_word_embeddings": False}  # fmt: skip
+
+
+def test_parameters_are_counted_as_by_hand() -> None:
+    # per layer: q 4x4 + k 4x2 + v 4x2 + o 4x4 + q/k norms 2+2 = 52, two norms 8, router 4x4 = 16;
+    # experts 4 x (gate_up 4x6 + down 3x4) = 144; embedding 10x4; lm_head 10x4 + final norm 4
+    assert count_params(TINY) == ParamCounts(embedding=40, output=44, layers_dense=2 * 76, layers_expert=2 * 144)
+
+
+def test_per_rank_bytes_follow_the_layout() -> None:
+    counts = ParamCounts(embedding=40, output=44, layers_dense=152, layers_expert=288)
+    layout = Layout(world=4, pp=2, ep=2)  # dp 2, expert dp 1
+    first, last = (stage_budget(counts, layout, s) for s in (0, 1))
+    # stage 0: dense 152/2 + 40 = 116, experts 288/2/2 = 72 -> 188 held, 116/2 + 72 = 130 in the optimizer
+    assert first["total_GB"] * GB == pytest.approx(188 * (2 + 4) + 130 * 12)
+    # stage 1: dense 76 + 44 = 120 -> 192 held, 60 + 72 = 132 sharded: the larger stage
+    assert last["total_GB"] * GB == pytest.approx(192 * 6 + 132 * 12) and budget(counts, layout) == last
+    unsharded = stage_budget(counts, Layout(world=4, pp=2, ep=2, distributed_optimizer=False), 1)
+    assert unsharded["optimizer_GB"] * GB == pytest.approx(192 * 12)
+
+
+def test_the_example_configs_quote_the_tools_figures() -> None:
+    qwen = count_params(json.loads((ROOT / "configs/examples/qwen3_30b_a3b.config.json").read_text()))
+    olmoe = count_params(json.loads((ROOT / "configs/examples/olmoe_1b_7b.config.json").read_text()))
+    assert sum(vars(qwen).values()) / 1e9 == pytest.approx(30.53, abs=0.01)  # Qwen3-30B-A3B
+    assert sum(vars(olmoe).values()) / 1e9 == pytest.approx(6.92, abs=0.01)  # OLMoE-1B-7B
+    for name, world, counts in (("qwen3_30b_a3b_colocated_1x8", 8, qwen), ("qwen3_30b_a3b_disaggregated_2x8", 8, qwen),
+                                ("qwen3_30b_a3b_2x8", 16, qwen), ("sglang_local_server", 4, olmoe)):  # fmt: skip
+        path = ROOT / "configs/examples" / f"{name}.yaml"
+        layout, _ = layout_from_config(str(path), world)
+        total = budget(counts, layout)["total_GB"]
+        assert f"= {total:.1f} GB" in path.read_text(), (name, round(total, 1))

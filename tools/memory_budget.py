@@ -1,0 +1,139 @@
+"""Static GPU memory per training rank for a model and a parallel layout: bf16 weights,
+fp32 gradient buffers (megatron DDP with ``grad_reduce_in_fp32``), and fp32 master weights
+plus Adam's two moments (12 bytes a parameter, sharded over the data-parallel ranks with
+the distributed optimizer). Activations, the KV cache and allocator slack come on top.
+
+    .venv/bin/python tools/memory_budget.py --config configs/examples/qwen3_30b_a3b_2x8.yaml --world 16 \\
+        [--hf-config configs/examples/qwen3_30b_a3b.config.json]
+
+Parameters are counted exactly on transformers' model built on the meta device (no memory):
+names with ``.experts.`` are routed experts (split over EP x ETP), the rest dense (split over
+TP; transformer layers over PP, the embedding on the first stage, the output layer on the last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16; fp32 main_grad; fp32 master + Adam m, v
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # input embedding
+    output: int  # output layer and final norm
+    layers_dense: int  # attention, norms, routers, shared experts, dense MLPs of all layers
+    layers_expert: int  # routed experts of all layers
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    distributed_optimizer: bool = True
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.ep * self.etp * self.pp)
+
+
+def count_params(hf_config: dict) -> ParamCounts:
+    """Exact counts from transformers' model for ``hf_config`` (a config.json's mapping)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counts = {"embedding": 0, "output": 0, "layers_dense": 0, "layers_expert": 0}
+    for name, param in model.named_parameters():
+        if ".layers." not in name:
+            counts["embedding" if "embed_tokens" in name else "output"] += param.numel()
+        else:
+            counts["layers_expert" if ".experts." in name else "layers_dense"] += param.numel()
+    if getattr(config, "tie_word_embeddings", False):
+        counts["output"] += counts["embedding"]  # megatron keeps a copy on the last stage
+    return ParamCounts(**counts)
+
+
+def stage_budget(counts: ParamCounts, layout: Layout, stage: int) -> dict[str, float]:
+    """GB per rank of pipeline stage ``stage`` (dense parts split over TP, experts over EP x ETP)."""
+    dense = counts.layers_dense / layout.pp
+    if stage == 0:
+        dense += counts.embedding
+    if stage == layout.pp - 1:
+        dense += counts.output
+    dense /= layout.tp
+    expert = counts.layers_expert / layout.pp / (layout.ep * layout.etp)
+    held = dense + expert
+    sharded = dense / layout.dp + expert / layout.expert_dp if layout.distributed_optimizer else held
+    out = {
+        "params_B": held / 1e9,
+        "weights_GB": held * WEIGHT_BYTES / GB,
+        "grads_GB": held * GRAD_BYTES / GB,
+        "optimizer_GB": sharded * OPTIMIZER_BYTES / GB,
+    }
+    out["total_GB"] = out["weights_GB"] + out["grads_GB"] + out["optimizer_GB"]
+    return out
+
+
+def budget(counts: ParamCounts, layout: Layout) -> dict[str, float]:
+    """The largest stage's budget (the one that must fit)."""
+    return max((stage_budget(counts, layout, s) for s in range(layout.pp)), key=lambda b: b["total_GB"])
+
+
+def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
+    """The layout and model directory a moe-rl YAML config names (defaults as in moe-rl)."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    par, optim = cfg.get("parallel") or {}, cfg.get("optim") or {}
+    tp, ep = int(par.get("tp", 1)), int(par.get("ep", 1))
+    etp = par.get("etp")
+    layout = Layout(
+        world=world, tp=tp, pp=int(par.get("pp", 1)), ep=ep, etp=int(tp if etp is None else etp),
+        distributed_optimizer=bool(optim.get("use_distributed_optimizer", True)),
+    )  # fmt: skip
+    if world % (layout.tp * layout.pp) or world % (layout.ep * layout.etp * layout.pp):
+        raise SystemExit(f"memory_budget: world {world} is not divisible by tp*pp / ep*etp*pp of {path}")
+    return layout, str((cfg.get("model") or {}).get("hf_dir") or "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a moe-rl YAML config (parallel, optim, model.hf_dir)")
+    p.add_argument("--world", type=int, required=True, help="training ranks (GPUs)")
+    p.add_argument("--hf-config", help="the model's config.json (default: model.hf_dir/config.json)")
+    args = p.parse_args(argv)
+    layout, hf_dir = layout_from_config(args.config, args.world)
+    hf_path = Path(args.hf_config or Path(hf_dir) / "config.json")
+    try:
+        hf_config = json.loads(hf_path.read_text())
+    except OSError as e:
+        raise SystemExit(f"memory_budget: cannot read {hf_path} ({e.strerror}): pass --hf-config") from None
+    counts = count_params(hf_config)
+    total = sum(vars(counts).values())
+    print(f"{args.config}: {total / 1e9:.2f}B parameters ({counts.layers_expert / 1e9:.2f}B in routed experts); "
+          f"world {layout.world}, tp {layout.tp} pp {layout.pp} ep {layout.ep} etp {layout.etp}, dp {layout.dp}, "
+          f"expert dp {layout.expert_dp}, distributed optimizer {'on' if layout.distributed_optimizer else 'off'}")  # fmt: skip
+    for stage in range(layout.pp):
+        b = stage_budget(counts, layout, stage)
+        print(f"  stage {stage}: {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
+              f"{b['grads_GB']:.1f} GB + master/Adam {b['optimizer_GB']:.1f} GB = {b['total_GB']:.1f} GB static per GPU")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
