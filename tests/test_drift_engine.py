@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import STAND_IN_SERVER
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout.server import ServerSettings, SGLangServer
 from moe_rl.rollout.sglang import SGLangEngine
@@ -21,7 +22,7 @@ from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.drift import drift_metrics
 from parallel.launch import free_port
 
-SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
+SERVER = STAND_IN_SERVER
 LAYERS, TOP_K, EXPERTS = 3, 4, 16  # many experts with a random router: bf16 rounding flips some choices
 SAMPLES, NEW_TOKENS = 2, 16
 

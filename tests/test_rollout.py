@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import STAND_IN_SERVER
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout.local import LocalEngine
@@ -26,7 +27,7 @@ from parallel.launch import free_port
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 from sglang_test_server import weights_digest
 
-SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
+SERVER = STAND_IN_SERVER
 PROMPTS = [[3, 17, 22, 5], [9, 1, 40, 33, 2, 8]]
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
 

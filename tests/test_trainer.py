@@ -247,9 +247,10 @@ def start_test_servers(cache: str, tmp_path: Path, count: int, **settings) -> li
     from parallel.launch import free_port
 
     model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
-    server_cmd = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    from conftest import STAND_IN_SERVER
+
     every = [ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
-                            launch_command=server_cmd, **settings) for _ in range(count)]  # fmt: skip
+                            launch_command=STAND_IN_SERVER, **settings) for _ in range(count)]  # fmt: skip
     return [SGLangServer(s, tmp_path / "logs") for s in every]
 
 
