@@ -13,8 +13,13 @@ T = TypeVar("T")
 
 
 def rank_device() -> torch.device:
-    """This rank's device: its CUDA device when there is one, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's device: its CUDA device when there is one, else the CPU bridge's
+    device (the CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    from parallel import cpu_bridge
+
+    return cpu_bridge.device()
 
 
 def peak_memory_mb() -> float:

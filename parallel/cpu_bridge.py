@@ -22,19 +22,28 @@ import torch
 import torch.distributed as dist
 
 _INSTALLED = False
+_DEVICE = torch.device("cpu")  # where bridged CUDA calls put their tensors
 
 
 def is_installed() -> bool:
     return _INSTALLED
 
 
-def install() -> None:
-    """Bridge megatron-core's CUDA assumptions onto the CPU (idempotent)."""
-    global _INSTALLED
+def device() -> torch.device:
+    """The device that stands for "the GPU" once the bridge is installed: the CPU, or
+    another non-CUDA device given to :func:`install` (tests run the trainer on a
+    stand-in accelerator to catch a CPU tensor meeting a device tensor)."""
+    return _DEVICE
+
+
+def install(device: torch.device | str = "cpu") -> None:
+    """Bridge megatron-core's CUDA assumptions onto ``device`` (idempotent)."""
+    global _INSTALLED, _DEVICE
     if _INSTALLED:
         return
     if torch.cuda.is_available():
         raise RuntimeError("the CPU bridge is for machines without CUDA; this one has a CUDA device")
+    _DEVICE = torch.device(device)
     _patch_torch_cuda()
     _patch_megatron()
     _patch_uneven_collectives()
@@ -96,8 +105,7 @@ class _NullEvent:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cpu = torch.device("cpu")
-    cuda.current_device = lambda: cpu
+    cuda.current_device = lambda: _DEVICE
     cuda.set_device = lambda device: None
     cuda.synchronize = lambda device=None: None
     cuda.Stream = _NullStream
@@ -138,15 +146,15 @@ def _patch_megatron() -> None:
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
     )
 
-    # split sizes must be host lists for all_to_all_single: the original returns CPU
-    # tensors untouched even when numpy was asked for
+    # split sizes must be host lists for all_to_all_single: the original returns tensors
+    # that are not CUDA tensors untouched even when numpy was asked for
     original = moe_utils.maybe_move_tensor_to_cpu
 
     @functools.wraps(original)
     def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
         out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
         if as_numpy and torch.is_tensor(out):
-            return out.numpy()
+            return out.cpu().numpy()
         return out
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
@@ -220,9 +228,9 @@ def _is_cuda(device: Any) -> bool:
 
 
 def _on_cpu(kwargs: dict) -> dict:
-    """``kwargs`` with a CUDA ``device`` made the CPU and ``pin_memory`` dropped."""
+    """``kwargs`` with a CUDA ``device`` made the bridge's device and ``pin_memory`` dropped."""
     if _is_cuda(kwargs.get("device")):
-        kwargs["device"] = "cpu"
+        kwargs["device"] = _DEVICE
     kwargs.pop("pin_memory", None)
     return kwargs
 
@@ -255,7 +263,7 @@ def _patch_devices() -> None:
     @functools.wraps(to)
     def to_cpu(self, *args, **kwargs):
         if args and _is_cuda(args[0]):  # to(device, ...): the only place a positional device goes
-            args = ("cpu", *args[1:])
+            args = (_DEVICE, *args[1:])
         return to(self, *args, **_on_cpu(kwargs)) if kwargs else to(self, *args)
 
     @functools.wraps(type_)
@@ -263,8 +271,8 @@ def _patch_devices() -> None:
         if args or kwargs:
             return type_(self, *args, **kwargs)
         # megatron's optimizer checks type names such as 'torch.cuda.FloatTensor'
-        return type_(self).replace("torch.", "torch.cuda.", 1)
+        return "torch.cuda." + type_(self).rsplit(".", 1)[-1]
 
     torch.Tensor.to = to_cpu
     torch.Tensor.type = cuda_type
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.cuda = lambda self, *args, **kwargs: to(self, _DEVICE)

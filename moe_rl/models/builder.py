@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
 from moe_rl.models.layers import LayerModules, decoder_block_spec
 from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
+from parallel.collectives import rank_device
 from parallel.layout import ParallelLayout
 
 
@@ -39,7 +40,7 @@ def make_transformer_config(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=rank_device().type == "cpu",  # else megatron builds each shard on the device
         moe_token_dispatcher_type=token_dispatcher_type(layout),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -117,4 +118,19 @@ def build_model(
     for name, param in model.named_parameters():
         if ".experts." in name:
             param.allreduce = False
+    if not config.use_cpu_initialization:
+        _params_onto(model, rank_device())
     return model
+
+
+def _params_onto(model: torch.nn.Module, device: torch.device) -> None:
+    """Put every parameter on ``device`` (attributes kept). megatron's router creates its
+    weight on the CPU whatever ``use_cpu_initialization`` says and moves it at its first
+    forward: after DDP's buffers and the optimizer's fp32 copy were made from the CPU
+    tensor (megatron's own ``get_model`` calls ``model.cuda()`` for this)."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.device != device:
+                moved = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+                moved.__dict__.update(param.__dict__)
+                setattr(module, name, moved)

@@ -21,13 +21,18 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 
+def init_device(config: TransformerConfig) -> torch.device | str | int:
+    """Where a layer creates its parameters, as megatron's own layers do: the CPU under
+    ``use_cpu_initialization``, else the rank's device."""
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
 class StackedLinear(torch.nn.Module):
     """``weight[e]`` applied to the rows of expert ``e`` (rows grouped by expert)."""
 
     def __init__(self, experts: int, out_features: int, in_features: int, config: TransformerConfig, partition_dim: int) -> None:
         super().__init__()
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=device))
+        self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=init_device(config)))
         # always "parallel", as megatron marks its expert linears: each rank's slice is its own
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
         itemsize = self.weight.element_size()

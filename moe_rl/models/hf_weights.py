@@ -372,7 +372,7 @@ def export_hf_weights(
         file = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
         weight_map.update({k: file for k in writers[writer]})
         if writer == rank:
-            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            save_file({k: t.cpu() for k, t in tensors.items()}, tmp / file, metadata={"format": "pt"})  # safetensors copies device tensors to host anyway
     if rank == 0:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from moe_rl.config import ATTENTION_MODULES, EXPERT_MODULES
-from moe_rl.models.grouped_experts import GroupedExperts
+from moe_rl.models.grouped_experts import GroupedExperts, init_device
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=init_device(config)))
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ class FullWidthQKNorm(torch.nn.Module):
         self.tp = config.tensor_model_parallel_size
         self.width = num_heads * hidden_size  # hidden_size: megatron passes the head dim
         local = num_heads // self.tp * hidden_size
-        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype, device=init_device(config)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
