@@ -20,3 +20,26 @@ def install() -> None:
 
     if not isinstance(mla.TELinear, type):
         mla.HAVE_TE = False
+    _mask_padding_in_expert_load()
+
+
+def _mask_padding_in_expert_load() -> None:
+    """``TopKRouter._apply_expert_bias`` counts each routed token towards the expert-bias
+    load update, leaving out padding with ``routing_map & ~padding_mask``: ``[T, E]`` with
+    ``[T]``, which fails to broadcast (0.16.1). Mask each token's row instead."""
+    import inspect
+
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if "routing_map & (~padding_mask)" not in inspect.getsource(TopKRouter._apply_expert_bias):
+        return  # fixed upstream
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:  # True at padding
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias

@@ -184,10 +184,26 @@ def expert_bias_update_checks(model, config, hf_config, batch: list[MicroBatch])
     rate = config.moe_router_bias_update_rate
     return {
         **bf16_export_keeps_fp32_biases(model, hf_config, biases()),
+        "expert_load_counts_only_real_tokens": padding_left_out_of_expert_load(ddp, model, config, batch),
         "nan_update_skipped": not skipped.updated,
         "bias_kept_on_skip": torch.equal(before, after_skip),
         "bias_moved_by_rate": bool((((moved - rate).abs() < 1e-7) | (moved == 0)).all()) and bool((moved > 0).any()),
     }
+
+
+def padding_left_out_of_expert_load(ddp, model, config, batch: list[MicroBatch]) -> bool:
+    """A right-padded micro-batch (rows of SEQ and SEQ // 2 tokens): each router's load
+    for the bias update counts top-k experts of the real tokens only."""
+    routers = [m for m in model.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
+    ids = torch.cat([mb.input_ids for mb in batch[:2]])
+    padded = WeightedBatch(input_ids=ids, lengths=torch.tensor([SEQ, SEQ // 2]), w=torch.zeros(2, SEQ - 1))
+    run_microbatches([ddp], [padded], loss_fn=loss_fn, forward_only=False)
+    counts = [int(r.local_tokens_per_expert.sum()) for r in routers]
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
+    return bool(routers) and counts == [(SEQ + SEQ // 2) * config.moe_router_topk] * len(routers)
 
 
 BIAS_CHECKS = {"1,1,1,1", "1,1,2,1"}  # layouts where GLM-4.5 also runs expert_bias_update_checks (one process; EP2 x DP2)

@@ -47,3 +47,37 @@ def test_small_chunks_keep_their_logits_for_backward(keep_logits_mb: float, keep
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         vocab_parallel_logprobs(hidden, weight, torch.randint(0, v, (s, b)), config=LogProbConfig(keep_logits_mb=keep_logits_mb))
     assert (max(saved) >= s * b * v) is keeps_logits  # a [s, b, v] logits-sized tensor kept, or none (recomputed)
+
+
+def test_bf16_activations_get_fp32_logits() -> None:
+    """bf16 hidden states and weights: the log-probs are those of the fp32 product of the
+    same bf16 values (not of logits rounded to bf16: steps of 0.125 at 16-32)."""
+    gen = torch.Generator().manual_seed(0)
+    s, b, h, v = 16, 2, 64, 97
+    hidden = (3 * torch.randn(s, b, h, generator=gen)).to(torch.bfloat16)
+    weight = (0.5 * torch.randn(v, h, generator=gen)).to(torch.bfloat16)
+    targets = torch.randint(0, v, (s, b), generator=gen)
+    logp, _ = vocab_parallel_logprobs(hidden, weight, targets)
+    exact = torch.log_softmax(hidden.double() @ weight.double().t(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    rounded = torch.log_softmax((hidden @ weight.t()).double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert logp.dtype == torch.float32
+    assert (logp.double() - exact).abs().max() < 1e-4
+    assert (rounded - exact).abs().max() > 1e-2  # what bf16 logits would have cost
+
+
+def test_fp32_output_matmul_backward_is_the_matmul_gradient() -> None:
+    """The CUDA path's backward (its forward, ``torch.mm(out_dtype=fp32)``, runs on CUDA
+    only) against autograd of the same product."""
+    from types import SimpleNamespace
+
+    from moe_rl.models.logprob_head import _LogitsWithFp32Output, has_fp32_output_matmul
+
+    assert not has_fp32_output_matmul("cpu", torch.bfloat16)  # so the CPU upcasts
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    ours = _LogitsWithFp32Output.backward(SimpleNamespace(saved_tensors=(hidden.detach(), weight.detach())), grad)
+    refs = torch.autograd.grad((hidden @ weight.t() * grad).sum(), (hidden, weight))
+    for a, r in zip(ours, refs):
+        torch.testing.assert_close(a, r)

@@ -77,6 +77,7 @@ def test_family_matches_transformers_and_replays_exactly(qwen3_runs: Path, famil
         if family == "glm4_moe" and layout in ("1,1,1,1", "1,1,2,1"):  # the expert-bias rule (tests/dist_worker.py BIAS_CHECKS)
             assert r["nan_update_skipped"] and r["bias_kept_on_skip"], "a skipped update must not move the expert biases"
             assert r["bias_moved_by_rate"], "an update moves each expert bias by the rate (or not at all)"
+            assert r["expert_load_counts_only_real_tokens"], "padding must not count towards the expert-bias load"
             assert r["bf16_export_keeps_fp32_biases"] in (True, None) and r["bf16_sync_keeps_fp32_biases"] in (True, None)
     if family == "glm4_moe" and layout in ("1,1,1,1", "1,1,2,1"):  # rank 0 writes and receives the biases
         assert results[0]["bf16_export_keeps_fp32_biases"] and results[0]["bf16_sync_keeps_fp32_biases"], \

@@ -6,12 +6,19 @@ end of its output and the others still run):
 - ``env``: torch / CUDA / GPU / package versions;
 - ``matmul``: the bf16 matmul rate this GPU reaches (the MFU denominator);
 - ``parity``: ``moe-rl parity`` (fp32) of tiny Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (MLA) checkpoints;
-- ``train``: 3 steps of the built-in model (bf16) with R2, then R3, then the R2 run resumed
-  to step 4;
+- ``train``: 3 steps of the built-in model (bf16) with R2, then R3 with activation
+  recompute (the recomputed attention must take the forward's kernel path), then the R2
+  run resumed to step 4;
+- ``colocated``: 2 steps against the project's SGLang-protocol stand-in server on the
+  same GPU (``tests/sglang_test_server.py``; no SGLang needed): colocated (the trainer's
+  state offloaded and ``empty_cache``'d around each rollout), CUDA-IPC tensor weight sync,
+  R3 from the server's routing;
 - ``big_moe``: a ~1.3B-parameter MoE made on the fly (16 layers x 64 experts, top-8,
   hidden 1024): optimizer-step time over 4 x 2048 tokens and its MFU;
 - ``logprob_memory``: peak memory of the chunked log-prob + entropy head (forward and
-  backward) at vocab 151,936 x 4,096 tokens against full logits;
+  backward) at vocab 151,936 x 4,096 tokens against full logits; which fp32-logits path
+  runs (``torch.mm(out_dtype=fp32)`` or an upcast), its time against bf16 logits and its
+  log-prob error against fp64;
 - ``kernels``: what the layer modules would get on this GPU: torch's ``grouped_mm`` for
   ``GroupedExperts`` (equal to one matmul per expert? faster?; the experts use it only on
   CPU until this says so) and which ``scaled_dot_product_attention`` backends run
@@ -37,8 +44,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "matmul", "parity", "train", "big_moe", "logprob_memory", "kernels")
-LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 300, "big_moe": 180, "logprob_memory": 90, "kernels": 90}
+STAGES = ("env", "matmul", "parity", "train", "colocated", "big_moe", "logprob_memory", "kernels")
+LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 480, "colocated": 300, "big_moe": 180, "logprob_memory": 120, "kernels": 90}
 
 
 def _device():
@@ -124,10 +131,12 @@ def stage_parity(smoke: bool, work: Path) -> dict:
     return out
 
 
-def _train(run_dir: Path, cache: Path, steps: int, *extra: str) -> dict:
-    tiny = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=6", "warm_start.steps=20",
+TINY_RUN = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=6", "warm_start.steps=20",
             "warm_start.batch_size=32", "train.progress=false", "algorithm.updates_per_batch=2"]  # fmt: skip
-    run = _cli("train", *tiny, f"train.steps={steps}", f"train.run_dir={run_dir}", f"warm_start.cache_dir={cache}", *extra, timeout=240)
+
+
+def _train(run_dir: Path, cache: Path, steps: int, *extra: str) -> dict:
+    run = _cli("train", *TINY_RUN, f"train.steps={steps}", f"train.run_dir={run_dir}", f"warm_start.cache_dir={cache}", *extra, timeout=240)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
     keep = ("train/loss", "train/logp_mismatch_mean", "routing/train_vs_rollout/changed_frac/mean", "routing/replayed/changed_frac/mean",
             "perf/step_time_s", "perf/peak_memory_mb")  # fmt: skip
@@ -137,10 +146,42 @@ def _train(run_dir: Path, cache: Path, steps: int, *extra: str) -> dict:
 
 def stage_train(smoke: bool, work: Path) -> dict:
     cache = work / "cache"
-    out = {"r2": _train(work / "r2", cache, 3, "routing.replay=r2"), "r3": _train(work / "r3", cache, 3, "routing.replay=r3")}
+    out = {"r2": _train(work / "r2", cache, 3, "routing.replay=r2"),
+           "r3_recompute": _train(work / "r3", cache, 3, "routing.replay=r3", "routing.recompute_activations=true")}
     out["r2_resumed"] = _train(work / "r2", cache, 4, "routing.replay=r2")
     out["ok"] = all(v["ok"] for v in out.values()) and out["r2_resumed"]["steps"] == [1, 2, 3, 4]
     return out
+
+
+def stage_colocated(smoke: bool, work: Path) -> dict:
+    from moe_rl.config import load_config
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.trainer.demo_model import demo_model_dir
+    from parallel.launch import free_port
+
+    cache = work / "cache"
+    prepared = _cli("prepare", *TINY_RUN, f"warm_start.cache_dir={cache}", timeout=120)
+    if prepared.returncode != 0:
+        return {"ok": False, "error": prepared.stderr[-1500:]}
+    model = demo_model_dir(load_config(None, [*TINY_RUN, f"warm_start.cache_dir={cache}"]))
+    stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    settings = ServerSettings(model_path=str(model), port=free_port(), return_routed_experts=True, deterministic=True,
+                              memory_saver=True, launch_command=stand_in)  # fmt: skip
+    server = SGLangServer(settings, work / "logs")
+    try:
+        server.wait_healthy(timeout_s=120)
+        args = ["train", *TINY_RUN, "train.steps=2", f"train.run_dir={work / 'run'}", f"warm_start.cache_dir={cache}", "rollout.engine=sglang",
+                f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=tensor", "rollout.colocate=true", "routing.replay=r3",
+                "routing.recompute_activations=true"]  # fmt: skip
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        with open(work / "train.log", "w") as log:  # a file, not a pipe: the tensor sync's shared-memory manager may outlive the run
+            code = subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], stdout=log, stderr=log, timeout=240, env=env, cwd=ROOT).returncode
+    finally:
+        server.stop()
+    rows = [json.loads(l) for l in (work / "run" / "metrics.jsonl").read_text().splitlines()] if (work / "run" / "metrics.jsonl").exists() else []
+    keep = ("train/loss", "train/logp_mismatch_max", "routing/train_vs_rollout/changed_frac/mean", "perf/peak_memory_mb")
+    return {"ok": code == 0 and len(rows) == 2, "last": {k: rows[-1].get(k) for k in keep} if rows else {},
+            "error": None if code == 0 else (work / "train.log").read_text()[-1500:]}  # fmt: skip
 
 
 def stage_big_moe(smoke: bool, work: Path) -> dict:
@@ -218,7 +259,29 @@ def stage_logprob_memory(smoke: bool, work: Path) -> dict:
         _sync()
         out[variant] = {"peak_extra_mb": _peak_mb() - base, "seconds": time.perf_counter() - start}
         weight.grad = None
+    out["fp32_logits"] = _fp32_logits_check(weight.detach(), hidden_states.detach(), targets)
     return out
+
+
+def _fp32_logits_check(weight, hidden_states, targets) -> dict:
+    """Which fp32-logits path runs, what it costs against bf16 logits, and the log-prob
+    error of each against fp64."""
+    import torch
+
+    from moe_rl.models.logprob_head import LogProbConfig, fp32_logits, has_fp32_output_matmul, vocab_parallel_logprobs
+
+    h = hidden_states[:512]
+    t = targets[:512]
+    exact = torch.log_softmax(h.double() @ weight.double().t(), -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    rounded = torch.log_softmax((h @ weight.t()).double(), -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    ours, _ = vocab_parallel_logprobs(h, weight, t, config=LogProbConfig(chunk_size=512))
+    return {
+        "path": "mm_out_dtype_fp32" if has_fp32_output_matmul(weight.device.type, weight.dtype) else ("fp32" if weight.dtype == torch.float32 else "upcast"),
+        "fp32_s": _timed(lambda: fp32_logits(h, weight)),
+        "activation_dtype_s": _timed(lambda: h @ weight.t()),
+        "logp_max_err": float((ours.double() - exact).abs().max()),
+        "logp_max_err_if_bf16_logits": float((rounded - exact).abs().max()),
+    }
 
 
 def stage_kernels(smoke: bool, work: Path) -> dict:

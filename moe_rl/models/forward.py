@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
@@ -39,6 +40,19 @@ class MicroBatch:
     def targets(self) -> Tensor:
         """Next-token targets aligned to positions (the last position's is a dummy 0)."""
         return torch.cat([self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])], dim=1)
+
+
+def padding_mask(lengths: Tensor | None, seq_len: int, device: torch.device, sequence_parallel: bool) -> Tensor | None:
+    """True at the padding positions of right-padded rows, ``[b, s]``, for the MoE routers
+    (padding must not count towards the expert-bias load). megatron-core 0.16.1 scatters
+    the mask over sequence-parallel ranks on the first pipeline stage only: later stages
+    get their slice of it here."""
+    if lengths is None:
+        return None
+    mask = torch.arange(seq_len, device=device)[None, :] >= lengths.to(device)[:, None]
+    if sequence_parallel and not ps.is_pipeline_first_stage():
+        mask = tensor_parallel.scatter_to_sequence_parallel_region(mask.t().contiguous()).t().contiguous()
+    return mask
 
 
 LossFn = Callable[[Tensor, Any], tuple[Tensor, dict]]  # (logp_entropy, the MicroBatch (subclass)) -> (loss, metrics)
@@ -89,7 +103,8 @@ def run_microbatches(
         mask = causal_mask(s, device)
         for hook in hooks:
             hook.before_forward(index, b * s // sp_size)
-        out = model_chunk(ids, positions, attention_mask=mask, labels=mb.targets.to(device))
+        padding = padding_mask(mb.lengths, s, device, config.sequence_parallel)
+        out = model_chunk(ids, positions, attention_mask=mask, labels=mb.targets.to(device), padding_mask=padding)
         for hook in hooks:
             hook.after_forward(index)
         return out, partial(_loss_wrapper, loss_fn, mb)

@@ -12,10 +12,14 @@ those, ``[batch, seq, 2]`` (log-prob, entropy), when it is called with ``labels`
   ever holds more than ``chunk x batch x vocab/TP`` logits, and a chunk's logits are
   recomputed in the backward pass instead of being kept (activation checkpointing), unless
   they are small (``LogProbConfig.keep_logits_mb``).
+
+Logits are fp32 whatever the activations' dtype (:func:`fp32_logits`): bf16 logits in
+[16, 32) move in steps of 0.125, far above the log-ratio bands the losses clip at.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,45 @@ class LogProbConfig:
     # its few logit-sized intermediates) instead of recomputed: recomputing saves nothing
     # worth its time there (small vocabularies, short micro-batches)
     keep_logits_mb: float = 32.0
+
+
+class _LogitsWithFp32Output(torch.autograd.Function):
+    """``hidden @ weight.T`` from bf16/fp16 inputs with fp32 output (the tensor cores
+    accumulate in fp32 anyway; only the rounding of the result to bf16 is skipped); its
+    backward is the low-precision matmul's."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        return grad @ weight, grad.t() @ hidden
+
+
+@functools.cache
+def has_fp32_output_matmul(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` inputs here
+    (CUDA with torch >= 2.8; not the CPU)."""
+    try:
+        torch.mm(torch.ones(1, 1, dtype=dtype, device=device_type), torch.ones(1, 1, dtype=dtype, device=device_type), out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """``hidden [..., h] @ weight[V, h].T`` in fp32: as is for fp32/fp64 inputs; from
+    bf16/fp16 inputs with fp32 output where torch has that matmul (CUDA), else by
+    upcasting both (CPU; an fp32 copy of ``weight`` per call)."""
+    if weight.dtype in (torch.float32, torch.float64):
+        return torch.matmul(hidden, weight.t())
+    if has_fp32_output_matmul(weight.device.type, weight.dtype):
+        return _LogitsWithFp32Output.apply(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
+    return torch.matmul(hidden.float(), weight.float().t())
 
 
 def vocab_parallel_logprobs(
@@ -80,8 +123,7 @@ def _chunk_logprobs(
     with_entropy: bool,
     group: dist.ProcessGroup | None,
 ) -> tuple[Tensor, Tensor]:
-    logits = torch.matmul(hidden, weight.t())
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
+    logits = fp32_logits(hidden, weight)
     if temperature != 1.0:
         logits = logits / temperature
     padded = real_rows < weight.shape[0]
