@@ -29,6 +29,16 @@ def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None
     assert result["auto_vs_sharded_max_diff"] < 1e-7
 
 
+def test_overlapped_gradient_reduce_equals_it_off_whatever_the_micro_batch_count(tmp_path) -> None:
+    """2 data-parallel ranks, steps of 3, 1 and 2 micro-batches, both optimizers: the
+    weights after each step equal those of the same steps without overlap."""
+    hf_dir = save_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", seed=3)
+    result = run_check_script("overlap_checks.py", hf_dir)
+    for sharded in (False, True):
+        assert result[f"max_diff_distributed_{sharded}"] == [0.0, 0.0, 0.0], result
+        assert min(result[f"moved_distributed_{sharded}"]) > 1000, result  # the steps did move the weights
+
+
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_the_finite_check_finds_any_nan_or_inf_in_any_gradient_buffer(bad) -> None:
     """(One process, no process group: the check's all-reduce is the identity.)"""

@@ -90,6 +90,7 @@ def run_microbatches(
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = None  # the caller finalizes (no token-count scaling)
     config.variable_seq_lengths = len(set(shapes)) > 1  # pipeline stages then exchange each tensor's shape first
+    config.no_sync_func, config.grad_sync_func = _grad_sync_funcs(chunks)
     device = next(chunks[0].parameters()).device
     batches = iter(enumerate(micro_batches))
     sp_size = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
@@ -120,6 +121,18 @@ def run_microbatches(
             forward_only=forward_only,
         )
     return list(results) if ps.is_pipeline_last_stage() else []
+
+
+def _grad_sync_funcs(chunks: list) -> tuple[Any, Any]:
+    """megatron's schedules' hooks for DDP with ``overlap_grad_reduce``: ``no_sync`` around
+    all but each chunk's last micro-batch, so the reduce starts once, on the whole
+    gradient, whatever the step's micro-batch count (as megatron's own training sets them)."""
+    overlapped = [c for c in chunks if getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False)]
+    if not overlapped:
+        return None, None
+    if len(overlapped) == 1:
+        return overlapped[0].no_sync, overlapped[0].start_grad_sync
+    return [c.no_sync for c in overlapped], [c.start_grad_sync for c in overlapped]
 
 
 def _loss_wrapper(loss_fn: LossFn | None, mb: MicroBatch, output: Tensor):
