@@ -22,7 +22,8 @@ end of its output and the others still run):
 - ``kernels``: what the layer modules would get on this GPU: torch's ``grouped_mm`` for
   ``GroupedExperts`` (equal to one matmul per expert? faster?; the experts use it only on
   CPU until this says so) and which ``scaled_dot_product_attention`` backends run
-  ``SdpaAttention``'s causal GQA and MLA shapes.
+  ``SdpaAttention``'s causal GQA and MLA shapes; whether a recomputed layer's mask still
+  selects the causal path.
 
     python tools/gpu_check.py [--out gpu_check.json] [--smoke]
 
@@ -309,6 +310,14 @@ def stage_kernels(smoke: bool, work: Path) -> dict:
         out["grouped_mm"].update(ok=True, max_diff=float((run(True) - run(False)).abs().max()), grouped_s=_timed(lambda: run(True)))
     except Exception as e:  # noqa: BLE001 (a report)
         out["grouped_mm"].update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+    from megatron.core.tensor_parallel.random import detach_variable
+
+    from moe_rl.models.layers import causal_mask, is_shared_causal_mask
+
+    # activation recompute re-enters attention with a detached copy of the mask: it must still
+    # take the is_causal (flash/efficient) path, not the explicit-mask math kernel
+    (recomputed,) = detach_variable((causal_mask(128, device),))
+    out["recomputed_mask_takes_causal_path"] = is_shared_causal_mask(recomputed)
     seq, heads, groups = (64, 4, 2) if smoke else (4096, 32, 4)
     for name, (d_qk, d_v, kv_heads) in {"gqa": (128, 128, groups), "mla": (192, 128, heads)}.items():
         q = torch.randn(1, heads, seq, d_qk, device=device, dtype=dtype)
