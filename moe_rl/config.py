@@ -144,7 +144,11 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     loss: str = "grpo"
     loss_params: dict = field(default_factory=dict)
-    old_logprobs: str = "recompute"  # recompute | rollout
+    old_logprobs: str = "recompute"  # recompute | rollout (the engine's: the mismatch folded into the ratio)
+    # train-inference mismatch correction (moe_rl.algorithms.rollout_correction): none |
+    # token_tis | seq_tis | token_mis | icepop | seq_mis | reject, with its parameters
+    rollout_correction: str = "none"
+    rollout_correction_params: dict = field(default_factory=dict)
     kl_coef: float = 0.0
     reference: str = "host"  # KL reference: host (starting weights swapped into the policy) | device (a second model)
     kl_estimator: str = "k3"
@@ -297,6 +301,22 @@ class _Override:
     parsed: Any
 
 
+def _plain(value: Any) -> Any:
+    """A free-form mapping's value (``algorithm.loss_params.eps_high=0.28``): as YAML reads
+    it, with a number YAML leaves as text (``1e-7``) made a number."""
+    if isinstance(value, _Override):
+        value = value.parsed
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def _coerce(tp, value: Any, key: str):
     origin = typing.get_origin(tp)
     if isinstance(value, _Override):
@@ -318,7 +338,7 @@ def _coerce(tp, value: Any, key: str):
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping")
-        return value
+        return {k: _plain(v) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} must be true or false")
@@ -383,6 +403,7 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     except ValueError as e:
         raise ConfigError(f"algorithm.loss_params.{e}") from None
     _choice("algorithm.old_logprobs", a.old_logprobs, ("recompute", "rollout"))
+    _validate_rollout_correction(a)
     _choice("algorithm.reference", a.reference, ("host", "device"))
     _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
     _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
@@ -392,6 +413,24 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     _positive("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch, allow_zero=True)
     if a.advantage != "dr_grpo" and group_size < 2:
         raise ConfigError(f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
+
+
+def _validate_rollout_correction(a: AlgorithmConfig) -> None:
+    from moe_rl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, check_correction_params
+
+    _choice("algorithm.rollout_correction", a.rollout_correction, ["none", *ROLLOUT_CORRECTIONS.names()])
+    if a.rollout_correction == "none":
+        if a.rollout_correction_params:
+            raise ConfigError("algorithm.rollout_correction_params are set but algorithm.rollout_correction is none")
+        return
+    if a.old_logprobs == "rollout":
+        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction!r} weighs the trainer's recomputed old log-probs "
+                          "against the engine's; with algorithm.old_logprobs=rollout the ratio is already taken against the "
+                          "engine's (the correction is folded in): use one or the other")  # fmt: skip
+    try:
+        check_correction_params(a.rollout_correction, a.rollout_correction_params)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.rollout_correction_params.{e}") from None
 
 
 def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:

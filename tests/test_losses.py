@@ -267,7 +267,8 @@ def test_padding_rows_and_extreme_ratios_stay_finite(name) -> None:
 
 
 def test_defaults_are_the_documented_ones() -> None:
-    assert loss_defaults("grpo") == dict(eps_low=0.2, eps_high=0.2, dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None)
+    assert loss_defaults("grpo") == dict(eps_low=0.2, eps_high=0.2, dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None, token_weights=None)
+    assert loss_defaults("sapo")["tau_pos"] == 1.0 and loss_defaults("sapo")["tau_neg"] == 1.05
     assert loss_defaults("gspo")["eps_low"] == 3e-4 and loss_defaults("gspo")["eps_high"] == 4e-4
     assert loss_defaults("gspo_token")["eps_high"] == 4e-4
     assert loss_defaults("gmpo")["log_clip"] == 0.4 and loss_defaults("gmpo_seqclip")["log_clip"] == 0.4

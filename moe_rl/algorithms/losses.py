@@ -1,5 +1,6 @@
 """Policy losses: GRPO/PPO token clip (DAPO clip-higher, dual clip), GSPO, GSPO-token,
-GMPO (token clip in log space), its sequence-clip ablation, and CISPO (DESIGN.md §2).
+GMPO (token clip in log space), its sequence-clip ablation, CISPO (DESIGN.md §2) and
+SAPO (a soft sigmoid gate instead of a clip, arXiv 2511.20347).
 
 Each loss is a pure function of ``logp``, ``old_logp``, ``advantages`` (already expanded
 to ``[B, T]``) and ``mask`` returning ``(loss_to_minimise, metrics)``. Every loss builds a
@@ -50,7 +51,9 @@ def policy_loss(
     """Loss ``name`` on ``[B, T]`` log-probs; ``advantages`` is ``[B]`` or ``[B, T]``.
 
     Common params: ``agg`` and the global ``num_tokens`` / ``num_seqs`` of
-    :func:`moe_rl.algorithms.aggregation.aggregate`; others depend on the loss
+    :func:`moe_rl.algorithms.aggregation.aggregate`, and ``token_weights`` (``[B, T]``,
+    detached: a rollout correction's, multiplying each token's loss term before it is
+    aggregated); others depend on the loss
     (see :func:`loss_defaults`). Unknown params raise ``ValueError``.
     """
     fn = POLICY_LOSSES.get(name)
@@ -67,6 +70,9 @@ def policy_loss(
     elif advantages.shape != logp.shape:
         raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
     adv = advantages.detach().to(logp.dtype)
+    weights = params.get("token_weights")
+    if weights is not None and weights.shape != logp.shape:
+        raise ValueError(f"token_weights must be [B, T] like logp; got {tuple(weights.shape)}")
     return fn(logp, old_logp.detach(), adv, mask.to(logp.dtype), **params)
 
 
@@ -77,8 +83,9 @@ def loss_defaults(name: str) -> dict[str, object]:
     return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
 
 
-# set per batch by the caller, never by a user's config
-RUNTIME_PARAMS = ("num_tokens", "num_seqs")
+# set per batch by the caller, never by a user's config (token_weights: a rollout
+# correction's per-token importance weights, :mod:`moe_rl.algorithms.rollout_correction`)
+RUNTIME_PARAMS = ("num_tokens", "num_seqs", "token_weights")
 
 
 def check_loss_params(name: str, params: dict, *, configurable_only: bool = False) -> None:
@@ -91,7 +98,7 @@ def check_loss_params(name: str, params: dict, *, configurable_only: bool = Fals
         if key not in settable:
             raise ValueError(f"{key} is not a parameter of loss {name!r}; valid: {', '.join(settable)}")
     for key, value in params.items():
-        if key in ("agg", "num_tokens", "num_seqs") or (key == "dual_clip" and value is None):
+        if key in ("agg", *RUNTIME_PARAMS) or (key == "dual_clip" and value is None):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{key}={value!r} must be a finite number")
@@ -106,6 +113,9 @@ def check_loss_params(name: str, params: dict, *, configurable_only: bool = Fals
         raise ValueError(f"dual_clip={params['dual_clip']!r} must be > 1 (or null to disable)")
     if "log_clip" in params and params["log_clip"] <= 0.0:
         raise ValueError(f"log_clip={params['log_clip']!r} must be > 0")
+    for key in ("tau_pos", "tau_neg"):
+        if key in params and params[key] <= 0.0:
+            raise ValueError(f"{key}={params[key]!r} must be > 0")
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -152,7 +162,9 @@ def _metrics(
     return out
 
 
-def _reduce(per_token: Tensor, mask: Tensor, agg: str, num_tokens: Count, num_seqs: Count) -> Tensor:
+def _reduce(per_token: Tensor, mask: Tensor, agg: str, num_tokens: Count, num_seqs: Count, token_weights: Tensor | None) -> Tensor:
+    if token_weights is not None:  # a rollout correction's importance weights (detached)
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     return aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
@@ -172,6 +184,7 @@ def grpo_loss(
     agg: str = "token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO token clip; ``eps_high > eps_low`` is DAPO clip-higher; ``dual_clip`` caps
     the loss of negative-advantage tokens at ``-A * dual_clip``."""
@@ -183,7 +196,7 @@ def grpo_loss(
         cap = -adv * dual_clip
         dual = (adv < 0) & (per_token > cap)
         per_token = torch.where(dual, cap, per_token)
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     metrics = _metrics(
         mask, log_ratio, clipped | dual, ratio, mask, dual_clip_frac=masked_mean(dual.to(mask.dtype), mask)
     )
@@ -202,6 +215,7 @@ def gspo_loss(
     agg: str = "seq-mean-token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: clip the length-normalised sequence ratio ``s_i = exp(mean_t logr)``."""
     seq_adv = _per_sequence_advantage("gspo", adv, mask)
@@ -209,7 +223,7 @@ def gspo_loss(
     seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_seq, clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
     per_token = per_seq.unsqueeze(1).expand_as(logp)
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     has_tokens = mask.sum(-1) > 0
     return loss, _metrics(mask, log_ratio, clipped.unsqueeze(1).expand_as(mask), seq_ratio, has_tokens)
 
@@ -226,13 +240,14 @@ def gspo_token_loss(
     agg: str = "seq-mean-token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token: ``s_{i,t} = sg[s_i] * pi(o_t) / sg[pi(o_t)]``, token advantages allowed."""
     log_ratio = logp - old_logp
     seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).detach()
     token_ratio = seq_ratio.unsqueeze(1) * torch.exp(logp - logp.detach())
     per_token, clipped = _clipped_surrogate(token_ratio, adv, eps_low, eps_high)
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     return loss, _metrics(mask, log_ratio, clipped, seq_ratio, mask.sum(-1) > 0)
 
 
@@ -247,6 +262,7 @@ def gmpo_loss(
     agg: str = "seq-mean-token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO: geometric mean of token ratios, each clipped in log space at ``±log_clip``
     on the side the advantage's sign makes optimistic; loss ``-A_i * ratio_i``."""
@@ -256,7 +272,7 @@ def gmpo_loss(
     clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-log_clip, log_clip))
     geo_ratio = torch.exp(sequence_mean(clipped_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = (sign * log_ratio) > log_clip
     return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
 
@@ -272,6 +288,7 @@ def gmpo_seqclip_loss(
     agg: str = "seq-mean-token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO ablation with a sequence-level clip (as DeepSeek-R1): the log of the whole
     product ``sum_t logr`` is clipped at ``±log_clip``, then its geometric mean taken."""
@@ -283,7 +300,7 @@ def gmpo_seqclip_loss(
     seq_len = mask.sum(-1).clamp(min=1)
     geo_ratio = torch.exp((clipped_log_prod / seq_len).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = ((sign * log_prod) > log_clip).unsqueeze(1).expand_as(mask)
     return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
 
@@ -300,6 +317,7 @@ def cispo_loss(
     agg: str = "token-mean",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1): REINFORCE with a clipped, stop-gradient importance weight,
     ``-sg[clip(rho, 1-eps_low, 1+eps_high)] * A * logp``; no token's gradient is dropped."""
@@ -307,6 +325,36 @@ def cispo_loss(
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = -weight * adv * logp
-    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs)
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = weight != ratio.detach()
     return loss, _metrics(mask, log_ratio, clipped, ratio, mask)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    token_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Qwen, for MoE stability): each token's ratio through a soft gate,
+    ``-A * (4 / tau) * sigmoid(tau * (r - 1))`` with ``tau = tau_pos`` where ``A > 0`` and
+    ``tau_neg`` elsewhere. Its gradient weight ``4 s (1 - s)`` (``s`` the sigmoid) is 1 at
+    ``r = 1`` (the policy gradient) and decays smoothly as the token goes off-policy;
+    ``tau_neg > tau_pos`` damps negative-advantage tokens sooner. ``clip_frac``: tokens
+    whose gradient weight is below one half."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    per_token = -adv * (4.0 / tau) * gate
+    loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
+    grad_weight = (4.0 * gate * (1.0 - gate)).detach()
+    return loss, _metrics(mask, log_ratio, grad_weight < 0.5, ratio, mask, gate_weight_mean=masked_mean(grad_weight, mask))

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moe_rl.algorithms.rollout_correction import Correction
+
 from moe_rl.models.forward import MicroBatch
 from moe_rl.rollout.types import Sample
 from moe_rl.trainer.packing import Plan, round_up
@@ -85,6 +87,7 @@ class PolicyMicroBatch(MicroBatch):
     sample_indices: list[int]  # positions in the step's Experience (-1: an empty row)
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)
+    correction: Correction | None = None  # set with old_logp under algorithm.rollout_correction
 
 
 @dataclass

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from moe_rl import tags
-from moe_rl.trainer.objective import MEAN_METRICS, SUM_METRICS
+from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
+from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
 from parallel.collectives import all_reduce, reports_loss
 
 
@@ -52,6 +53,20 @@ def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
     worst = torch.tensor([max((float(p["mismatch_max"]) for p in parts), default=0.0)], dtype=torch.float64)
     total, worst = all_reduce(total), all_reduce(worst, "max")
     return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
+
+
+def reduce_offpolicy(outputs: list[dict]) -> dict[str, float]:
+    """Collective. The step's off-policy diagnostics (``offpolicy/<name>``: KL, perplexities,
+    chi-squared, IS weights, truncated / dropped fractions) from the ``offpolicy/`` sums
+    of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
+    parts = [out for out in outputs if OFFPOLICY + "tokens" in out] if reports_loss() else []
+    sums = torch.tensor([sum(float(p[OFFPOLICY + k]) for p in parts) for k in MISMATCH_SUMS], dtype=torch.float64)
+    extremes = torch.tensor([min((float(p[OFFPOLICY + "weight_min"]) for p in parts), default=float("inf")),
+                             min((-float(p[OFFPOLICY + "weight_max"]) for p in parts), default=float("inf"))], dtype=torch.float64)  # fmt: skip
+    sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
+    totals = {k: float(v) for k, v in zip(MISMATCH_SUMS, sums)}
+    totals.update(weight_min=float(extremes[0]), weight_max=float(-extremes[1]))
+    return {OFFPOLICY + k: v for k, v in mismatch_metrics(totals).items()}
 
 
 def padding_frac(batch) -> float:

@@ -10,31 +10,55 @@ import torch
 from torch import Tensor
 
 from moe_rl.algorithms import entropy_bonus, kl_penalty, policy_loss
+from moe_rl.algorithms.rollout_correction import Correction, mismatch_sums
 from moe_rl.config import AlgorithmConfig
-from moe_rl.trainer.batch import PolicyMicroBatch
+from moe_rl.trainer.batch import PolicyMicroBatch, TrainBatch
+from parallel.collectives import all_reduce, reports_loss
 
 # token-weighted means over micro-batches and ranks (loss terms are already global sums)
 MEAN_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "log_ratio_p01", "log_ratio_p99")
 SUM_METRICS = ("loss", "pg_loss")
 
 
-def logprob_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+OFFPOLICY = "offpolicy/"  # prefix of the off-policy diagnostics' sums in a micro-batch's metrics
+
+
+def logprob_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None) -> dict[str, Tensor]:
     """``|trainer log-prob - rollout log-prob|`` over response tokens: its sum, max and
-    token count (reduced over micro-batches and ranks into a mean and a max)."""
+    token count (reduced over micro-batches and ranks into a mean and a max), and the
+    off-policy diagnostics' sums (:func:`moe_rl.algorithms.rollout_correction.mismatch_sums`,
+    keys prefixed ``offpolicy/``) under ``correction`` if there is one."""
     diff = (logp.detach() - rollout_logp).abs() * mask
     return {
         "mismatch_sum": diff.sum(),
         "mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
         "mismatch_tokens": mask.sum(),
+        **{OFFPOLICY + k: v for k, v in mismatch_sums(logp, rollout_logp, mask, correction).items()},
     }
+
+
+def kept_counts(batch: TrainBatch, corrected: bool) -> tuple[float, float]:
+    """The step's response tokens, and responses with at least one token, left in the loss
+    (the losses' normalisers). Collective when ``corrected`` (a rollout correction is
+    configured: the same on every rank): the reporting ranks count their kept tokens."""
+    if not corrected:
+        return batch.num_tokens, batch.num_seqs
+    local = torch.zeros(2, dtype=torch.float64)
+    if reports_loss():
+        for mb in batch.micro_batches:
+            keep = mb.mask * mb.correction.keep if mb.correction is not None else mb.mask
+            local += torch.stack([keep.sum(), (keep.sum(-1) > 0).sum()]).to(device="cpu", dtype=torch.float64)
+    kept = all_reduce(local)
+    return float(kept[0]), float(kept[1])
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
     """``loss_fn`` of :func:`moe_rl.models.forward.run_microbatches` for one step.
 
-    ``num_tokens`` / ``num_seqs`` are the whole step's counts, so micro-batch losses (and
-    data-parallel ranks') sum to the full batch's loss. Metrics per micro-batch: the
+    ``num_tokens`` / ``num_seqs`` are the whole step's counts (of the tokens a rollout
+    correction keeps), so micro-batch losses (and data-parallel ranks') sum to the full
+    batch's loss; a micro-batch's ``correction`` weights its loss terms and drops tokens. Metrics per micro-batch: the
     loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``, ``entropy``,
     ``kl_ref`` (with a reference), ``log_ratio`` (the masked token log-ratios, for the
     histogram) with its 1st/99th percentiles, ``token_log_ratio`` and ``token_clipped``
@@ -49,9 +73,11 @@ class PolicyObjective:
     def __call__(self, logp_entropy: Tensor, mb: PolicyMicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         a = self.algorithm
         logp, entropy = logp_entropy[..., 0], logp_entropy[..., 1]
-        mask = mb.mask
+        mask = mb.mask if mb.correction is None else mb.mask * mb.correction.keep  # dropped tokens leave every term
         old = mb.old_logp if mb.old_logp is not None else logp.detach()  # on-policy: the old policy is this one
         params = {**a.loss_params, "num_tokens": self.num_tokens, "num_seqs": self.num_seqs}
+        if mb.correction is not None:
+            params["token_weights"] = mb.correction.weights
         loss, metrics = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
         metrics = {k: v for k, v in metrics.items() if k != "dual_clip_frac"}
         metrics["pg_loss"] = loss.detach()

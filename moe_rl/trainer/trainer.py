@@ -35,14 +35,15 @@ from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
+from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.heap import frozen_heap
 from moe_rl.trainer.metrics import (
-    StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_update_metrics, routing_split_scalars,
+    StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_offpolicy, reduce_update_metrics, routing_split_scalars,
 )  # fmt: skip
-from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
+from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.placement import Placement
@@ -171,7 +172,8 @@ class Trainer:
         self._closing.callback(self.logger.close)
         # strictly on-policy (one update, nothing to record or measure): the update pass's
         # own log-probs are the old ones, so the extra forward pass is skipped
-        self.on_policy = cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
+        self.on_policy = (cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
+                          and cfg.algorithm.rollout_correction == "none")  # fmt: skip
 
     def _write_config(self) -> None:
         if is_first_rank():
@@ -239,7 +241,7 @@ class Trainer:
         lr = self.policy.lr_schedule.set_step(step)
         if self.expert_bias:
             self.expert_bias.start()
-        update = self.update_policy(batch)
+        update = self.update_policy(batch, kept_counts(batch, self.cfg.algorithm.rollout_correction != "none"))
         self.measure_routing_after_update(batch)
         bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
@@ -247,7 +249,8 @@ class Trainer:
             self.background.wait()
         self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, version=str(step + 1)))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
-        train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(update.outputs if self.on_policy else mismatch)}
+        mismatch_parts = update.outputs if self.on_policy else mismatch
+        train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(mismatch_parts), **reduce_offpolicy(mismatch_parts)}
         routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
         step_time = time.perf_counter() - start
         scalars = {
@@ -309,9 +312,12 @@ class Trainer:
         if self.monitor:  # the rollout mismatch split by train/rollout routing (last stage's log-probs)
             self.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
+        correction, params = self.cfg.algorithm.rollout_correction, self.cfg.algorithm.rollout_correction_params
         for mb, out in zip(mbs, outputs):
             mb.old_logp = out["logprobs"] if recompute else mb.rollout_logp
-        return [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for mb, out in zip(mbs, outputs)]
+            if correction != "none":
+                mb.correction = rollout_correction(correction, mb.old_logp, mb.rollout_logp, mb.mask, **params)
+        return [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask, mb.correction) for mb, out in zip(mbs, outputs)]
 
     def compute_reference_logprobs(self, batch: TrainBatch) -> None:
         """Sets each micro-batch's ``ref_logp`` when there is a KL penalty."""
@@ -320,14 +326,11 @@ class Trainer:
         for mb, out in zip(batch.micro_batches, self.reference.logprobs(batch.micro_batches)):
             mb.ref_logp = out["logprobs"]
 
-    def objective_for(self, batch: TrainBatch) -> PolicyObjective:
-        """The loss of this step's updates (normalised by the whole step's counts)."""
-        return PolicyObjective(self.cfg.algorithm, batch.num_tokens, batch.num_seqs)
-
-    def update_policy(self, batch: TrainBatch) -> UpdateResult:
+    def update_policy(self, batch: TrainBatch, counts: tuple[float, float]) -> UpdateResult:
         """``algorithm.updates_per_batch`` optimizer steps over the batch (routing replayed
-        under R2/R3); an update with NaN/Inf gradients is skipped on every rank."""
-        objective = self.objective_for(batch)
+        under R2/R3), its losses normalised by ``counts`` (the step's kept tokens and
+        responses); an update with NaN/Inf gradients is skipped on every rank."""
+        objective = PolicyObjective(self.cfg.algorithm, *counts)
         result, skipped = None, 0
         for i in range(self.cfg.algorithm.updates_per_batch):
             with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:

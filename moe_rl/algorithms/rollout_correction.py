@@ -1,0 +1,219 @@
+"""Train-inference mismatch correction: importance weights between the trainer's old
+log-probs and the rollout engine's, truncated, masked or used to reject samples.
+
+Each correction is a pure function of ``old_logp`` (the trainer's recomputed log-probs of
+the sampled tokens), ``rollout_logp`` (the engine's) and ``mask`` (``[B, T]`` each),
+returning a :class:`Correction`: detached per-token ``weights`` the policy loss's per-token
+terms are multiplied by, and ``keep`` (``[B, T]``, 0/1): the tokens left in the loss.
+Dropped tokens also leave the loss's normaliser (the trainer counts kept tokens and
+sequences over the whole step).
+
+With ``r_t = pi_train(o_t) / pi_rollout(o_t)`` (``log r = old_logp - rollout_logp``):
+
+- ``token_tis``: ``w_t = min(r_t, upper)`` (truncated IS, slime/Miles ``--use-tis``);
+- ``seq_tis``: ``w_i = min(R_i, upper)`` with ``R_i = exp(sum_t log r)`` (``seq_ratio="sum"``)
+  or its geometric mean ``exp(mean_t log r)`` (``"mean"``), on every token of the sequence;
+- ``token_mis``: tokens with ``r_t`` outside ``[lower, upper]`` are dropped, the rest
+  weighted by ``r_t`` (masked IS);
+- ``icepop``: the same mask, kept tokens unweighted (IcePop);
+- ``seq_mis``: sequences with ``R_i`` outside ``[lower, upper]`` dropped, the rest weighted
+  by ``R_i``;
+- ``reject``: sequences whose divergence ``seq_agg`` (mean | sum | max) over tokens of the
+  per-token ``estimator`` (k1 | k2 | k3 of KL(rollout || trainer)) exceeds ``threshold``
+  are dropped, the rest unweighted.
+
+``old_logprobs=rollout`` needs none of these: the policy ratio is then taken against the
+engine's log-probs, which folds the weight into it (verl's "bypass" mode).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from moe_rl.algorithms.registry import Registry
+
+LOG_RATIO_LIMIT = 20.0  # exp() beyond this overflows float32
+SEQ_RATIOS = ("sum", "mean")
+DIVERGENCES = ("k1", "k2", "k3")
+SEQ_AGGS = ("mean", "sum", "max")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """``weights`` (detached, 1 where nothing is corrected) and ``keep`` (1 = in the loss),
+    ``[B, T]`` each and 0 off the response; ``truncated``: 1 where a weight was capped."""
+
+    weights: Tensor
+    keep: Tensor
+    truncated: Tensor
+
+
+CorrectionFn = Callable[..., Correction]
+ROLLOUT_CORRECTIONS: Registry[CorrectionFn] = Registry("rollout correction")
+
+
+def rollout_correction(name: str, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, **params) -> Correction:
+    """Correction ``name`` (see the module docstring) with its ``params``; unknown or
+    out-of-range params raise ``ValueError``."""
+    fn = ROLLOUT_CORRECTIONS.get(name)
+    check_correction_params(name, params)
+    if old_logp.shape != rollout_logp.shape or mask.shape != old_logp.shape or old_logp.dim() != 2:
+        raise ValueError(f"old_logp, rollout_logp and mask must share one [B, T] shape; got "
+                         f"{tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(mask.shape)}")  # fmt: skip
+    m = mask.to(old_logp.dtype)
+    log_ratio = ((old_logp.detach() - rollout_logp.detach()) * m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    out = fn(log_ratio, m, **params)
+    return Correction(out.weights.detach() * m, out.keep * m, out.truncated * m)
+
+
+def correction_defaults(name: str) -> dict[str, object]:
+    sig = inspect.signature(ROLLOUT_CORRECTIONS.get(name))
+    return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def check_correction_params(name: str, params: dict) -> None:
+    """The one validator (the config calls it too); messages start with the parameter."""
+    valid = correction_defaults(name)
+    for key in params:
+        if key not in valid:
+            raise ValueError(f"{key} is not a parameter of rollout correction {name!r}; valid: {', '.join(valid) or 'none'}")
+    merged = {**valid, **params}
+    choices = {"seq_ratio": SEQ_RATIOS, "estimator": DIVERGENCES, "seq_agg": SEQ_AGGS}
+    for key, value in merged.items():
+        if key in choices:
+            if value not in choices[key]:
+                raise ValueError(f"{key}={value!r} is not valid; valid: {', '.join(choices[key])}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key}={value!r} must be a finite number >= 0")
+    if "lower" in merged and not merged["lower"] < merged["upper"]:
+        raise ValueError(f"lower={merged['lower']!r} must be below upper={merged['upper']!r}")
+    if "upper" in merged and not merged["upper"] > 0:
+        raise ValueError(f"upper={merged['upper']!r} must be > 0")
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor, seq_ratio: str) -> Tensor:
+    total = (log_ratio * mask).sum(-1)
+    if seq_ratio == "mean":
+        total = total / mask.sum(-1).clamp(min=1)
+    return total.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def token_divergence(log_ratio: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(rollout || trainer) from samples of the rollout policy,
+    ``log r = log pi_train - log pi_rollout``: k1 ``-log r``, k2 ``(log r)^2 / 2``, k3
+    ``r - 1 - log r``."""
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def _untouched(mask: Tensor) -> Tensor:
+    return torch.zeros_like(mask)
+
+
+@ROLLOUT_CORRECTIONS.register("token_tis")
+def token_tis(log_ratio: Tensor, mask: Tensor, *, upper: float = 2.0) -> Correction:
+    ratio = log_ratio.exp()
+    return Correction(ratio.clamp(max=upper), torch.ones_like(mask), (ratio > upper).to(mask.dtype))
+
+
+@ROLLOUT_CORRECTIONS.register("seq_tis")
+def seq_tis(log_ratio: Tensor, mask: Tensor, *, upper: float = 2.0, seq_ratio: str = "sum") -> Correction:
+    ratio = _sequence_log_ratio(log_ratio, mask, seq_ratio).exp().unsqueeze(1).expand_as(mask)
+    return Correction(ratio.clamp(max=upper), torch.ones_like(mask), (ratio > upper).to(mask.dtype))
+
+
+@ROLLOUT_CORRECTIONS.register("token_mis")
+def token_mis(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0) -> Correction:
+    ratio = log_ratio.exp()
+    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype)
+    return Correction(ratio * keep, keep, _untouched(mask))
+
+
+@ROLLOUT_CORRECTIONS.register("icepop")
+def icepop(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0) -> Correction:
+    ratio = log_ratio.exp()
+    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype)
+    return Correction(keep.clone(), keep, _untouched(mask))
+
+
+@ROLLOUT_CORRECTIONS.register("seq_mis")
+def seq_mis(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0, seq_ratio: str = "sum") -> Correction:
+    ratio = _sequence_log_ratio(log_ratio, mask, seq_ratio).exp()
+    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype).unsqueeze(1).expand_as(mask)
+    return Correction(ratio.unsqueeze(1) * keep, keep, _untouched(mask))
+
+
+@ROLLOUT_CORRECTIONS.register("reject")
+def reject(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.01, estimator: str = "k3", seq_agg: str = "max") -> Correction:
+    per_token = token_divergence(log_ratio, estimator) * mask
+    if seq_agg == "max":
+        per_seq = per_token.masked_fill(mask == 0, float("-inf")).amax(-1).clamp(min=0)
+    else:
+        per_seq = per_token.sum(-1)
+        if seq_agg == "mean":
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    keep = (per_seq <= threshold).to(mask.dtype).unsqueeze(1).expand_as(mask)
+    return Correction(keep.clone(), keep, _untouched(mask))
+
+
+# sums a step's diagnostics add over micro-batches and ranks; MIN/MAX ones take extremes
+MISMATCH_SUMS = ("tokens", "seqs", "k1", "k3", "train_nll", "rollout_nll", "chi2_token", "chi2_seq",
+                 "weight", "weight_sq", "weighted_tokens", "truncated", "dropped_tokens", "dropped_seqs")  # fmt: skip
+
+
+def mismatch_sums(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None) -> dict[str, Tensor]:
+    """Off-policy diagnostics of one micro-batch as sums (``MISMATCH_SUMS``) plus the
+    weights' ``weight_min`` / ``weight_max``: KL(rollout || trainer) by k1 and k3, both
+    sides' negative log-likelihoods (perplexities), chi-squared of the token and sequence
+    ratios, the IS weights over kept tokens (the correction's, else the raw token ratio)
+    and how many tokens were truncated / dropped and sequences dropped."""
+    m = mask.to(torch.float64)
+    log_ratio = ((old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    seq_log_ratio = (log_ratio * m).sum(-1)
+    has_tokens = (m.sum(-1) > 0).to(torch.float64)
+    if correction is None:
+        weights, keep, truncated = log_ratio.exp() * m, m, torch.zeros_like(m)
+    else:
+        weights, keep, truncated = (correction.weights.to(torch.float64), correction.keep.to(torch.float64), correction.truncated.to(torch.float64))
+    kept_weights = weights[keep.bool()]
+    empty = kept_weights.numel() == 0
+    return {
+        "tokens": m.sum(), "seqs": has_tokens.sum(),
+        "k1": (-log_ratio * m).sum(), "k3": ((torch.expm1(log_ratio) - log_ratio) * m).sum(),
+        "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(), "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
+        "chi2_token": ((torch.expm1(log_ratio) ** 2) * m).sum(),
+        "chi2_seq": ((torch.expm1(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * has_tokens).sum(),
+        "weight": kept_weights.sum(), "weight_sq": (kept_weights**2).sum(), "weighted_tokens": keep.sum(),
+        "truncated": truncated.sum(), "dropped_tokens": (m - keep).sum(),
+        "dropped_seqs": (has_tokens * (keep.sum(-1) == 0).to(torch.float64)).sum(),
+        "weight_min": m.new_tensor(math.inf) if empty else kept_weights.min(),
+        "weight_max": m.new_tensor(-math.inf) if empty else kept_weights.max(),
+    }  # fmt: skip
+
+
+def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The step's diagnostics from summed :func:`mismatch_sums` (over micro-batches and
+    ranks): means per token / sequence, perplexities, the weights' effective sample size
+    ``(sum w)^2 / (n sum w^2)`` (1 = all equal) and the truncated / dropped fractions."""
+    tokens, seqs, kept = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0), max(sums["weighted_tokens"], 1.0)
+    train_ppl, rollout_ppl = math.exp(min(sums["train_nll"] / tokens, 50.0)), math.exp(min(sums["rollout_nll"] / tokens, 50.0))
+    return {
+        "kl_k1": sums["k1"] / tokens, "kl_k3": sums["k3"] / tokens,
+        "ppl_train": train_ppl, "ppl_rollout": rollout_ppl, "log_ppl_ratio": math.log(train_ppl) - math.log(rollout_ppl),
+        "chi2_token": sums["chi2_token"] / tokens, "chi2_seq": sums["chi2_seq"] / seqs,
+        "is_weight_mean": sums["weight"] / kept,
+        "is_weight_min": sums["weight_min"] if math.isfinite(sums["weight_min"]) else 0.0,
+        "is_weight_max": sums["weight_max"] if math.isfinite(sums["weight_max"]) else 0.0,
+        "is_ess": sums["weight"] ** 2 / (kept * sums["weight_sq"]) if sums["weight_sq"] > 0 else 0.0,
+        "truncated_frac": sums["truncated"] / tokens, "dropped_token_frac": sums["dropped_tokens"] / tokens,
+        "rejected_seq_frac": sums["dropped_seqs"] / seqs,
+    }  # fmt: skip

@@ -1,0 +1,228 @@
+"""Rollout corrections (TIS / MIS / IcePop / rejection), their off-policy diagnostics and
+SAPO against hand formulas: weights, kept masks, the normaliser without dropped tokens,
+gradients, micro-batch and data-parallel invariance, config errors."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moe_rl.algorithms import AGG_MODES, policy_loss
+from moe_rl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_metrics, mismatch_sums, rollout_correction
+
+B, T = 5, 4
+LENGTHS = [4, 2, 3, 1, 0]
+
+
+def batch(seed: int = 0, spread: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).double()
+    rollout = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2 * mask
+    old = (rollout + spread * torch.randn(B, T, generator=gen, dtype=torch.float64)) * mask
+    return old, rollout, mask
+
+
+def hand(name: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, **p) -> tuple[list, list]:
+    """(weights, keep) per token by loops over the module docstring's formulas."""
+    weights, keep = [[0.0] * T for _ in range(B)], [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t] > 0]
+        logs = [float(old[i, t] - rollout[i, t]) for t in toks]
+        seq_log = (sum(logs) / max(len(logs), 1)) if p.get("seq_ratio") == "mean" else sum(logs)
+        k3 = [math.exp(x) - 1 - x for x in logs]
+        for t, x in zip(toks, logs):
+            r, R = math.exp(x), math.exp(seq_log)
+            w, k = {
+                "token_tis": (min(r, p.get("upper", 2.0)), 1.0),
+                "seq_tis": (min(R, p.get("upper", 2.0)), 1.0),
+                "token_mis": (r, 1.0) if 0.5 <= r <= 2.0 else (0.0, 0.0),
+                "icepop": (1.0, 1.0) if 0.5 <= r <= 2.0 else (0.0, 0.0),
+                "seq_mis": (R, 1.0) if 0.5 <= R <= 2.0 else (0.0, 0.0),
+                "reject": (1.0, 1.0) if max(k3) <= p.get("threshold", 0.01) else (0.0, 0.0),
+            }[name]
+            weights[i][t], keep[i][t] = w, k
+    return weights, keep
+
+
+CASES = [("token_tis", {}), ("token_tis", {"upper": 1.2}), ("seq_tis", {}), ("seq_tis", {"seq_ratio": "mean", "upper": 1.1}),
+         ("token_mis", {}), ("icepop", {}), ("seq_mis", {}), ("reject", {"threshold": 0.05})]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, params", CASES)
+def test_weights_and_kept_tokens_equal_the_formulas(name: str, params: dict) -> None:
+    old, rollout, mask = batch()
+    c = rollout_correction(name, old, rollout, mask, **params)
+    weights, keep = hand(name, old, rollout, mask, **params)
+    torch.testing.assert_close(c.weights, torch.tensor(weights, dtype=torch.float64))
+    torch.testing.assert_close(c.keep, torch.tensor(keep, dtype=torch.float64))
+    assert not c.weights.requires_grad
+    kept = c.keep.sum() / mask.sum()
+    assert 0 < kept <= 1 and (kept < 1) == (name in ("token_mis", "icepop", "seq_mis", "reject"))  # the batch has outliers
+
+
+def test_every_registered_correction_is_tested() -> None:
+    assert {name for name, _ in CASES} == set(ROLLOUT_CORRECTIONS.names())
+
+
+def hand_grpo_tis_loss(logp, old, adv, weights, keep):
+    """Σ over kept tokens of w * PPO's clipped term, over the kept-token count."""
+    total, count = 0.0, 0
+    for i in range(B):
+        for t in range(T):
+            if keep[i][t] > 0:
+                rho = math.exp(float(logp[i, t] - old[i, t]))
+                total += weights[i][t] * max(-adv[i] * rho, -adv[i] * min(max(rho, 0.8), 1.2))
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("name", ["token_tis", "token_mis"])
+def test_weighted_loss_value_gradient_and_normaliser(name: str) -> None:
+    """GRPO under the correction: the hand value with dropped tokens out of the mean, and
+    the gradient w * A * rho / N on unclipped kept tokens (0 on dropped ones)."""
+    old, rollout, mask = batch(seed=1)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+    logp = (old + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).requires_grad_(True)
+    c = rollout_correction(name, old, rollout, mask)
+    kept = mask * c.keep
+    loss, _ = policy_loss("grpo", logp, old, adv, kept, token_weights=c.weights, num_tokens=kept.sum())
+    weights, keep = hand(name, old, rollout, mask)
+    assert loss.item() == pytest.approx(hand_grpo_tis_loss(logp.detach(), old, adv.tolist(), weights, keep), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    rho = (logp - old).exp().detach()
+    unclipped = ((rho - 1).abs() < 0.2).double()
+    torch.testing.assert_close(grad * unclipped, -(c.weights * adv[:, None] * rho) * kept * unclipped / kept.sum())
+    assert (grad[c.keep == 0] == 0).all()
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "gspo", "gmpo", "sapo"])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_micro_batches_sum_to_the_full_batch_with_a_correction(loss_name: str, agg: str) -> None:
+    old, rollout, mask = batch(seed=3)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+    logp = (old + 0.01 * torch.randn(B, T, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).requires_grad_(True)
+    c = rollout_correction("seq_mis", old, rollout, mask)
+    kept = mask * c.keep
+    counts = dict(num_tokens=kept.sum(), num_seqs=(kept.sum(-1) > 0).sum())
+    full, _ = policy_loss(loss_name, logp, old, adv, kept, agg=agg, token_weights=c.weights, **counts)
+    parts = sum(policy_loss(loss_name, logp[s], old[s], adv[s], kept[s], agg=agg, token_weights=c.weights[s], **counts)[0]
+                for s in (slice(0, 2), slice(2, 5)))  # fmt: skip
+    assert parts.item() == pytest.approx(full.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(torch.autograd.grad(parts, logp)[0], torch.autograd.grad(full, logp)[0])
+
+
+def test_diagnostics_equal_their_formulas() -> None:
+    old, rollout, mask = batch(seed=5)
+    c = rollout_correction("token_tis", old, rollout, mask, upper=1.5)
+    m = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, rollout, mask, c).items()})
+    lr = (old - rollout)[mask.bool()]
+    n = lr.numel()
+    assert m["kl_k1"] == pytest.approx(float(-lr.mean()))
+    assert m["kl_k3"] == pytest.approx(float((lr.exp() - 1 - lr).mean()))
+    assert m["chi2_token"] == pytest.approx(float(((lr.exp() - 1) ** 2).mean()))
+    seq = torch.tensor([float((old - rollout)[i, : LENGTHS[i]].sum()) for i in range(B) if LENGTHS[i]])
+    assert m["chi2_seq"] == pytest.approx(float(((seq.exp() - 1) ** 2).mean()))
+    assert m["ppl_train"] == pytest.approx(math.exp(float(-old[mask.bool()].mean())))
+    w = lr.exp().clamp(max=1.5)
+    assert m["is_weight_mean"] == pytest.approx(float(w.mean())) and m["is_weight_max"] == pytest.approx(float(w.max()))
+    assert m["is_ess"] == pytest.approx(float(w.sum() ** 2 / (n * (w**2).sum())))
+    assert m["truncated_frac"] == pytest.approx(float((lr.exp() > 1.5).double().mean())) and m["truncated_frac"] > 0
+    rejected = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, rollout, mask, rollout_correction("reject", old, rollout, mask, threshold=0.05)).items()})
+    assert 0 < rejected["rejected_seq_frac"] < 1 and rejected["dropped_token_frac"] > 0
+    same = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, old, mask).items()})
+    assert same["kl_k3"] == 0 and same["is_ess"] == pytest.approx(1.0) and same["log_ppl_ratio"] == 0
+
+
+def test_sapo_value_and_gradient() -> None:
+    """``-A (4/tau) sigmoid(tau (r - 1))`` per token (tau by the advantage's sign), and at
+    r = 1 the gradient is the policy gradient's ``-A / N``."""
+    old, _, mask = batch(seed=6)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)).requires_grad_(True)
+    loss, _ = policy_loss("sapo", logp, old, adv, mask, agg="token-mean")
+    expected = 0.0
+    for i in range(B):
+        tau = 1.0 if adv[i] > 0 else 1.05
+        for t in range(LENGTHS[i]):
+            r = math.exp(float(logp[i, t] - old[i, t]))
+            expected += -float(adv[i]) * 4 / tau / (1 + math.exp(-tau * (r - 1)))
+    assert loss.item() == pytest.approx(expected / mask.sum().item(), rel=1e-12)
+    on_policy = logp.detach().clone().requires_grad_(True)
+    loss, metrics = policy_loss("sapo", on_policy, on_policy.detach(), adv, mask, agg="token-mean")
+    torch.testing.assert_close(torch.autograd.grad(loss, on_policy)[0], -adv[:, None] * mask / mask.sum())
+    assert metrics["clip_frac"] == 0
+
+
+def _dp_worker(rank: int, port: int, out: dict) -> None:
+    """Half the rows per rank: the correction, the kept counts all-reduced, the loss."""
+    from types import SimpleNamespace
+
+    from moe_rl.trainer.objective import kept_counts
+    from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.layout import ParallelLayout
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    init_distributed(ParallelLayout())
+    try:
+        old, rollout, mask = batch(seed=8)
+        rows = slice(0, 2) if rank == 0 else slice(2, 5)
+        c = rollout_correction("token_mis", old[rows], rollout[rows], mask[rows])
+        mb = SimpleNamespace(mask=mask[rows], correction=c)
+        tokens, seqs = kept_counts(SimpleNamespace(micro_batches=[mb], num_tokens=None, num_seqs=None), corrected=True)
+        adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)[rows]
+        logp = (old[rows] + 0.05).requires_grad_(True)
+        loss, _ = policy_loss("grpo", logp, old[rows], adv, mask[rows] * c.keep, token_weights=c.weights, num_tokens=tokens, num_seqs=seqs)
+        out[rank] = (float(loss), torch.autograd.grad(loss, logp)[0], tokens)
+    finally:
+        destroy_distributed()
+
+
+def test_two_data_parallel_ranks_equal_one_process() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_dp_worker, args=(port, out), nprocs=2, join=True)
+        results = [out[0], out[1]]
+    old, rollout, mask = batch(seed=8)
+    c = rollout_correction("token_mis", old, rollout, mask)
+    kept = mask * c.keep
+    logp = (old + 0.05).requires_grad_(True)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+    single, _ = policy_loss("grpo", logp, old, adv, kept, token_weights=c.weights)
+    assert results[0][2] == results[1][2] == float(kept.sum()) < float(mask.sum())
+    assert results[0][0] + results[1][0] == pytest.approx(single.item(), rel=1e-12)
+    torch.testing.assert_close(torch.cat([results[0][1], results[1][1]]), torch.autograd.grad(single, logp)[0])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.rollout_correction=tis"], "algorithm.rollout_correction='tis' is not valid"),
+        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_correction_params.lower=0.5"], "lower is not a parameter"),
+        (["algorithm.rollout_correction=token_mis", "algorithm.rollout_correction_params.lower=3"], "lower=3 must be below upper"),
+        (["algorithm.rollout_correction=reject", "algorithm.rollout_correction_params.estimator=k4"], "estimator='k4' is not valid"),
+        (["algorithm.rollout_correction=token_tis", "algorithm.old_logprobs=rollout"], "folded in"),
+        (["algorithm.rollout_correction_params.upper=2"], "rollout_correction is none"),
+        (["algorithm.loss=sapo", "algorithm.loss_params.tau_neg=0"], "tau_neg=0"),
+    ],
+)
+def test_config_errors_name_the_setting(overrides: list[str], message: str) -> None:
+    from moe_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_correction_configured_from_the_command_line() -> None:
+    from moe_rl.config import load_config
+
+    cfg = load_config(None, ["algorithm.rollout_correction=reject", "algorithm.rollout_correction_params.threshold=1e-3",
+                             "algorithm.rollout_correction_params.seq_agg=mean"])  # fmt: skip
+    assert cfg.algorithm.rollout_correction_params == {"threshold": 1e-3, "seq_agg": "mean"}
