@@ -43,6 +43,13 @@ from moe_rl.routing.stats import RoutingStats
 STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load", "expert_bias_effect")
 
 
+def _mismatch_token_values(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """``[b, s-1, 3]``: ``|log r|``, k3 ``r - 1 - log r`` (``log r`` = trainer - rollout) and
+    the token weights."""
+    lr = log_ratio.clamp(-20.0, 20.0)
+    return torch.stack([lr.abs() * mask, (torch.expm1(lr) - lr) * mask, mask], -1)
+
+
 class RoutingMonitor:
     """Replay (``mode``) and, when ``measure``, the drift metrics (``measure=False``: replay
     only, no router probe and no statistics)."""
@@ -114,13 +121,15 @@ class RoutingMonitor:
     def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
         """The old pass's log-probs ``[b, s-1]`` per micro-batch (``None`` off the last
         pipeline stage; every rank calls this) against each batch's ``rollout_logp`` on its
-        response ``mask``: kept per token for :meth:`reduce` to split by routing change."""
+        response ``mask``: ``|difference|`` and the k3 estimate of KL(rollout || trainer)
+        kept per token for :meth:`reduce` to split by routing change (how much of the
+        train-inference mismatch routing explains)."""
         if self._engine is None or not self.measure:
             return
         values = None
         if logprobs is not None:
-            values = [torch.stack([(lp.detach() - mb.rollout_logp).abs() * mb.mask, mb.mask], -1) for lp, mb in zip(logprobs, batches)]
-        self._add_token_values("train_vs_rollout", ("logp_mismatch",), values)
+            values = [_mismatch_token_values(lp.detach() - mb.rollout_logp, mb.mask) for lp, mb in zip(logprobs, batches)]
+        self._add_token_values("train_vs_rollout", ("logp_mismatch", "offpolicy_kl_k3"), values)
 
     def add_update_log_ratios(self, outputs: Sequence[dict] | None, batches: Sequence[MicroBatch], *, counted: bool) -> None:
         """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
