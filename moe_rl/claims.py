@@ -22,6 +22,9 @@ from moe_rl.report import group_by_run
 Scalars = dict[str, dict[int, float]]  # tag -> step -> value, of one run (one seed)
 Series = Callable[[Scalars], dict[int, float]]  # a per-step figure of one run
 Z = 2.0  # standard errors an effect must exceed
+OFFPOLICY_KL = tags.train("offpolicy/kl_k3")
+IS_WEIGHT_MAX = tags.train("offpolicy/is_weight_max")
+DROPPED = tags.train("offpolicy/dropped_token_frac")
 
 
 def tag(name: str) -> Series:
@@ -133,6 +136,41 @@ CLAIMS = (
          Comparison(Side("gmpo", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"),
                     Side("grpo_r2", second_half(tag(tags.REWARD_TOTAL)), f"{tags.REWARD_TOTAL}, 2nd half"), at_least=True)),
         caveat="the contrast the papers draw (GRPO collapsing without replay) needs a model large enough to collapse",
+    ),
+    Claim(
+        "R3 lowers the train-inference KL more than TIS does; TIS changes no routing",
+        "R3 paper: replay removes the routing part of the mismatch, importance weights only reweigh its tokens",
+        (Comparison(Side("grpo_tis", tag(OFFPOLICY_KL), OFFPOLICY_KL), Side("grpo_r3", tag(OFFPOLICY_KL), OFFPOLICY_KL)),
+         Comparison(Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                    Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), at_least=True),
+         Comparison(Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                    Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), at_least=True)),
+        caveat="k3 estimate of KL(rollout || trainer) on the old pass; the engine rounds its weights to bf16",
+    ),
+    Claim(
+        "Truncation bounds the importance weights; a masked correction drops the tokens outside its band",
+        "TIS / MIS (IcePop) papers: the correction caps the weights' variance at the cost of some tokens' signal",
+        (Comparison(Side("grpo", tag(IS_WEIGHT_MAX), f"{IS_WEIGHT_MAX} (uncorrected ratio)"), Side("grpo_tis", tag(IS_WEIGHT_MAX), IS_WEIGHT_MAX),
+                    at_least=True),
+         Comparison(Side("grpo_icepop", tag(DROPPED), DROPPED), Side("grpo", tag(DROPPED), DROPPED), at_least=True)),
+        caveat="at the default band [0.5, 2] a token ratio must be off by 2x to be cut: at this scale the mismatch is ~1e-3, "
+        "so the bound holds trivially and few tokens, if any, are dropped",
+    ),
+    Claim(
+        "GSPO trains on the engine's own log-probs (no recompute pass) as well as on recomputed ones",
+        "GSPO review §4: a sequence-level ratio tolerates the engine/trainer precision gap that token-level GRPO does not",
+        (Comparison(Side("gspo_rollout_logp", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)),
+                    Side("gspo", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)), at_least=True),
+         Comparison(Side("grpo_rollout_logp", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)),
+                    Side("grpo", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)), at_least=True)),
+        caveat="the second row is the contrast: it should fail where the precision gap matters; with 6-token responses "
+        "and a bf16-vs-fp32 gap of ~1e-3 per token it cannot show here (GRPO's clip band is 0.2)",
+    ),
+    Claim(
+        "SAPO learns as well as GRPO on held-out problems",
+        "SAPO paper: a soft gate instead of a hard clip, stable on MoE models",
+        (Comparison(Side("sapo", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)), Side("grpo", tag(tags.eval_pass_at(1)), tags.eval_pass_at(1)),
+                    at_least=True),),
     ),
 )  # fmt: skip
 
