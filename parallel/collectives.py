@@ -121,6 +121,8 @@ def reports_loss() -> bool:
     stage's tensor-parallel rank 0."""
     from megatron.core import parallel_state as ps
 
+    if not ps.model_parallel_is_initialized():  # one process, no model-parallel groups
+        return True
     return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
 

@@ -155,6 +155,28 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     assert float((plain - bonus).detach()) == pytest.approx(0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5)
 
 
+def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
+    """A micro-batch's correction: the loss is the policy loss over the kept tokens with
+    the correction's weights, normalised by the kept counts (kept_counts, one process),
+    and the entropy term leaves the dropped tokens out too."""
+    from moe_rl.algorithms.rollout_correction import rollout_correction
+    from moe_rl.trainer.objective import kept_counts
+
+    batch, mb, logp, entropy = objective_inputs(4)
+    mb.old_logp = mb.rollout_logp + torch.tensor([[0.0, 0.9, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, -0.05, 0.0, 0.0]])[:, : mb.mask.shape[1]] * mb.mask
+    mb.correction = rollout_correction("token_mis", mb.old_logp, mb.rollout_logp, mb.mask, upper=2.0)
+    assert 0 < mb.correction.keep.sum() < mb.mask.sum()  # exp(0.9) > 2: one token dropped
+    tokens, seqs = kept_counts(batch, corrected=True)
+    assert tokens == batch.num_tokens - 1 and seqs == batch.num_seqs
+    algo = AlgorithmConfig(loss="grpo", entropy_coef=0.1)
+    loss, metrics = PolicyObjective(algo, tokens, seqs)(torch.stack([logp, entropy], -1), mb)
+    kept = mb.mask * mb.correction.keep
+    ref, _ = policy_loss("grpo", logp, mb.old_logp, mb.advantages, kept, token_weights=mb.correction.weights, num_tokens=tokens, num_seqs=seqs)
+    ref = ref - 0.1 * (entropy * kept).sum() / tokens
+    torch.testing.assert_close(loss, ref)
+    assert metrics["tokens"] == kept.sum()
+
+
 class RecordingEngine(RolloutEngine):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
