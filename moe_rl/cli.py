@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment is used
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run the built-in demo: compare GRPO (+R2/R3), GSPO, GMPO, GDPO")
+    demo = sub.add_parser("demo", help="run the built-in demo: compare GRPO (+R2/R3, +TIS), GSPO, GMPO, GDPO, SAPO")
     demo.add_argument("--config", default="configs/compare/demo.yaml")
     demo.add_argument("overrides", nargs="*")
     demo.set_defaults(func=_demo)
