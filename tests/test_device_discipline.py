@@ -57,7 +57,7 @@ def test_warm_start_training_and_parity_on_a_device_equal_the_cpu_run(demo_cache
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     device, host = rows(tmp_path / "device"), rows(tmp_path / "cpu")
     for step in (1, 2):
-        for key in ("train/loss", "train/grad_norm", "train/kl_ref", "train/entropy", "reward/total"):
+        for key in ("train/loss", "train/grad_norm", "train/kl_ref", "train/entropy", "reward/total", "train/offpolicy/is_weight_mean"):
             assert device[step][key] == pytest.approx(host[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 

@@ -184,19 +184,18 @@ def mismatch_sums(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, correcti
         weights, keep, truncated = log_ratio.exp() * m, m, torch.zeros_like(m)
     else:
         weights, keep, truncated = (correction.weights.to(torch.float64), correction.keep.to(torch.float64), correction.truncated.to(torch.float64))
-    kept_weights = weights[keep.bool()]
-    empty = kept_weights.numel() == 0
+    kept = keep > 0  # (no boolean indexing: no host sync on a GPU)
     return {
         "tokens": m.sum(), "seqs": has_tokens.sum(),
         "k1": (-log_ratio * m).sum(), "k3": ((torch.expm1(log_ratio) - log_ratio) * m).sum(),
         "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(), "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
         "chi2_token": ((torch.expm1(log_ratio) ** 2) * m).sum(),
         "chi2_seq": ((torch.expm1(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * has_tokens).sum(),
-        "weight": kept_weights.sum(), "weight_sq": (kept_weights**2).sum(), "weighted_tokens": keep.sum(),
+        "weight": (weights * keep).sum(), "weight_sq": (weights**2 * keep).sum(), "weighted_tokens": keep.sum(),
         "truncated": truncated.sum(), "dropped_tokens": (m - keep).sum(),
         "dropped_seqs": (has_tokens * (keep.sum(-1) == 0).to(torch.float64)).sum(),
-        "weight_min": m.new_tensor(math.inf) if empty else kept_weights.min(),
-        "weight_max": m.new_tensor(-math.inf) if empty else kept_weights.max(),
+        "weight_min": weights.masked_fill(~kept, math.inf).amin() if weights.numel() else m.new_tensor(math.inf),
+        "weight_max": weights.masked_fill(~kept, -math.inf).amax() if weights.numel() else m.new_tensor(-math.inf),
     }  # fmt: skip
 
 

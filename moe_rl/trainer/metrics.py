@@ -60,9 +60,13 @@ def reduce_offpolicy(outputs: list[dict]) -> dict[str, float]:
     chi-squared, IS weights, truncated / dropped fractions) from the ``offpolicy/`` sums
     of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
     parts = [out for out in outputs if OFFPOLICY + "tokens" in out] if reports_loss() else []
-    sums = torch.tensor([sum(float(p[OFFPOLICY + k]) for p in parts) for k in MISMATCH_SUMS], dtype=torch.float64)
-    extremes = torch.tensor([min((float(p[OFFPOLICY + "weight_min"]) for p in parts), default=float("inf")),
-                             min((-float(p[OFFPOLICY + "weight_max"]) for p in parts), default=float("inf"))], dtype=torch.float64)  # fmt: skip
+    sums = torch.zeros(len(MISMATCH_SUMS), dtype=torch.float64)
+    extremes = torch.full((2,), float("inf"), dtype=torch.float64)  # min weight, -max weight
+    if parts:  # one device-to-host copy for all micro-batches
+        keys = [OFFPOLICY + k for k in (*MISMATCH_SUMS, "weight_min", "weight_max")]
+        table = torch.stack([torch.stack([p[k].to(torch.float64) for k in keys]) for p in parts]).cpu()
+        sums = table[:, : len(MISMATCH_SUMS)].sum(0)
+        extremes = torch.stack([table[:, -2].min(), -table[:, -1].max()])
     sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
     totals = {k: float(v) for k, v in zip(MISMATCH_SUMS, sums)}
     totals.update(weight_min=float(extremes[0]), weight_max=float(-extremes[1]))
