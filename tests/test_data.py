@@ -279,3 +279,15 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     # pairs are matched by seed, whatever order the runs were listed in
     shuffled = {"a": dict(reversed(clear["a"].items())), "b": clear["b"]}
     assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(0.15)
+
+
+def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_claims() -> None:
+    import yaml
+
+    from moe_rl.claims import CLAIMS, _runs_of, evaluate_claims
+
+    configured = set(yaml.safe_load((Path(__file__).parents[1] / "configs/compare/claims.yaml").read_text())["runs"])
+    assert all(_runs_of(claim) <= configured for claim in CLAIMS)
+    kept = evaluate_claims({}, compared={"grpo", "grpo_r2"})
+    assert [r.claim.statement for r in kept] == [c.statement for c in CLAIMS if _runs_of(c) <= {"grpo", "grpo_r2"}] and kept
+    assert not any(r.checkable for r in kept)  # no logs: configured, but cannot be checked
