@@ -12,6 +12,7 @@ rank: the commands' exit codes and how many device tensors were made.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -69,9 +70,17 @@ def main(argv: list[str]) -> int:
         from parallel.launch import spawn_local
 
         return spawn_local(int(argv[1]), [__file__, *argv[2:]])
-    print(json.dumps(run_commands(argv)), flush=True)
+    result = json.dumps(run_commands(argv)) + "\n"
+    sys.stdout.flush()
+    os.write(1, result.encode())  # one write: ranks share the output file, a print could interleave
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: autograd's worker thread for the stand-in device type is
+    # still alive then, and its destruction aborts the process now and then
+    # ("terminate called without an active exception")
+    os._exit(code)

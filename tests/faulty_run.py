@@ -21,8 +21,8 @@ from moe_rl.trainer.trainer import Trainer
 def inject_nan_losses(steps: set[int]) -> None:
     original = Trainer.objective_for
 
-    def objective_for(self, batch):
-        objective = original(self, batch)
+    def objective_for(self, batch, counts):
+        objective = original(self, batch, counts)
         if batch.step + 1 not in steps:
             return objective
 

@@ -326,11 +326,16 @@ class Trainer:
         for mb, out in zip(batch.micro_batches, self.reference.logprobs(batch.micro_batches)):
             mb.ref_logp = out["logprobs"]
 
+    def objective_for(self, batch: TrainBatch, counts: tuple[float, float]) -> PolicyObjective:
+        """The loss of this step's updates, normalised by ``counts`` (the whole step's kept
+        response tokens and responses)."""
+        return PolicyObjective(self.cfg.algorithm, *counts)
+
     def update_policy(self, batch: TrainBatch, counts: tuple[float, float]) -> UpdateResult:
         """``algorithm.updates_per_batch`` optimizer steps over the batch (routing replayed
-        under R2/R3), its losses normalised by ``counts`` (the step's kept tokens and
-        responses); an update with NaN/Inf gradients is skipped on every rank."""
-        objective = PolicyObjective(self.cfg.algorithm, *counts)
+        under R2/R3), its losses normalised by ``counts``; an update with NaN/Inf gradients
+        is skipped on every rank."""
+        objective = self.objective_for(batch, counts)
         result, skipped = None, 0
         for i in range(self.cfg.algorithm.updates_per_batch):
             with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:
