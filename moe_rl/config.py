@@ -159,6 +159,11 @@ class AlgorithmConfig:
     # (each padded to its own longest), data-parallel ranks balanced by tokens
     max_tokens_per_micro_batch: int = 0
 
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether a rollout correction weighs (and may drop) tokens."""
+        return self.rollout_correction != "none"
+
 
 @dataclass
 class RoutingConfig:
@@ -419,7 +424,7 @@ def _validate_rollout_correction(a: AlgorithmConfig) -> None:
     from moe_rl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, check_correction_params
 
     _choice("algorithm.rollout_correction", a.rollout_correction, ["none", *ROLLOUT_CORRECTIONS.names()])
-    if a.rollout_correction == "none":
+    if not a.corrects_rollout:
         if a.rollout_correction_params:
             raise ConfigError("algorithm.rollout_correction_params are set but algorithm.rollout_correction is none")
         return

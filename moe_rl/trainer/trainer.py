@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from moe_rl import tags
+from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task, make_task
@@ -35,7 +36,6 @@ from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
-from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.experience_transport import share_experience
@@ -173,7 +173,7 @@ class Trainer:
         # strictly on-policy (one update, nothing to record or measure): the update pass's
         # own log-probs are the old ones, so the extra forward pass is skipped
         self.on_policy = (cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
-                          and cfg.algorithm.rollout_correction == "none")  # fmt: skip
+                          and not cfg.algorithm.corrects_rollout)  # fmt: skip
 
     def _write_config(self) -> None:
         if is_first_rank():
@@ -241,7 +241,7 @@ class Trainer:
         lr = self.policy.lr_schedule.set_step(step)
         if self.expert_bias:
             self.expert_bias.start()
-        update = self.update_policy(batch, kept_counts(batch, self.cfg.algorithm.rollout_correction != "none"))
+        update = self.update_policy(batch, kept_counts(batch, self.cfg.algorithm.corrects_rollout))
         self.measure_routing_after_update(batch)
         bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
@@ -312,11 +312,11 @@ class Trainer:
         if self.monitor:  # the rollout mismatch split by train/rollout routing (last stage's log-probs)
             self.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
-        correction, params = self.cfg.algorithm.rollout_correction, self.cfg.algorithm.rollout_correction_params
+        a = self.cfg.algorithm
         for mb, out in zip(mbs, outputs):
             mb.old_logp = out["logprobs"] if recompute else mb.rollout_logp
-            if correction != "none":
-                mb.correction = rollout_correction(correction, mb.old_logp, mb.rollout_logp, mb.mask, **params)
+            if a.corrects_rollout:
+                mb.correction = rollout_correction(a.rollout_correction, mb.old_logp, mb.rollout_logp, mb.mask, **a.rollout_correction_params)
         return [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask, mb.correction) for mb, out in zip(mbs, outputs)]
 
     def compute_reference_logprobs(self, batch: TrainBatch) -> None:
