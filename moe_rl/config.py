@@ -49,7 +49,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # the built-in task, or a dataset: .jsonl/.json/.parquet file, datasets dir (DIR[:split])
+    task: str = "arithmetic"  # a built-in task (arithmetic | arithmetic_chain), or a dataset: .jsonl/.json/.parquet file, datasets dir (DIR[:split])
     prompt_key: str = "prompt"  # a dataset's prompt field (dots reach nested fields); text or chat messages
     answer_key: str = "answer"  # its reference-answer field, e.g. reward_model.ground_truth
     prompt_template: str = "{prompt}"  # wraps the question, e.g. "{prompt} Put the answer in \\boxed{}."
@@ -106,6 +106,12 @@ class RolloutConfig:
     # advantage) and sample more prompts, up to max_sampling_rounds rounds per step
     filter_zero_std_groups: bool = False
     max_sampling_rounds: int = 3
+    # multi-turn / tool-use rollouts: "package.module:function", an async generate function
+    # (moe_rl.rollout.multi_turn; "" = one engine call per sample), the keyword arguments it
+    # gets, and how long one sample's function may run before it scores 0
+    generate_fn: str = ""
+    generate_kwargs: dict = field(default_factory=dict)
+    generate_timeout_s: float = 300.0
 
 
 @dataclass
@@ -226,7 +232,7 @@ class Config:
 _FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "routing.expert_bias_update_rate", "warm_start.", "train.seed",
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
-                  "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds")  # fmt: skip
+                  "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds", "rollout.generate_fn", "rollout.generate_kwargs")  # fmt: skip
 _NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.reference", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "reward.workers", "data.eval_task",
                       "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
 
@@ -474,6 +480,16 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.top_k == 0 or r.top_k < -1:
         raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
+    _positive("rollout.generate_timeout_s", r.generate_timeout_s)
+    if r.generate_fn:
+        from moe_rl.rollout.multi_turn import check_generate_fn
+
+        try:
+            check_generate_fn(r.generate_fn, dict(r.generate_kwargs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif r.generate_kwargs:
+        raise ConfigError("rollout.generate_kwargs are the arguments of rollout.generate_fn, which is not set")
 
 
 def _validate_rewards(reward: RewardConfig) -> None:
@@ -522,11 +538,11 @@ def _validate_model_and_data(c: Config) -> None:
 
 def _validate_data(d: DataConfig, reward_names: list[str]) -> None:
     from moe_rl.data.prompts import check_prompt_settings
-    from moe_rl.data.tasks import ARITHMETIC, resolve_spec
+    from moe_rl.data.tasks import BUILT_IN_TASKS, resolve_spec
 
     for key in ("task", "eval_task"):
         spec = getattr(d, key)
-        if spec is not None and spec != ARITHMETIC:
+        if spec is not None and spec not in BUILT_IN_TASKS:
             try:
                 resolve_spec(spec)
             except ValueError as e:

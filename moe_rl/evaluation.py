@@ -12,7 +12,8 @@ from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardScorer
-from moe_rl.rollout.types import RolloutEngine, SamplingParams
+from moe_rl.rollout.multi_turn import Sampler
+from moe_rl.rollout.types import SamplingParams
 from moe_rl.trainer.experience import generate_and_score
 
 EVAL_SEED = 20_261_130  # the same sampling seeds at every evaluation: runs and steps compare on equal terms
@@ -33,7 +34,7 @@ class Evaluator:
 
     problems: list[Problem]
     formatter: PromptFormatter
-    engine: RolloutEngine
+    sampler: Sampler  # the run's rollout (single- or multi-turn) over its engine
     scorer: RewardScorer
     sampling: SamplingParams
     samples: int  # responses per prompt (k of pass@k)
@@ -50,10 +51,10 @@ class Evaluator:
             for start in range(0, len(self.problems), self.prompts_per_request):
                 chunk = self.problems[start : start + self.prompts_per_request]
                 sampled = generate_and_score(
-                    chunk, self.formatter, self.engine, self.scorer, self.sampling, self.samples, seed=EVAL_SEED + start
+                    chunk, self.formatter, self.sampler, self.scorer, self.sampling, self.samples, seed=EVAL_SEED + start
                 )
                 rewards.append(sampled.rewards)
-                lengths += [len(s.output_ids) for s in sampled.samples]
+                lengths += [s.policy_token_count for s in sampled.samples]
                 bar.update(len(chunk))
         return self._scalars(RewardBatch.concat(rewards), lengths)
 
@@ -72,12 +73,12 @@ class Evaluator:
 
 
 def build_evaluator(
-    cfg: Config, task: Task, formatter: PromptFormatter, engine: RolloutEngine, scorer: RewardScorer, *, progress: bool
+    cfg: Config, task: Task, formatter: PromptFormatter, sampler: Sampler, scorer: RewardScorer, *, progress: bool
 ) -> Evaluator:
-    """The ``data.eval_*`` evaluation of ``task`` through ``engine`` (training and ``moe-rl eval``)."""
+    """The ``data.eval_*`` evaluation of ``task`` through ``sampler`` (training and ``moe-rl eval``)."""
     from moe_rl.trainer.rollout_setup import sampling_params
 
     d = cfg.data
     sampling = sampling_params(cfg, formatter.tokenizer.eos_token_id, evaluation=True)
-    return Evaluator(task.eval_problems(d.eval_max_prompts), formatter, engine, scorer, sampling, d.eval_samples,
+    return Evaluator(task.eval_problems(d.eval_max_prompts), formatter, sampler, scorer, sampling, d.eval_samples,
                      d.eval_solved_reward, progress=progress)  # fmt: skip

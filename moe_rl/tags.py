@@ -19,6 +19,11 @@ DATA_KEPT_GROUP_FRAC = "data/kept_group_frac"  # dynamic sampling: groups with u
 DATA_SAMPLING_ROUNDS = "data/sampling_rounds"  # dynamic sampling: generation rounds this step
 
 
+def multi_turn(name: str) -> str:
+    """A multi-turn rollout scalar (``turns_mean``, ``tool_failures``, ...; rollout.generate_fn runs)."""
+    return f"rollout/multi_turn/{name}"
+
+
 def reward(name: str) -> str:
     """One named reward's batch mean."""
     return f"reward/{name}"
@@ -86,6 +91,7 @@ PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"  # the largest over ranks: CUDA allo
 ROUTING_PREFIXES = {
     "old_vs_new": "routing",  # old policy -> updated policy
     "train_vs_rollout": "routing/train_vs_rollout",  # rollout engine -> trainer
+    "train_vs_rollout_environment": "routing/train_vs_rollout/environment_tokens",  # the same, tokens environments inserted
     "replayed": "routing/replayed",  # old policy -> the replayed update pass
     "load": "routing",  # expert load of the old-policy pass
     "expert_bias_effect": "routing/expert_bias_effect",  # the step's expert-bias change alone (updated routers)

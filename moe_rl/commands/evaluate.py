@@ -70,7 +70,7 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
     from moe_rl.data.prompts import PromptFormatter
     from moe_rl.data.tasks import make_task
     from moe_rl.evaluation import build_evaluator
-    from moe_rl.trainer.rollout_setup import build_scorer
+    from moe_rl.trainer.rollout_setup import build_sampler, build_scorer
 
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -78,7 +78,7 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
     task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key)
     engine = _engine(args, cfg, model_dir)
     try:
-        evaluator = build_evaluator(cfg, task, formatter, engine, build_scorer(cfg), progress=sys.stderr.isatty())
+        evaluator = build_evaluator(cfg, task, formatter, build_sampler(cfg, engine, tokenizer), build_scorer(cfg), progress=sys.stderr.isatty())
         return evaluator.run(desc=f"eval {model_dir.parent.name if model_dir.name == 'model' else model_dir.name}")
     finally:
         engine.close()

@@ -20,6 +20,8 @@ from typing import Any, Iterator, Protocol
 log = logging.getLogger(__name__)
 
 ARITHMETIC = "arithmetic"
+ARITHMETIC_CHAIN = "arithmetic_chain"  # a*b+c: a multi-step task for the calculator tool
+BUILT_IN_TASKS = (ARITHMETIC, ARITHMETIC_CHAIN)
 EVAL_SEED = 0x5EED  # the built-in task's held-out problems
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -67,6 +69,18 @@ class ArithmeticTask:
     @staticmethod
     def solution(problem: Problem) -> str:
         return f"\\boxed{{{problem.answer}}}"
+
+
+class ArithmeticChainTask(ArithmeticTask):
+    """``a*b+c=`` (operands up to ``max_operand``): two steps, for tool-use rollouts."""
+
+    def problems(self, seed: int, step: int, count: int) -> list[Problem]:
+        rng = random.Random(seed * 1_000_003 + step)
+        out = []
+        for _ in range(count):
+            a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
+            out.append(Problem(f"{a}*{b}+{c}=", str(a * b + c)))
+        return out
 
 
 class DatasetTask:
@@ -155,7 +169,7 @@ def resolve_spec(spec: str) -> tuple[str, Path, str | None]:
     if path.is_dir():
         return "datasets", path, split
     if not path.is_file():
-        raise ValueError(f"{spec!r} is neither {ARITHMETIC!r} nor an existing dataset file or directory")
+        raise ValueError(f"{spec!r} is neither a built-in task ({', '.join(BUILT_IN_TASKS)}) nor an existing dataset file or directory")
     if split is not None or path.suffix.lower() not in FILE_FORMATS:
         raise ValueError(f"{spec!r}: a dataset file must end in .jsonl, .json (JSON lines) or .parquet")
     return FILE_FORMATS[path.suffix.lower()], path, None
@@ -212,7 +226,9 @@ def _load_dataset_dir(path: Path, split: str | None):
 
 
 def make_task(spec: str, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer") -> Task:
-    """The built-in task, or a :class:`DatasetTask` (``ValueError`` if it cannot be read)."""
+    """A built-in task, or a :class:`DatasetTask` (``ValueError`` if it cannot be read)."""
     if spec == ARITHMETIC:
         return ArithmeticTask(max_operand)
+    if spec == ARITHMETIC_CHAIN:
+        return ArithmeticChainTask(max_operand)
     return DatasetTask(spec, prompt_key, answer_key)

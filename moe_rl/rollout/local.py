@@ -8,9 +8,11 @@ random stream per sample (drawn for every row at once), and routed experts in SG
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
-from typing import Mapping, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.hf_routing import RouterCapture
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, sample_seed
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
 
 class LocalEngine(RolloutEngine):
@@ -130,22 +132,34 @@ class LocalEngine(RolloutEngine):
         seed: int,
         return_routed_experts: bool = False,
     ) -> list[list[Sample]]:
-        params.validate()
         if n < 1:
             raise ValueError(f"n={n} samples per prompt must be >= 1")
+        rows = [list(p) for p in prompts for _ in range(n)]
+        seeds = [sample_seed(seed, i, j, n) for i in range(len(prompts)) for j in range(n)]
+        samples = self.generate_seeded(rows, seeds, params, return_routed_experts)
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def generate_seeded(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams, routed: bool) -> list[Sample]:
+        """One sample of each prompt with its own seed; prompts of one length share a batch
+        (no padding: the numerics of a batch of one)."""
+        params.validate()
         start = time.perf_counter()
-        out: list[list[Sample]] = [[] for _ in prompts]
+        out: list[Sample | None] = [None] * len(prompts)
         by_length: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):  # prompts of one length share a batch (no padding: same numerics)
+        for i, p in enumerate(prompts):
             by_length.setdefault(len(p), []).append(i)
         for indices in by_length.values():
-            rows = [(list(prompts[i]), sample_seed(seed, i, j, n)) for i in indices for j in range(n)]
-            samples = self.generate_rows([r[0] for r in rows], [r[1] for r in rows], params, return_routed_experts)
-            for k, i in enumerate(indices):
-                out[i] = samples[k * n : (k + 1) * n]
+            samples = self.generate_rows([list(prompts[i]) for i in indices], [seeds[i] for i in indices], params, routed)
+            for i, sample in zip(indices, samples):
+                out[i] = sample
         self.seconds_generating += time.perf_counter() - start
-        self.tokens_generated += sum(len(s.output_ids) for group in out for s in group)
+        self.tokens_generated += sum(len(s.output_ids) for s in out)
         return out
+
+    @contextlib.asynccontextmanager
+    async def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncIterator[TurnSource]:
+        """Requests made while the event loop runs are batched (as :meth:`generate_seeded`)."""
+        yield _BatchingTurns(self, return_routed_experts)
 
     @torch.no_grad()
     def generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
@@ -205,6 +219,51 @@ class LocalEngine(RolloutEngine):
         if hasattr(out, "cache") and out.cache is not None:
             return {"cache": out.cache}
         return {"past_key_values": out.past_key_values}
+
+
+class _BatchingTurns:
+    """Single requests of many coroutines gathered into batches: a request waits until no
+    other coroutine of the loop has another to add, then every pending one runs at once
+    (grouped by sampling settings). The model runs on the loop's thread."""
+
+    def __init__(self, engine: LocalEngine, routed: bool) -> None:
+        self.engine, self.routed = engine, routed
+        self._pending: list[tuple[list[int], SamplingParams, int, int, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((list(token_ids), params, seed, routing_from, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._pending:
+            count = -1
+            while count != len(self._pending):  # until a pass of the loop adds no request
+                count = len(self._pending)
+                await asyncio.sleep(0)
+            batch, self._pending = self._pending, []
+            by_params: dict[SamplingParams, list] = {}
+            for item in batch:
+                by_params.setdefault(item[1], []).append(item)
+            for params, items in by_params.items():
+                self._run(params, items)
+
+    def _run(self, params: SamplingParams, items: list) -> None:
+        try:
+            samples = self.engine.generate_seeded([i[0] for i in items], [i[2] for i in items], params, self.routed)
+        except Exception as e:  # every request of the batch gets the error
+            for *_, future in items:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for (_, _, _, routing_from, future), sample in zip(items, samples):
+            if sample.routed_experts is not None and routing_from:
+                sample.routed_experts = sample.routed_experts[routing_from:]
+            if not future.done():
+                future.set_result(sample)
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

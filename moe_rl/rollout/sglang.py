@@ -23,12 +23,12 @@ import functools
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import httpx
 from torch import Tensor
 
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, sample_seed
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, sample_seed
 from moe_rl.routing.encoding import decode_routed_experts
 
 log = logging.getLogger(__name__)
@@ -103,27 +103,11 @@ class SGLangEngine(RolloutEngine):
     async def _generate(self, prompts, n, params, seed, routed, expected_version: str) -> list[list[Sample]]:
         semaphore = asyncio.Semaphore(self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.timeout) as client:
-
-            async def one(i: int, j: int) -> Sample:
-                s = sample_seed(seed, i, j, n)
-                rid = f"moe-rl-{seed}-{i}-{j}"
-                payload = {
-                    "input_ids": list(prompts[i]),
-                    "sampling_params": params.to_sglang(s),
-                    "return_logprob": True,
-                    "logprob_start_len": len(prompts[i]),
-                    "rid": rid,
-                }
-                if routed:
-                    payload["return_routed_experts"] = True
-                parse = functools.partial(self._parse, list(prompts[i]), s, routed=routed, expected_version=expected_version)
-                self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
-                async with semaphore:
-                    sample = await self._post_with_retries(client, "/generate", payload, parse)
-                self._unfinished.discard(rid)
-                return sample
-
-            tasks = [[asyncio.create_task(one(i, j)) for j in range(n)] for i in range(len(prompts))]
+            request = functools.partial(self._request, client, semaphore, params=params, routed=routed, expected_version=expected_version)
+            tasks = [
+                [asyncio.create_task(request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}")) for j in range(n)]
+                for i in range(len(prompts))
+            ]  # fmt: skip
             try:
                 return [[await t for t in group] for group in tasks]
             except BaseException:
@@ -131,6 +115,39 @@ class SGLangEngine(RolloutEngine):
                     t.cancel()
                 await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
                 raise
+
+    async def _request(
+        self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, prompt: Sequence[int], seed: int, *, params: SamplingParams,
+        routed: bool, expected_version: str, rid: str, routing_from: int = 0,
+    ) -> Sample:  # fmt: skip
+        """One ``/generate`` request (``n=1``); its routed experts from position ``routing_from``
+        (SGLang's ``routed_experts_start_len``: earlier positions came with an earlier turn)."""
+        payload = {
+            "input_ids": list(prompt),
+            "sampling_params": params.to_sglang(seed),
+            "return_logprob": True,
+            "logprob_start_len": len(prompt),
+            "rid": rid,
+        }
+        if routed:
+            payload["return_routed_experts"] = True
+            if routing_from:
+                payload["routed_experts_start_len"] = routing_from
+        parse = functools.partial(self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from)
+        self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
+        async with semaphore:
+            sample = await self._post_with_retries(client, "/generate", payload, parse)
+        self._unfinished.discard(rid)
+        return sample
+
+    @contextlib.asynccontextmanager
+    async def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncIterator[TurnSource]:
+        """Single requests over one connection pool, at most ``max_concurrency`` in flight."""
+        if return_routed_experts and (self.num_layers is None or self.top_k is None):
+            raise ValueError("routed experts need num_layers and top_k of the served model")
+        expected = self.weight_version
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            yield _HttpTurns(self, client, asyncio.Semaphore(max_concurrency), return_routed_experts, expected)
 
     async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict) -> Any:
         """``parse(reply)`` of the first good reply; transport errors, 5xx, replies that are
@@ -160,7 +177,7 @@ class SGLangEngine(RolloutEngine):
                     await asyncio.sleep(delay)
         raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
 
-    def _parse(self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str) -> Sample:
+    def _parse(self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str, routing_from: int = 0) -> Sample:
         """A ``/generate`` reply as a :class:`Sample`; ``_Retryable`` for an error body, an
         aborted request or a malformed reply; final errors for stale weights or missing
         routing (the server's configuration, which a retry cannot change)."""
@@ -177,7 +194,7 @@ class SGLangEngine(RolloutEngine):
             finish = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
             version = str(meta.get("weight_version", ""))
             encoded = meta.get("routed_experts") if routed else None
-            routed_experts = self._decode_routing(encoded, len(prompt) + len(output_ids) - 1) if encoded else None
+            routed_experts = self._decode_routing(encoded, len(prompt) + len(output_ids) - 1 - routing_from) if encoded else None
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise _Retryable(f"malformed /generate reply ({type(e).__name__}: {e})") from None
         if finish == "abort":
@@ -198,7 +215,7 @@ class SGLangEngine(RolloutEngine):
         ids per layer, each below ``num_experts`` (when known)."""
         experts = decode_routed_experts(encoded, self.num_layers, self.top_k)
         if experts.shape[0] != positions:
-            raise ValueError(f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1 = {positions}")
+            raise ValueError(f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1-routed_experts_start_len = {positions}")
         if experts.numel() and (int(experts.min()) < 0 or (self.num_experts is not None and int(experts.max()) >= self.num_experts)):
             raise ValueError(f"routed_experts has expert ids outside [0, {self.num_experts})")
         ordered = experts.sort(dim=-1).values
@@ -478,3 +495,19 @@ def _leave_group_if_made(join: concurrent.futures.Future) -> None:
         from parallel.weight_update_group import leave_weight_update_group
 
         leave_weight_update_group(join.result())
+
+
+class _HttpTurns:
+    """:class:`TurnSource` of an :class:`SGLangEngine`: one request per turn."""
+
+    def __init__(self, engine: SGLangEngine, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, routed: bool, expected: str) -> None:
+        self.engine, self.client, self.semaphore, self.routed, self.expected = engine, client, semaphore, routed, expected
+        self._ids = itertools.count()
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
+        params.validate()
+        rid = f"moe-rl-turn-{seed}-{next(self._ids)}"
+        return await self.engine._request(
+            self.client, self.semaphore, token_ids, seed, params=params, routed=self.routed, expected_version=self.expected,
+            rid=rid, routing_from=routing_from,
+        )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, AsyncContextManager, Mapping, Protocol, Sequence
 
 from torch import Tensor
 
@@ -51,6 +51,9 @@ class Sample:
     ``output_logprobs[i]`` is ``log p(output_ids[i])`` at the sampling temperature, before
     top-p/top-k truncation (the trainer recomputes the same quantity). ``routed_experts``
     is ``[len(prompt_ids) + len(output_ids) - 1, num_layers, top_k]`` when requested.
+    ``loss_mask[i]`` (multi-turn samples) is 1 where ``output_ids[i]`` is the policy's own
+    token and 0 where the environment inserted it (its log-prob is then 0); ``None``: every
+    output token is the policy's.
     """
 
     prompt_ids: list[int]
@@ -61,6 +64,25 @@ class Sample:
     seed: int
     routed_experts: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None
+
+    @property
+    def policy_token_count(self) -> int:
+        """Output tokens the policy generated (the tokens a loss trains on)."""
+        return len(self.output_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    def output_mask(self) -> list[int]:
+        """``loss_mask``, or all ones."""
+        return [1] * len(self.output_ids) if self.loss_mask is None else list(self.loss_mask)
+
+
+class TurnSource(Protocol):
+    """One request at a time from inside an event loop (multi-turn rollouts): ``n=1``
+    samples of ``token_ids`` with their own seed. ``routing_from``: the first position
+    whose routed experts are wanted (earlier ones came with an earlier turn); the
+    sample's ``routed_experts`` then starts there."""
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample: ...
 
 
 class RolloutEngine(ABC):
@@ -94,6 +116,10 @@ class RolloutEngine(ABC):
     def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
         """Take full weights by HF checkpoint names from this process (engines that can)."""
         raise NotImplementedError(f"{type(self).__name__} does not take weights in process; sync them through disk")
+
+    def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncContextManager[TurnSource]:
+        """A :class:`TurnSource` over this engine for one event loop (``async with``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve multi-turn rollouts")
 
     def close(self) -> None:
         """Stop in-flight work and release resources."""

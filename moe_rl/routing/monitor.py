@@ -41,6 +41,7 @@ from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, to_lo
 from moe_rl.routing.stats import RoutingStats
 
 STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load", "expert_bias_effect")
+ENVIRONMENT_GROUP = "train_vs_rollout_environment"  # with split_environment
 
 
 def _mismatch_token_values(log_ratio: Tensor, mask: Tensor) -> Tensor:
@@ -52,21 +53,26 @@ def _mismatch_token_values(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
 class RoutingMonitor:
     """Replay (``mode``) and, when ``measure``, the drift metrics (``measure=False``: replay
-    only, no router probe and no statistics)."""
+    only, no router probe and no statistics). ``split_environment`` (multi-turn runs): the
+    train-vs-rollout routing of the tokens environments inserted is also reported on its
+    own (``train_vs_rollout_environment``)."""
 
     def __init__(
-        self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False, measure: bool = True
-    ) -> None:
+        self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False, measure: bool = True,
+        split_environment: bool = False,
+    ) -> None:  # fmt: skip
         if mode not in REPLAY_MODES:
             raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
         self.mode = mode
         self.probe = RouterProbe(model)
         self.measure = measure
+        self.split_environment = split_environment
         self.replay = RoutingReplay(model, recompute=recompute) if mode != "none" else None
         self.num_layers, self.num_experts = num_layers, num_experts
         self._replay_indices: list[list[Tensor]] = []
         self._old: list[ProbedRouting] = []
         self._masks: list[Tensor] = []
+        self._environment_masks: list[Tensor] = []
         self._engine: list[list[Tensor]] | None = None
         self._stats: dict[str, RoutingStats] = {}
         self._config = model.config if hasattr(model, "config") else model.module.config
@@ -157,8 +163,11 @@ class RoutingMonitor:
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
 
     def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
-        self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in STAT_GROUPS}
+        groups = STAT_GROUPS + ((ENVIRONMENT_GROUP,) if self.split_environment else ())
+        self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in groups}
         self._masks = [self._local(_routing_mask(mb)) for mb in batches]
+        if self.split_environment:
+            self._environment_masks = [self._local(_environment_mask(mb)) for mb in batches]
         self._engine = None
         if engine_routing is not None:
             self._engine = [self._engine_local(mb, routed) for mb, routed in zip(batches, engine_routing)]
@@ -184,6 +193,8 @@ class RoutingMonitor:
                 engine = torch.stack(self._engine[i], dim=1) if self._engine[i] else old.used  # no MoE layer here: empty
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
+                if self.split_environment:
+                    self._stats[ENVIRONMENT_GROUP].add_drift(layers, engine, old.used, self._environment_masks[i])
 
     def _start_probe(
         self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None
@@ -252,6 +263,13 @@ class RoutingMonitor:
             tp_size=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=cfg.sequence_parallel,
         )
+
+
+def _environment_mask(mb: MicroBatch) -> Tensor:
+    """Input positions holding tokens an environment inserted (``environment_tokens``; none
+    when the batch has no such field or value)."""
+    env = getattr(mb, "environment_tokens", None)
+    return env.to(torch.float32) if env is not None else torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=mb.input_ids.device)
 
 
 def _routing_mask(mb: MicroBatch) -> Tensor:

@@ -24,8 +24,8 @@ class StepTotals:
     """What every rank needs to know of all of a step's samples (not only its share)."""
 
     lengths: list[int]  # prompt + response tokens of each sample
-    num_response_tokens: int
-    num_responses: int  # samples with at least one response token
+    num_response_tokens: int  # the policy's own (trained) tokens
+    num_responses: int  # samples with at least one such token
     routing_shape: tuple[int, int] | None  # (layers, k) of the engine's routed experts, if any
 
     @classmethod
@@ -33,8 +33,8 @@ class StepTotals:
         routed = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
         return cls(
             [len(s.prompt_ids) + len(s.output_ids) for s in samples],
-            sum(len(s.output_ids) for s in samples),
-            sum(1 for s in samples if s.output_ids),
+            sum(s.policy_token_count for s in samples),
+            sum(1 for s in samples if s.policy_token_count),
             tuple(routed.shape[1:]) if routed is not None else None,
         )
 
@@ -80,7 +80,7 @@ class PolicyMicroBatch(MicroBatch):
     """A micro-batch of the policy update. ``[b, s-1]`` fields are per log-prob position
     (position t scores token t+1); the response positions are where ``mask`` is 1."""
 
-    mask: Tensor  # [b, s-1] float, 1 on response tokens
+    mask: Tensor  # [b, s-1] float, 1 on the policy's response tokens (0 on tokens an environment inserted)
     advantages: Tensor  # [b]
     rollout_logp: Tensor  # [b, s-1] the engine's log-probs (0 off the response)
     routed_experts: list[Tensor] | None  # per sequence [len-1, layers, k] from the engine, if asked for
@@ -88,6 +88,7 @@ class PolicyMicroBatch(MicroBatch):
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)
     correction: Correction | None = None  # set with old_logp under algorithm.rollout_correction
+    environment_tokens: Tensor | None = None  # [b, s] 1 at input positions an environment inserted (multi-turn), if any
 
 
 @dataclass
@@ -145,7 +146,7 @@ def _routing_shape(exp: Experience) -> tuple[int, int]:
 def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape) -> PolicyMicroBatch:
     """Rows of ``chunk`` (``None``: an empty row), each tensor made at once from padded rows
     (a tensor write per row and field cost more than the rest of the step's bookkeeping)."""
-    ids, mask, rollout_logp, lengths, advantages = [], [], [], [], []
+    ids, mask, rollout_logp, lengths, advantages, environment = [], [], [], [], [], []
     routed = [] if routing_shape is not None else None
     step_advantages = exp.advantages.tolist()
     for i in chunk:
@@ -155,6 +156,7 @@ def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id:
             rollout_logp.append([0.0] * (seq_len - 1))
             lengths.append(0)
             advantages.append(0.0)
+            environment.append([0.0] * seq_len)
             if routed is not None:
                 routed.append(torch.zeros((0, *routing_shape), dtype=torch.int32))
             continue
@@ -163,7 +165,9 @@ def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id:
         after = seq_len - p - o  # padding past the sequence
         ids.append(smp.prompt_ids + smp.output_ids + [pad_id] * after)
         # position t predicts token t + 1: the response's tokens are predicted at p-1 .. p+o-2
-        mask.append([0.0] * (p - 1) + [1.0] * o + [0.0] * after)
+        policy = [float(m) for m in smp.output_mask()]
+        mask.append([0.0] * (p - 1) + policy + [0.0] * after)
+        environment.append([0.0] * p + [1.0 - m for m in policy] + [0.0] * after)
         rollout_logp.append([0.0] * (p - 1) + list(smp.output_logprobs) + [0.0] * after)
         lengths.append(p + o)
         advantages.append(step_advantages[i])
@@ -173,6 +177,7 @@ def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id:
         input_ids=torch.tensor(ids, dtype=torch.long), lengths=torch.tensor(lengths, dtype=torch.long),
         mask=torch.tensor(mask), advantages=torch.tensor(advantages), rollout_logp=torch.tensor(rollout_logp),
         routed_experts=routed, sample_indices=[-1 if i is None else i for i in chunk],
+        environment_tokens=torch.tensor(environment) if any(map(any, environment)) else None,
     )  # fmt: skip
 
 
@@ -180,6 +185,8 @@ def _on_device(mb: PolicyMicroBatch, device: torch.device) -> PolicyMicroBatch:
     """The one place batch tensors move to the rank's device."""
     mb.input_ids, mb.lengths, mb.mask = mb.input_ids.to(device), mb.lengths.to(device), mb.mask.to(device)
     mb.advantages, mb.rollout_logp = mb.advantages.to(device), mb.rollout_logp.to(device)
+    if mb.environment_tokens is not None:
+        mb.environment_tokens = mb.environment_tokens.to(device)
     if mb.routed_experts is not None:
         mb.routed_experts = [r.to(device) if r is not None else None for r in mb.routed_experts]
     return mb

@@ -19,6 +19,7 @@ from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
+from moe_rl.rollout.multi_turn import FAILED, RESPONSE_TEXT, Sampler
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, StaleWeightsError
 from moe_rl.trainer.batch import Experience
 
@@ -38,26 +39,36 @@ class SampledRound:
 def generate_and_score(
     problems: list[Problem],
     formatter: PromptFormatter,
-    engine: RolloutEngine,
+    sampler: Sampler,
     scorer: RewardScorer,
     sampling: SamplingParams,
     group_size: int,
     seed: int,
     return_routing: bool = False,
 ) -> SampledRound:
-    """``group_size`` responses to each problem, scored (training and evaluation alike)."""
+    """``group_size`` responses to each problem, scored (training and evaluation alike).
+    A multi-turn sample whose generate function failed scores 0 in every reward."""
     encoded = formatter.encode_all(problems)
-    groups = engine.generate(
-        [ids for ids, _ in encoded], group_size, sampling, seed=seed, return_routed_experts=return_routing
-    )
+    groups = sampler.sample(problems, [ids for ids, _ in encoded], group_size, sampling, seed=seed, routed=return_routing)
     samples = [s for g in groups for s in g]
-    eos = formatter.tokenizer.eos_token_id
-    responses = formatter.tokenizer.batch_decode([s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples])
+    texts = _response_texts(samples, formatter.tokenizer)
     inputs = [
-        RewardInput(problems[i // group_size].prompt, text, problems[i // group_size].answer, len(s.output_ids), sampling.max_new_tokens)
-        for i, (s, text) in enumerate(zip(samples, responses))
+        RewardInput(problems[i // group_size].prompt, text, problems[i // group_size].answer, s.policy_token_count, sampling.max_new_tokens, s.meta)
+        for i, (s, text) in enumerate(zip(samples, texts))
     ]  # fmt: skip
-    return SampledRound(problems, samples, scorer.score(inputs), sum(t for _, t in encoded))
+    rewards = scorer.score(inputs)
+    failed = [i for i, s in enumerate(samples) if FAILED in s.meta]
+    if failed:
+        rewards.values[failed] = 0.0
+    return SampledRound(problems, samples, rewards, sum(t for _, t in encoded))
+
+
+def _response_texts(samples: list[Sample], tokenizer) -> list[str]:
+    """What the rewards score: a transcript's ``response_text``, else the decoded output
+    (without a final EOS)."""
+    eos = tokenizer.eos_token_id
+    decoded = tokenizer.batch_decode([s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples])
+    return [s.meta[RESPONSE_TEXT] if s.meta.get(RESPONSE_TEXT) is not None else text for s, text in zip(samples, decoded)]
 
 
 @dataclass
@@ -68,6 +79,7 @@ class ExperienceCollector:
     task: Task
     formatter: PromptFormatter
     engine: RolloutEngine
+    sampler: Sampler  # one call per sample, or the run's generate function (multi-turn)
     scorer: RewardScorer
     sampling: SamplingParams
     return_routing: bool  # ask the engine for routed experts (R3, or routing metrics)
@@ -98,7 +110,7 @@ class ExperienceCollector:
         seed = self.cfg.train.seed + 1_000_003 * round_
         problems = self.task.problems(seed, step, self.cfg.rollout.prompts_per_step)
         return generate_and_score(
-            problems, self.formatter, self.engine, self.scorer, self.sampling, self.cfg.rollout.group_size,
+            problems, self.formatter, self.sampler, self.scorer, self.sampling, self.cfg.rollout.group_size,
             seed=seed * 100_003 + step, return_routing=self.return_routing,
         )  # fmt: skip
 
@@ -131,16 +143,40 @@ class ExperienceCollector:
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),
             tags.REWARD_DISTINCT_TOTALS_PER_GROUP: float(sum(len(set(t.tolist())) for t in totals) / len(totals)),
-            tags.RESPONSE_LENGTH_MEAN: float(sum(len(s.output_ids) for s in samples) / len(samples)),
-            tags.RESPONSE_LENGTH_MAX: float(max(len(s.output_ids) for s in samples)),
+            tags.RESPONSE_LENGTH_MEAN: float(sum(s.policy_token_count for s in samples) / len(samples)),
+            tags.RESPONSE_LENGTH_MAX: float(max(s.policy_token_count for s in samples)),
             tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),
             tags.DATA_TRUNCATED_PROMPTS: float(sum(rd.truncated for rd in rounds)),
             tags.DATA_SKIPPED_LINES: float(len(self.task.skipped)),
         }
+        scalars.update(multi_turn_scalars([s for rd in rounds for s in rd.samples]))
         if self.cfg.rollout.filter_zero_std_groups:
             scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
             scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))
         return scalars
+
+
+def multi_turn_scalars(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/multi_turn/*`` over every sample generated (none for single-turn samples):
+    turns, tokens of the policy and of the environment, environment time, tool calls and
+    failures, truncation by the turn or token limit, failed generate functions."""
+    if not samples or "turns" not in samples[0].meta:
+        return {}
+    mean = lambda key: sum(float(s.meta.get(key, 0)) for s in samples) / len(samples)  # noqa: E731
+    failed = [s.meta[FAILED] for s in samples if FAILED in s.meta]
+    if failed:
+        log.warning("%d of %d samples' generate function failed and scored 0 (first: %s)", len(failed), len(samples), failed[0])
+    return {
+        tags.multi_turn("turns_mean"): mean("turns"),
+        tags.multi_turn("policy_tokens_mean"): mean("policy_tokens"),
+        tags.multi_turn("environment_tokens_mean"): mean("environment_tokens"),
+        tags.multi_turn("environment_seconds_mean"): mean("environment_seconds"),
+        tags.multi_turn("tool_calls_mean"): mean("tool_calls"),
+        tags.multi_turn("tool_failures"): sum(float(s.meta.get("tool_failures", 0)) for s in samples),
+        tags.multi_turn("truncated_by_turns_frac"): sum(s.meta.get("truncated") == "turns" for s in samples) / len(samples),
+        tags.multi_turn("truncated_by_tokens_frac"): sum(s.meta.get("truncated") == "tokens" for s in samples) / len(samples),
+        tags.multi_turn("failed_samples"): float(len(failed)),
+    }
 
 
 def policy_lag(exp: Experience, step: int, max_lag: int) -> float:

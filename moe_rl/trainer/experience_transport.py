@@ -54,7 +54,8 @@ def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int)
     header = torch.tensor([*routing.shape, dtype_code], dtype=torch.long)
     ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
     logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
-    for tensor in (header, sizes, ids, logprobs, advantages.float(), routing.to(_ROUTING_DTYPES[dtype_code])):
+    loss_mask = torch.tensor([m for s in samples for m in s.output_mask()], dtype=torch.uint8)
+    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), routing.to(_ROUTING_DTYPES[dtype_code])):
         dist.send(tensor.contiguous().to(device), dst=dst)
 
 
@@ -70,6 +71,7 @@ def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
     sizes = recv((count, 3), torch.long)
     ids = recv((int(sizes[:, :2].sum()),), torch.long).tolist()
     logprobs = recv((int(sizes[:, 1].sum()),), torch.float32).tolist()
+    loss_mask = recv((int(sizes[:, 1].sum()),), torch.uint8).tolist()
     advantages = recv((count,), torch.float32)
     routing = recv(tuple(header[:3]), _ROUTING_DTYPES[header[3]]).to(torch.int32)
     samples, at_id, at_lp, at_route = [], 0, 0, 0
@@ -77,7 +79,7 @@ def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
         samples.append(Sample(
             prompt_ids=ids[at_id : at_id + p], output_ids=ids[at_id + p : at_id + p + o],
             output_logprobs=logprobs[at_lp : at_lp + o], finish_reason="", weight_version="", seed=0,
-            routed_experts=routing[at_route : at_route + r] if r >= 0 else None,
+            routed_experts=routing[at_route : at_route + r] if r >= 0 else None, loss_mask=loss_mask[at_lp : at_lp + o],
         ))  # fmt: skip
         at_id, at_lp, at_route = at_id + p + o, at_lp + o, at_route + max(r, 0)
     return samples, advantages

@@ -155,7 +155,7 @@ class StepLogger:
 
         written: dict[str, float] = {}
         images = step % 10 == 0
-        for group in ("old_vs_new", "train_vs_rollout", "replayed", "expert_bias_effect"):
+        for group in ("old_vs_new", "train_vs_rollout", "train_vs_rollout_environment", "replayed", "expert_bias_effect"):
             if group in routing:
                 metrics = dict(routing[group])
                 if group == "old_vs_new" and "load" in routing:

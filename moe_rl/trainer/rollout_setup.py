@@ -19,6 +19,7 @@ from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
+from moe_rl.rollout.multi_turn import MultiTurnSampler, Sampler, SingleTurnSampler, load_generate_fn
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
 from moe_rl.trainer.experience import ExperienceCollector
@@ -55,10 +56,22 @@ def build_collector(
         task=task,
         formatter=formatter,
         engine=engine,
+        sampler=build_sampler(cfg, engine, formatter.tokenizer),
         scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
+
+
+def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
+    """``rollout.generate_fn``: one engine call per sample (unset), or the user's function
+    (multi-turn, :mod:`moe_rl.rollout.multi_turn`)."""
+    r = cfg.rollout
+    if not r.generate_fn:
+        return SingleTurnSampler(engine)
+    concurrency = r.concurrency_per_server * max(1, len(getattr(engine, "urls", ())))
+    return MultiTurnSampler(engine, load_generate_fn(r.generate_fn), tokenizer, kwargs=dict(r.generate_kwargs),
+                            timeout_s=r.generate_timeout_s, max_concurrency=concurrency)  # fmt: skip
 
 
 def sampling_params(cfg: Config, eos_token_id: int | None, *, evaluation: bool = False) -> SamplingParams:

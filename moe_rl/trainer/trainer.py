@@ -155,7 +155,7 @@ class Trainer:
             self._closing.callback(self.background.close)
         self.max_policy_lag = 1 if cfg.rollout.async_rollouts else 0
         self.evaluator = (
-            build_evaluator(cfg, eval_task, formatter, self.collector.engine, self.collector.scorer, progress=cfg.train.progress)
+            build_evaluator(cfg, eval_task, formatter, self.collector.sampler, self.collector.scorer, progress=cfg.train.progress)
             if eval_task and self.collector else None
         )  # fmt: skip
         # the engine's routed experts: for R3, and for routing metrics when it can return them
@@ -187,7 +187,7 @@ class Trainer:
         num_experts = architecture_of(self.hf_config).num_experts(self.hf_config)
         return RoutingMonitor(
             self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
-            recompute=routing.recompute_activations, measure=routing.metrics,
+            recompute=routing.recompute_activations, measure=routing.metrics, split_environment=bool(self.cfg.rollout.generate_fn),
         )  # fmt: skip
 
     def _build_expert_bias_tracker(self) -> ExpertBiasTracker | None:

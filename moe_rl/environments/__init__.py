@@ -1,0 +1,1 @@
+"""Built-in environments for multi-turn rollouts (``rollout.generate_fn``)."""

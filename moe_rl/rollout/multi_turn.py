@@ -1,0 +1,288 @@
+"""Multi-turn (tool-use) rollouts: a user's async *generate function* drives the engine
+turn by turn and returns a :class:`Transcript` (``rollout.generate_fn``).
+
+A generate function is ``async def f(problem, *, prompt_ids, engine, tokenizer, sampling,
+**rollout.generate_kwargs) -> Transcript``. It starts a ``Transcript(prompt_ids)``, calls
+``await engine.generate(transcript.token_ids)`` for each policy turn (adding the
+:class:`Turn` with ``transcript.add_policy``) and adds what the environment answers with
+``transcript.add_environment(ids)``. Environment tokens are trained on as context only
+(loss mask 0); the routing of every token comes from the engine (:class:`EngineHandle`
+asks SGLang for each turn's new positions only, ``routed_experts_start_len``: SGLang
+returns a cached prefix's routing from its KV slots, so the pieces join into the
+routing of the whole sequence). :mod:`moe_rl.environments.calculator` is a worked example.
+
+A function that raises or outlives ``rollout.generate_timeout_s`` scores its sample 0
+(counted as ``rollout/multi_turn/failed_samples``; its tokens are kept out of the loss);
+an engine failure (:class:`RolloutError`) or a transcript that does not continue itself
+(:class:`TranscriptError`) stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, sample_seed
+
+log = logging.getLogger(__name__)
+
+GENERATE_ARGS = ("prompt_ids", "engine", "tokenizer", "sampling")  # keyword arguments every generate function takes
+FAILED = "failed"  # Sample.meta key: why the generate function failed (the sample scores 0)
+RESPONSE_TEXT = "response_text"  # Sample.meta key: what the rewards score, when the function said
+GenerateFn = Callable[..., Awaitable["Transcript"]]
+
+
+class TranscriptError(RuntimeError):
+    """A generate function built an inconsistent transcript (a bug in it, not in the environment)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One engine call: ``output_ids`` sampled after ``input_ids``; ``routed_experts``
+    ``[len(input_ids) + len(output_ids) - 1, layers, k]`` when the run uses routing."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str
+    routed_experts: Tensor | None = None
+
+
+class EngineHandle:
+    """One sample's access to the engine: its sampling settings and seed (each turn gets
+    its own), the run's concurrency limit, and routing when the run needs it."""
+
+    def __init__(self, source: TurnSource, sampling: SamplingParams, seed: int) -> None:
+        self._source, self.sampling, self.seed = source, sampling, seed
+        self.turns: list[Turn] = []
+        self.seconds = 0.0  # spent waiting for the engine
+
+    async def generate(self, token_ids: Sequence[int], *, max_new_tokens: int | None = None, stop_token_ids: Sequence[int] = ()) -> Turn:
+        """Sample a continuation of ``token_ids`` (at most ``max_new_tokens``, default the
+        run's ``rollout.max_new_tokens``; stopping at EOS and at ``stop_token_ids``)."""
+        params = replace(
+            self.sampling, max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
+            stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))),
+        )  # fmt: skip
+        ids = [int(t) for t in token_ids]
+        known, routing_from = self._known_routing(ids)
+        start = time.perf_counter()
+        sample = await self._source.generate(ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from)
+        self.seconds += time.perf_counter() - start
+        routed = sample.routed_experts
+        if routed is not None and known is not None:
+            routed = torch.cat([known, routed])
+        turn = Turn(ids, list(sample.output_ids), list(sample.output_logprobs), sample.finish_reason, sample.weight_version, routed)
+        self.turns.append(turn)
+        return turn
+
+    def _known_routing(self, ids: list[int]) -> tuple[Tensor | None, int]:
+        """The routing the last turn already holds for a prefix of ``ids`` (when ``ids``
+        continue it), and how many positions that is."""
+        if not self.turns or self.turns[-1].routed_experts is None:
+            return None, 0
+        last = self.turns[-1]
+        sequence = last.input_ids + last.output_ids
+        if len(ids) < len(sequence) or ids[: len(sequence)] != sequence:
+            return None, 0
+        return last.routed_experts, len(sequence) - 1
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn 0 samples with the sample's own seed (as a single-turn rollout does)."""
+    return seed if turn == 0 else (seed * 1_000_003 + 7919 * turn) % (2**31 - 1)
+
+
+@dataclass
+class Transcript:
+    """What a generate function returns: the prompt, then policy turns and environment
+    tokens. ``response_text`` is what the rewards score (``None``: the decoded output);
+    ``meta`` reaches the rewards (``RewardInput.metadata``) and the rollout metrics
+    (``tool_calls``, ``tool_failures``, ``truncated``: ``"turns"`` or ``"tokens"``)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    response_text: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Tensor | None = None  # the last policy turn's: every position up to it
+    weight_versions: list[str] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt and everything after it: what the next turn continues."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def environment_tokens(self) -> int:
+        return len(self.loss_mask) - sum(self.loss_mask)
+
+    def add_policy(self, turn: Turn) -> None:
+        """The policy's tokens of ``turn``, which must have continued this transcript."""
+        if turn.input_ids != self.token_ids:
+            raise TranscriptError(
+                "a policy turn must continue the transcript: call engine.generate(transcript.token_ids) and add its turn before anything else"
+            )
+        self.output_ids += turn.output_ids
+        self.loss_mask += [1] * len(turn.output_ids)
+        self.logprobs += turn.logprobs
+        self.finish_reason = turn.finish_reason
+        self.routed_experts = turn.routed_experts
+        self.weight_versions.append(turn.weight_version)
+
+    def add_environment(self, token_ids: Sequence[int]) -> None:
+        """Tokens the environment inserted (a tool's result, a user's reply): context only."""
+        ids = [int(t) for t in token_ids]
+        self.output_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def to_sample(self, seed: int) -> Sample:
+        """The transcript as a trainable sample: environment tokens after the last policy
+        turn are left out (they would be context for nothing)."""
+        end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
+        versions = set(self.weight_versions)
+        if len(versions) > 1:
+            raise StaleWeightsError(f"a multi-turn sample mixes weight versions {sorted(versions)}")
+        routed = self.routed_experts
+        if routed is not None and len(routed) != len(self.prompt_ids) + end - 1:
+            raise TranscriptError(f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}")
+        return Sample(
+            prompt_ids=list(self.prompt_ids), output_ids=self.output_ids[:end], output_logprobs=self.logprobs[:end],
+            finish_reason=self.finish_reason, weight_version=next(iter(versions), ""), seed=seed, routed_experts=routed,
+            meta={**self.meta, **({RESPONSE_TEXT: self.response_text} if self.response_text is not None else {})},
+            loss_mask=self.loss_mask[:end],
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------ loading the function
+
+
+def load_generate_fn(spec: str) -> GenerateFn:
+    """``"package.module:function"``, checked: an ``async def`` taking the problem and the
+    keyword arguments :data:`GENERATE_ARGS`. ``ValueError`` in one line otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"rollout.generate_fn={spec!r} must be 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # a user's module may fail in any way while importing
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"rollout.generate_fn={spec!r} cannot be imported: {reason}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.generate_fn={spec!r} must be an async function (async def)")
+    return fn
+
+
+def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
+    """``ValueError`` unless ``spec`` loads and takes ``(problem, *, prompt_ids, engine,
+    tokenizer, sampling, **kwargs)``."""
+    fn = load_generate_fn(spec)
+    try:
+        inspect.signature(fn).bind(None, **{name: None for name in GENERATE_ARGS}, **kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"rollout.generate_fn={spec!r} must take (problem, *, {', '.join(GENERATE_ARGS)}"
+            f"{', ' + ', '.join(sorted(kwargs)) if kwargs else ''}): {e}"
+        ) from None
+
+
+# ------------------------------------------------------------------ samplers
+
+
+class Sampler(Protocol):
+    """``n`` samples of each problem (its prompt ``prompts[i]``), group-major, sample j of
+    problem i seeded ``sample_seed(seed, i, j, n)``."""
+
+    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]: ...
+
+
+class SingleTurnSampler:
+    """One engine call per sample: the default rollout."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]:
+        return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
+
+
+class MultiTurnSampler:
+    """``n`` transcripts of each problem from ``fn``, all concurrently (at most
+    ``max_concurrency`` engine requests in flight)."""
+
+    def __init__(
+        self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float, max_concurrency: int
+    ) -> None:
+        self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
+        self.kwargs, self.timeout_s, self.max_concurrency = dict(kwargs), timeout_s, max_concurrency
+
+    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]:
+        params.validate()
+        return asyncio.run(self._sample_all(problems, prompts, n, params, seed, routed))
+
+    async def _sample_all(self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool) -> list[list[Sample]]:
+        async with self.engine.turns(return_routed_experts=routed, max_concurrency=self.max_concurrency) as source:
+            tasks = [
+                [asyncio.create_task(self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed)) for j in range(n)]
+                for i in range(len(prompts))
+            ]  # fmt: skip
+            try:
+                return [[await t for t in group] for group in tasks]
+            except BaseException:
+                for t in itertools.chain.from_iterable(tasks):
+                    t.cancel()
+                await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
+                raise
+
+    async def _one(self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool) -> Sample:
+        handle = EngineHandle(source, params, seed)
+        start = time.perf_counter()
+        call = self.fn(problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs)
+        try:
+            transcript = await asyncio.wait_for(call, self.timeout_s)
+            if not isinstance(transcript, Transcript):
+                raise TranscriptError(f"the generate function returned {type(transcript).__name__}, not a Transcript")
+            sample = transcript.to_sample(seed)
+        except (RolloutError, TranscriptError):
+            raise
+        except Exception as e:  # the environment failed (or timed out): the sample scores 0
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            sample = await self._failed_sample(source, handle, prompt, params, seed, routed, why)
+        sample.meta.update(
+            turns=len(handle.turns), policy_tokens=sample.policy_token_count,
+            environment_tokens=len(sample.output_ids) - sample.policy_token_count,
+            environment_seconds=max(0.0, time.perf_counter() - start - handle.seconds),
+        )  # fmt: skip
+        return sample
+
+    async def _failed_sample(self, source: TurnSource, handle: EngineHandle, prompt: list[int], params: SamplingParams, seed: int,
+                             routed: bool, why: str) -> Sample:  # fmt: skip
+        """A sample of what the last turn saw and sampled, none of it trained on; with no
+        such turn the bare prompt (its routing from a one-token request when needed)."""
+        last = next((t for t in reversed(handle.turns) if t.input_ids[: len(prompt)] == prompt), None)
+        if last is None and routed:
+            last = Turn(prompt, [], [], "abort", "", (await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)).routed_experts)
+            last = replace(last, routed_experts=last.routed_experts[: len(prompt) - 1])
+        output = (last.input_ids[len(prompt) :] + last.output_ids) if last is not None else []
+        return Sample(
+            prompt_ids=list(prompt), output_ids=output, output_logprobs=[0.0] * len(output), finish_reason="abort",
+            weight_version=last.weight_version if last is not None and last.weight_version else self.engine.weight_version,
+            seed=seed, routed_experts=last.routed_experts if last is not None else None, meta={FAILED: why}, loss_mask=[0] * len(output),
+        )  # fmt: skip
