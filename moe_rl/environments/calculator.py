@@ -56,7 +56,8 @@ def _value(node: ast.AST) -> int | float:
         if abs(result) > MAX_MAGNITUDE:
             raise ToolError("result too large")
         return result
-    raise ToolError(f"unsupported {type(node).__name__}")
+    what = type(node.op).__name__ if isinstance(node, (ast.BinOp, ast.UnaryOp)) else type(node).__name__
+    raise ToolError(f"unsupported {what}")
 
 
 def format_result(value: int | float) -> str:
@@ -102,8 +103,10 @@ async def generate(
         turn = await engine.generate(transcript.token_ids, max_new_tokens=min(room, sampling.max_new_tokens), stop_token_ids=[stop])
         transcript.add_policy(turn)
         call = CALL.search(tokenizer.decode(turn.output_ids)) if turn.output_ids and turn.output_ids[-1] == stop else None
-        if call is None:
-            break  # an answer (or EOS, or the turn's token limit): the sample is done
+        if call is None:  # an answer, EOS or the turn's token limit: the sample is done
+            if turn.finish_reason == "length" and len(transcript.output_ids) >= budget:
+                transcript.meta["truncated"] = "tokens"
+            break
         if turn_number == max_turns - 1:
             transcript.meta["truncated"] = "turns"
             break

@@ -1,0 +1,305 @@
+"""Multi-turn rollouts (``rollout.generate_fn``): the calculator environment under a scripted
+policy, failures that score 0, the loss over the policy's tokens only, the engine's
+routing of every token (R3), the one-turn function equal to the single-turn rollout, and
+training end to end on the local engine and an SGLang server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import WARM_START, demo_model_dir
+from moe_rl.algorithms import policy_loss
+from moe_rl.config import AlgorithmConfig, ConfigError, load_config
+from moe_rl.data.tasks import ArithmeticChainTask, Problem
+from moe_rl.data.tokenizer import demo_tokenizer
+from moe_rl.environments import calculator
+from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError, load_generate_fn
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+from moe_rl.trainer.batch import Experience, build_train_batch
+from moe_rl.trainer.objective import PolicyObjective
+from moe_rl.trainer.packing import fixed_plan
+
+import multi_turn_fns
+
+TESTS = Path(__file__).resolve().parent
+TOKENIZER = demo_tokenizer()
+PARAMS = SamplingParams(max_new_tokens=32, temperature=1.0, stop_token_ids=(TOKENIZER.eos_token_id,))
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+class ScriptedPolicy(RolloutEngine):
+    """A scripted policy: turn k of every sample writes ``script[k]`` (cut after the first
+    stop token, as an engine stops), log-prob -0.5 per token; routed experts hold each
+    position's index, from ``routing_from`` on (what SGLang returns)."""
+
+    def __init__(self, script: list[str], routed: bool = True) -> None:
+        self.script, self.routed, self.requests = script, routed, []
+
+    @property
+    def weight_version(self) -> str:
+        return "0"
+
+    def generate(self, prompts, n, params, *, seed, return_routed_experts=False):
+        raise NotImplementedError
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def turns(self, *, return_routed_experts: bool, max_concurrency: int):
+        yield _Source(self)
+
+    async def generate_turn(self, token_ids, params, *, seed, routing_from=0) -> Sample:
+        self.requests.append((list(token_ids), routing_from))
+        out = ids(self.script[min(len(self.requests) - 1, len(self.script) - 1)])[: params.max_new_tokens]
+        stop = next((i for i, t in enumerate(out) if t in params.stop_token_ids), None)
+        out = out if stop is None else out[: stop + 1]
+        end = len(token_ids) + len(out) - 1
+        routed = torch.arange(routing_from, end, dtype=torch.int32)[:, None, None].expand(-1, 1, 2).clone() if self.routed else None
+        return Sample(list(token_ids), out, [-0.5] * len(out), "stop" if stop is not None else "length", "0", seed, routed_experts=routed)
+
+
+class _Source:
+    """The scripted policy as a TurnSource."""
+
+    def __init__(self, policy: ScriptedPolicy) -> None:
+        self.generate = policy.generate_turn
+
+
+def sample_with(policy: ScriptedPolicy, fn, problem: Problem, *, timeout_s: float = 30.0, routed: bool = True, **kwargs) -> Sample:
+    sampler = MultiTurnSampler(policy, fn, TOKENIZER, kwargs=kwargs, timeout_s=timeout_s, max_concurrency=4)
+    return sampler.sample([problem], [ids(problem.prompt)], 1, PARAMS, seed=7, routed=routed)[0][0]
+
+
+def text_of(sample: Sample, policy_only: bool | None = None) -> str:
+    mask = sample.output_mask()
+    return TOKENIZER.decode([t for t, m in zip(sample.output_ids, mask) if policy_only is None or m == policy_only])
+
+
+def test_the_calculator_answers_a_scripted_policy_and_masks_its_own_tokens() -> None:
+    policy = ScriptedPolicy(["calc(3*4)", "calc(12+5)", "\\boxed{17}<eos>"])
+    s = sample_with(policy, calculator.generate, Problem("3*4+5=", "17"))
+    assert text_of(s) == "calc(3*4)=12 calc(12+5)=17 \\boxed{17}<eos>"
+    assert text_of(s, policy_only=True) == "calc(3*4)calc(12+5)\\boxed{17}<eos>"
+    assert text_of(s, policy_only=False) == "=12 =17 "
+    assert s.output_logprobs == [-0.5 if m else 0.0 for m in s.output_mask()]
+    assert s.meta["turns"] == 3 and s.meta["tool_calls"] == 2 and s.meta["tool_failures"] == 0
+    assert s.meta["policy_tokens"] + s.meta["environment_tokens"] == len(s.output_ids) and "truncated" not in s.meta
+    # every turn continued the transcript, asking only for the routing of its new positions
+    (first, _), (second, from2), (third, from3) = policy.requests
+    assert second[: len(first)] == first and from2 == len(first) + len(ids("calc(3*4)")) - 1
+    assert from3 == len(second) + len(ids("calc(12+5)")) - 1
+    assert torch.equal(s.routed_experts[:, 0, 0], torch.arange(len(s.prompt_ids) + len(s.output_ids) - 1, dtype=torch.int32))
+
+
+def test_tool_errors_go_back_as_text_and_limits_truncate() -> None:
+    for expression, why in (("1/0", "division by zero"), ("2**3", "unsupported Pow"), ("x", "unsupported Name")):
+        with pytest.raises(calculator.ToolError, match=why):
+            calculator.evaluate(expression)
+    assert calculator.evaluate("7//2 + 7%2 - -1") == 5 and calculator.format_result(7 / 2) == "3.5"
+    s = sample_with(ScriptedPolicy(["calc(3*+)", "calc(99999999*99999999)", "\\boxed{0}"]), calculator.generate, Problem("1=", "1"))
+    assert text_of(s, policy_only=False) == "=error: not an expression =error: result too large "
+    assert s.meta["tool_failures"] == 2 and s.meta["tool_calls"] == 2
+    looping = sample_with(ScriptedPolicy(["calc(1+1)"]), calculator.generate, Problem("1=", "1"), max_turns=3)
+    assert looping.meta["turns"] == 3 and looping.meta["tool_calls"] == 2 and looping.meta["truncated"] == "turns"
+    assert looping.output_mask()[-1] == 1  # the last call's result is not appended: nothing follows it
+    budget = sample_with(ScriptedPolicy(["calc(1+1)"]), calculator.generate, Problem("1=", "1"), max_output_tokens=14)
+    assert budget.meta["truncated"] == "tokens" and len(budget.output_ids) <= 14
+
+
+def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> None:
+    from moe_rl.rewards import RewardScorer, RewardSpec
+    from moe_rl.trainer.experience import generate_and_score, multi_turn_scalars
+    from moe_rl.data.prompts import PromptFormatter
+
+    policy = ScriptedPolicy(["\\boxed{2}<eos>"])
+    sampler = MultiTurnSampler(policy, multi_turn_fns.sometimes_fails, TOKENIZER, kwargs={}, timeout_s=30, max_concurrency=4)
+    problems = [Problem("1+1=", "2"), Problem("1+2=", "3")]
+    scorer = RewardScorer([RewardSpec("format", "format", 1.0, {})])
+    sampled = generate_and_score(problems, PromptFormatter(TOKENIZER), sampler, scorer, PARAMS, 2, seed=1, return_routing=True)
+    failed = [FAILED in s.meta for s in sampled.samples]
+    assert failed == [False, False, True, True]
+    assert sampled.rewards.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # the same response scores 1 when its environment worked
+    for s in sampled.samples[2:]:  # what the failed turn sampled is kept as context, never trained on
+        assert s.policy_token_count == 0 and s.output_ids == ids("\\boxed{2}<eos>") and "ConnectionError" in s.meta[FAILED]
+        assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
+    assert multi_turn_scalars(sampled.samples)["rollout/multi_turn/failed_samples"] == 2
+    hung = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.hangs, Problem("1=", "1"), timeout_s=0.2)
+    assert hung.meta[FAILED] == "TimeoutError" and hung.output_ids == [] and len(hung.routed_experts) == len(hung.prompt_ids) - 1
+
+
+def test_a_transcript_that_does_not_continue_itself_stops_the_run() -> None:
+    async def skips_a_token(problem, *, prompt_ids, engine, tokenizer, sampling):
+        t = Transcript(prompt_ids)
+        t.add_policy(await engine.generate(t.token_ids[:-1]))
+        return t
+
+    with pytest.raises(TranscriptError, match="continue the transcript"):
+        sample_with(ScriptedPolicy(["ab"]), skips_a_token, Problem("1+1=", "2"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("multi_turn_fns:not_async", "must be an async function"), ("multi_turn_fns:too_few_args", "must take \\(problem, \\*, prompt_ids, engine"),
+     ("multi_turn_fns:missing", "cannot be imported"), ("multi_turn_fns", "must be 'package.module:function'")],
+)  # fmt: skip
+def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"rollout.generate_fn={spec}"])
+    with pytest.raises(ConfigError, match="not set"):
+        load_config(None, ["rollout.generate_kwargs.max_turns=3"])
+    cfg = load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"])
+    assert cfg.rollout.generate_kwargs == {"max_turns": 3}
+    with pytest.raises(ConfigError, match="max_turnz"):
+        load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turnz=3"])
+
+
+def multi_turn_experience() -> Experience:
+    """Two transcripts: policy / environment / policy tokens, and a failed one (all context)."""
+    a = Transcript(ids("1+2="))
+    a.add_policy(_turn(a, "calc(", [-0.3, -0.2, -0.1, -0.4, -0.5]))
+    a.add_environment(ids("=3 "))
+    a.add_policy(_turn(a, "3<eos>", [-0.6, -0.7]))
+    b = Transcript(ids("4+4="))
+    b.add_policy(_turn(b, "8", [-0.9]))
+    samples = [a.to_sample(0), b.to_sample(1), Sample(ids("5="), ids("xy"), [0.0, 0.0], "abort", "0", 2, loss_mask=[0, 0])]
+    return Experience(samples, torch.zeros(3, 1), ["r"], torch.tensor([1.0, -0.5, 2.0]))
+
+
+def _turn(t: Transcript, text: str, logprobs: list[float]):
+    from moe_rl.rollout.multi_turn import Turn
+
+    return Turn(t.token_ids, ids(text), logprobs, "stop", "0")
+
+
+def test_the_loss_counts_the_policys_tokens_only() -> None:
+    """GRPO's loss and counts from multi-turn samples equal a hand computation that walks
+    each transcript's tokens and skips what the environment inserted."""
+    exp = multi_turn_experience()
+    assert exp.num_response_tokens == 5 + 2 + 1 and exp.num_responses == 2
+    batch = build_train_batch(exp, 0, fixed_plan([0, 1, 2], 3, 3), seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)
+    mb = batch.micro_batches[0]
+    logp = -torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(0))
+    old = logp - 0.3 * torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(1))
+    mb.old_logp = old
+    loss, metrics = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)(torch.stack([logp, torch.zeros_like(logp)], -1), mb)
+    hand, count = 0.0, 0
+    for row, s in enumerate(exp.samples):
+        for k, (token, policy) in enumerate(zip(s.output_ids, s.output_mask())):
+            position = len(s.prompt_ids) - 1 + k  # the log-prob of output token k
+            if policy:
+                ratio = float((logp[row, position] - old[row, position]).exp())
+                a = float(exp.advantages[row])
+                hand += -min(ratio * a, min(max(ratio, 0.8), 1.2) * a)
+                count += 1
+                assert float(mb.rollout_logp[row, position]) == pytest.approx(s.output_logprobs[k])
+            else:
+                assert float(mb.mask[row, position]) == 0 and float(mb.rollout_logp[row, position]) == 0
+    assert count == batch.num_tokens == 8 and float(metrics["tokens"]) == 8
+    assert float(loss) == pytest.approx(hand / count, rel=1e-5)
+    ref, _ = policy_loss("grpo", logp, old, mb.advantages, mb.mask, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+    torch.testing.assert_close(loss, ref)
+    # the environment's tokens as input positions (routing metrics report them apart)
+    env = mb.environment_tokens[0]
+    p = len(exp.samples[0].prompt_ids)
+    assert env.nonzero().flatten().tolist() == list(range(p + 5, p + 5 + len(ids("=3 "))))
+    assert float(mb.environment_tokens[2].sum()) == 2 and float(mb.environment_tokens[1].sum()) == 0
+
+
+def test_trailing_environment_tokens_are_left_out() -> None:
+    t = Transcript(ids("1="))
+    t.add_policy(_turn(t, "ab", [-1.0, -1.0]))
+    t.add_environment(ids(" done"))
+    s = t.to_sample(0)
+    assert s.output_ids == ids("ab") and s.loss_mask == [1, 1]
+
+
+# ------------------------------------------------------------------ on the built-in model
+
+
+@pytest.fixture(scope="module")
+def local_engine(demo_cache):
+    from moe_rl.rollout.local import LocalEngine
+
+    return LocalEngine(demo_model_dir(demo_cache))
+
+
+def test_one_turn_equals_the_single_turn_rollout(local_engine) -> None:
+    """A function that makes one engine call gets the samples the default rollout gets:
+    tokens, log-probs and routed experts (the local engine batches the concurrent turns)."""
+    tokenizer = TOKENIZER
+    problems = ArithmeticChainTask(9).problems(0, 0, 3)
+    prompts = [ids(p.prompt) for p in problems]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+    single = SingleTurnSampler(local_engine).sample(problems, prompts, 4, params, seed=11, routed=True)
+    multi = MultiTurnSampler(local_engine, multi_turn_fns.one_turn, tokenizer, kwargs={}, timeout_s=60, max_concurrency=8)
+    turned = multi.sample(problems, prompts, 4, params, seed=11, routed=True)
+    for a, b in zip((s for g in single for s in g), (s for g in turned for s in g)):
+        assert (a.output_ids, a.seed, a.finish_reason) == (b.output_ids, b.seed, b.finish_reason)
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-6)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert b.loss_mask == [1] * len(b.output_ids) and b.meta["turns"] == 1
+
+
+def test_multi_turn_routing_is_the_engines_for_every_token(local_engine) -> None:
+    """The routing a two-turn sample carries (the second turn's prefill of the first turn's
+    and the environment's tokens) equals the engine's router on the whole sequence."""
+    from moe_rl.routing.hf_routing import transformers_routing
+
+    problems = ArithmeticChainTask(9).problems(1, 0, 2)
+    prompts = [ids(p.prompt) for p in problems]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    multi = MultiTurnSampler(local_engine, multi_turn_fns.two_turns, TOKENIZER, kwargs={}, timeout_s=60, max_concurrency=8)
+    samples = [s for g in multi.sample(problems, prompts, 4, params, seed=5, routed=True) for s in g]
+    two = [s for s in samples if s.meta["turns"] == 2]
+    assert two and all(s.loss_mask[: 3 + len(ids(" ok "))] == [1] * 3 + [0] * len(ids(" ok ")) for s in two)
+    for s in samples:
+        sequence = torch.tensor([s.prompt_ids + s.output_ids])
+        experts, _ = transformers_routing(local_engine.model, sequence[:, :-1])
+        assert torch.equal(s.routed_experts.long(), experts[0].long())
+
+
+def train(cache: str, run_dir: Path, *overrides: str) -> dict[int, dict]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    args = [sys.executable, "-m", "moe_rl.cli", "train", *WARM_START, f"warm_start.cache_dir={cache}", f"train.run_dir={run_dir}",
+            "train.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4", *overrides]  # fmt: skip
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(args, stdout=log, stderr=log, timeout=400, env=env).returncode
+    assert rc == 0, run_dir.with_suffix(".log").read_text()[-3000:]
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def assert_multi_turn_r3(rows: dict[int, dict]) -> None:
+    for row in rows.values():
+        assert row["rollout/multi_turn/turns_mean"] > 1 and row["rollout/multi_turn/environment_tokens_mean"] > 0
+        assert row["routing/train_vs_rollout/changed_frac/mean"] == 0  # R3: every token routed as the engine did
+        assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0
+        assert row["routing/train_vs_rollout/logp_mismatch/mean"] < 1e-3
+        assert abs(row["train/loss"]) < 10
+
+
+def test_multi_turn_r3_training_on_the_local_engine(demo_cache, tmp_path) -> None:
+    rows = train(demo_cache, tmp_path / "local", "train.steps=2", "routing.replay=r3", "rollout.generate_fn=multi_turn_fns:two_turns",
+                 "rollout.max_new_tokens=4")  # fmt: skip
+    assert_multi_turn_r3(rows)
+
+
+def test_multi_turn_r3_training_against_an_sglang_server(demo_cache, stand_in_sglang, tmp_path) -> None:
+    from conftest import demo_weights_on
+
+    url = demo_weights_on(stand_in_sglang, demo_cache)
+    rows = train(demo_cache, tmp_path / "sglang", "train.steps=2", "routing.replay=r3", "rollout.generate_fn=multi_turn_fns:two_turns",
+                 "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", "rollout.weight_sync=disk")  # fmt: skip
+    assert_multi_turn_r3(rows)
