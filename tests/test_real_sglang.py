@@ -34,10 +34,13 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_
          "algorithm.micro_batch_size=8", *WARM_START]  # fmt: skip
 
 
-def moe_rl(*args: str, log: Path, timeout: int = 400) -> int:
+def moe_rl(*args: str, log: Path, timeout: int = 400, tests_importable: bool = False) -> int:
     """``moe-rl ARGS`` with its output in ``log`` (a file: the tensor sync's shared-memory
-    manager outlives the trainer while the server holds its connection, so a pipe would hang)."""
+    manager outlives the trainer while the server holds its connection, so a pipe would hang);
+    ``tests_importable``: ``tests/`` on its ``PYTHONPATH`` (for the test generate functions)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if tests_importable:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     with open(log, "w") as out:
         return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], stdout=out, stderr=out, timeout=timeout, env=env).returncode
 
@@ -172,6 +175,28 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
             _a_killed_server_is_a_rollout_error(fresh)
         finally:
             fresh.stop()
+
+
+def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp_path):
+    """Two policy turns around inserted tokens (tests/multi_turn_fns.py): each later turn
+    asks for the routing of its new positions only (the prefix comes from the cache);
+    joined, they are every trained token's routing: R3's train-vs-rollout change is 0 on
+    the policy's and the environment's tokens."""
+    url = demo_weights_on(real_sglang, demo_cache)
+    run = tmp_path / "run"
+    code = moe_rl("train", *SMALL, f"warm_start.cache_dir={demo_cache}", f"train.run_dir={run}", "train.steps=2",
+                  "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", "rollout.weight_sync=disk", "routing.replay=r3",
+                  "rollout.generate_fn=multi_turn_fns:two_turns", log=tmp_path / "train.log", tests_importable=True)  # fmt: skip
+    assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
+    metrics = rows(run)
+    for step in (1, 2):
+        row = metrics[step]
+        assert row["rollout/multi_turn/turns_mean"] > 1 and row["rollout/multi_turn/environment_tokens_mean"] > 0
+        assert row["routing/train_vs_rollout/changed_frac/mean"] == 0.0
+        assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0.0
+        assert row["train/logp_mismatch_mean"] < 2e-2  # bf16 server vs fp32 trainer
+    print(f"\n[real sglang] multi-turn r3: turns {[metrics[s]['rollout/multi_turn/turns_mean'] for s in (1, 2)]}, "
+          f"log-prob mismatch mean {[metrics[s]['train/logp_mismatch_mean'] for s in (1, 2)]}")
 
 
 def _a_killed_server_is_a_rollout_error(server) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from conftest import demo_weights_on
 from moe_rl.routing.encoding import decode_routed_experts
@@ -48,6 +49,20 @@ def test_routed_experts_cover_every_position_but_the_last(server):
     experts = decode_routed_experts(reply["meta_info"]["routed_experts"], 2, 2)  # the built-in model: 2 layers, top-2 of 8
     assert experts.shape == (len(PROMPT) + len(reply["output_ids"]) - 1, 2, 2)
     assert int(experts.min()) >= 0 and int(experts.max()) < 8 and bool((experts[..., 0] != experts[..., 1]).all())
+
+
+def test_routed_experts_from_a_start_position(server):
+    """``routed_experts_start_len`` (what a multi-turn client asks for after its first
+    turn): the rows from that position on; past the input, the request is aborted."""
+    full = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}).json()
+    part = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
+                                      "routed_experts_start_len": 3}).json()  # fmt: skip
+    whole, tail = (decode_routed_experts(r["meta_info"]["routed_experts"], 2, 2) for r in (full, part))
+    assert part["output_ids"] == full["output_ids"] and torch.equal(tail, whole[3:])
+    refused = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
+                                         "routed_experts_start_len": len(PROMPT) + 1}).json()  # fmt: skip
+    assert refused["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "routed_experts_start_len" in refused["meta_info"]["finish_reason"]["message"]
 
 
 def test_a_list_of_prompts_gets_a_list_of_replies(server):

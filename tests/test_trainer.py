@@ -307,9 +307,9 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps] (tests/trainer_layouts_worker.py)
     1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
-        "one-async3:1,1,1,1:r3+async:3", *FAMILY_RUNS],
+        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", *FAMILY_RUNS],
     # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
-    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn"],
+    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn", "ep2-mt:1,1,2,1:mt"],
     4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
 }
 
@@ -372,6 +372,9 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
     row, ref_row = rows(layout_runs / run)[1], rows(layout_runs / f"one-{variant}")[1]
     if variant == "r2":  # the update pass used the recorded experts (the logged row has the routing tags)
         assert row["routing/replayed/changed_frac/mean"] == 0.0
+    if variant == "mt":  # environment tokens went to each rank with their samples' loss masks
+        assert row["rollout/multi_turn/environment_tokens_mean"] == ref_row["rollout/multi_turn/environment_tokens_mean"] > 0
+        assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0.0
     # train-inference drift, and the rollout mismatch split by it, gathered over the layout's token slices
     assert row["routing/train_vs_rollout/changed_frac/mean"] == ref_row["routing/train_vs_rollout/changed_frac/mean"]
     assert row["routing/train_vs_rollout/logp_mismatch/mean"] == pytest.approx(got["train/logp_mismatch_mean"], rel=1e-6, abs=1e-12)
