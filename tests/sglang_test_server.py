@@ -5,8 +5,8 @@ client relies on: HTTP 400 for unknown ``sampling_params`` keys; tensor/distribu
 weight updates only between ``/begin_weight_update`` and ``/end_weight_update``;
 ``output_token_logprobs`` as ``[logprob, token_id, text]``; ``finish_reason`` objects;
 ``routed_experts`` as base64 int32 ``[prompt + output - 1, num_layers, top_k]``
-(only with ``--enable-return-routed-experts``), from ``routed_experts_start_len`` (a
-request aborted when it exceeds the input); seed 42 for requests without
+(only with ``--enable-return-routed-experts``), from ``routed_experts_start_len`` (HTTP 400
+when it exceeds the input); seed 42 for requests without
 ``sampling_seed`` under ``--enable-deterministic-inference``. ``--precision bf16`` (not an
 SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
 so that its routing and log-probs drift from the trainer's as a real engine's do.
@@ -216,9 +216,9 @@ class Handler(BaseHTTPRequestHandler):
         if body.get("return_routed_experts") and not st.args.enable_return_routed_experts:
             return 400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}}
         start_len = int(body.get("routed_experts_start_len") or 0)
-        if body.get("return_routed_experts") and not 0 <= start_len <= len(ids):  # SGLang aborts the request
-            why = f"routed_experts_start_len={start_len} is outside [0, {len(ids)}] (the number of input tokens)"
-            return 200, {"text": "", "output_ids": [], "meta_info": {"id": body.get("rid") or "", "finish_reason": {"type": "abort", "message": why}}}
+        if body.get("return_routed_experts") and not 0 <= start_len <= len(ids):  # as SGLang 0.5.23 words it
+            why = f"recv_req.routed_experts_start_len={start_len} is higher than the number of input tokens len(req.origin_input_ids)={len(ids)}."
+            return 400, {"error": {"message": why}}
         seed = sp.get("sampling_seed")
         if seed is None:
             seed = 42 if st.args.enable_deterministic_inference else int(time.time_ns() % (2**31))

@@ -53,16 +53,15 @@ def test_routed_experts_cover_every_position_but_the_last(server):
 
 def test_routed_experts_from_a_start_position(server):
     """``routed_experts_start_len`` (what a multi-turn client asks for after its first
-    turn): the rows from that position on; past the input, the request is aborted."""
+    turn): the rows from that position on; past the input, HTTP 400."""
     full = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}).json()
     part = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
                                       "routed_experts_start_len": 3}).json()  # fmt: skip
     whole, tail = (decode_routed_experts(r["meta_info"]["routed_experts"], 2, 2) for r in (full, part))
     assert part["output_ids"] == full["output_ids"] and torch.equal(tail, whole[3:])
     refused = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
-                                         "routed_experts_start_len": len(PROMPT) + 1}).json()  # fmt: skip
-    assert refused["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "routed_experts_start_len" in refused["meta_info"]["finish_reason"]["message"]
+                                         "routed_experts_start_len": len(PROMPT) + 1})  # fmt: skip
+    assert refused.status_code == 400 and "routed_experts_start_len" in refused.json()["error"]["message"]
 
 
 def test_a_list_of_prompts_gets_a_list_of_replies(server):
