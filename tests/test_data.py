@@ -125,13 +125,14 @@ class ScriptedEngine(RolloutEngine):
 
 def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str):
     from moe_rl.trainer.experience import ExperienceCollector
+    from moe_rl.rollout.multi_turn import SingleTurnSampler
     from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
 
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers] + ["not json"])
     cfg = load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4", f"data.task={data}",
                              "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]", *overrides])  # fmt: skip
     engine = ScriptedEngine(tokenizer)
-    collector = ExperienceCollector(cfg, make_task(data), PromptFormatter(tokenizer), engine, build_scorer(cfg),
+    collector = ExperienceCollector(cfg, make_task(data), PromptFormatter(tokenizer), engine, SingleTurnSampler(engine), build_scorer(cfg),
                                     sampling_params(cfg, tokenizer.eos_token_id), return_routing=False)  # fmt: skip
     return collector, engine
 
@@ -186,7 +187,7 @@ def test_evaluator_scores_held_out_problems(tmp_path: Path, tokenizer) -> None:
 
     collector, engine = collector_for(tmp_path, tokenizer, [0, 1, 2, 3, 4])
     problems = collector.task.eval_problems(0)
-    evaluator = Evaluator(problems, collector.formatter, engine, collector.scorer, collector.sampling, samples=4,
+    evaluator = Evaluator(problems, collector.formatter, collector.sampler, collector.scorer, collector.sampling, samples=4,
                           solved_reward="correct", prompts_per_request=2, progress=False)  # fmt: skip
     scalars = evaluator.run()
     assert engine.calls == [["q0=", "q1="], ["q2=", "q3="], ["q4="]]

@@ -162,6 +162,8 @@ def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message
         load_config(None, ["rollout.generate_kwargs.max_turns=3"])
     cfg = load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"])
     assert cfg.rollout.generate_kwargs == {"max_turns": 3}
+    shipped = load_config(str(TESTS.parent / "configs" / "multi_turn" / "calculator.yaml"), [])
+    assert shipped.rollout.generate_fn == "moe_rl.environments.calculator:generate" and shipped.data.task == "arithmetic_chain"
     with pytest.raises(ConfigError, match="max_turnz"):
         load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turnz=3"])
 

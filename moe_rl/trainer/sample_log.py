@@ -1,0 +1,87 @@
+"""What the model sampled, where a user can read it: a few prompts with their responses,
+rewards and advantages per step in ``samples.jsonl`` and TensorBoard's text tab, and a
+warning when the rewards have told the policy nothing for several steps in a row."""
+
+from __future__ import annotations
+
+import html
+import logging
+from dataclasses import dataclass
+
+from moe_rl.trainer.batch import Experience
+
+log = logging.getLogger("moe_rl.train")
+SAMPLES_TAG = "samples"  # TensorBoard text tag
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One sample as text (a line of ``samples.jsonl``)."""
+
+    step: int
+    index: int  # in the step's batch (group members are contiguous)
+    prompt: str
+    response: str
+    rewards: dict[str, float]
+    advantage: float
+    finish_reason: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size: int) -> list[SampleRecord]:
+    """The first sample of each of the first ``count`` groups (different prompts), decoded
+    with special tokens kept (what the model saw and wrote)."""
+    indices = list(range(0, len(exp.samples), group_size))[:count]
+    records = []
+    for i in indices:
+        s = exp.samples[i]
+        records.append(SampleRecord(
+            step=step, index=i, prompt=tokenizer.decode(s.prompt_ids), response=tokenizer.decode(s.output_ids),
+            rewards={name: round(float(v), 6) for name, v in zip(exp.reward_names, exp.rewards[i].tolist())},
+            advantage=round(float(exp.advantages[i]), 6), finish_reason=s.finish_reason,
+        ))  # fmt: skip
+    return records
+
+
+def samples_markdown(records: list[SampleRecord]) -> str:
+    """A Markdown table for TensorBoard's text tab."""
+    if not records:
+        return ""
+    names = list(records[0].rewards)
+    head = "| prompt | response | " + " | ".join(names) + " | advantage |\n|" + "---|" * (len(names) + 3) + "\n"
+    cell = lambda text: html.escape(text).replace("|", "\\|").replace("\n", "<br>") or " "  # noqa: E731
+    rows = [
+        f"| {cell(r.prompt)} | {cell(r.response)} | " + " | ".join(f"{r.rewards[n]:.3g}" for n in names) + f" | {r.advantage:+.3g} |"
+        for r in records
+    ]
+    return head + "\n".join(rows)
+
+
+class FlatRewardWatch:
+    """Warns once when every sample of ``patience`` consecutive steps got the same total
+    reward (all 0, or all equal): the policy then gets no signal, and the cause is rarely
+    the algorithm."""
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience
+        self.in_a_row = 0
+        self.warned = False
+
+    def observe(self, step: int, totals: list[float], max_new_tokens: int) -> bool:
+        """Whether this step's ``totals`` make the warning fire (it fires once per run)."""
+        flat = len(set(round(t, 9) for t in totals)) <= 1
+        self.in_a_row = self.in_a_row + 1 if flat else 0
+        if self.warned or not self.patience or self.in_a_row < self.patience:
+            return False
+        self.warned = True
+        value = totals[0] if totals else 0.0
+        log.warning(
+            "steps %d-%d: every sample scored %s: the policy learns nothing from equal rewards. Likely causes: the prompt "
+            "format (does the model answer this data.prompt_template / chat template?), rollout.max_new_tokens=%d "
+            "(long enough for an answer?), the reward functions (do they parse this answer format? data.answer_key?). "
+            "Read what it sampled in samples.jsonl or TensorBoard's text tab.",
+            step - self.in_a_row + 1, step, f"{value:g}" if value else "0", max_new_tokens,
+        )  # fmt: skip
+        return True
