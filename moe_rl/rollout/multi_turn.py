@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -31,7 +30,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, sample_seed
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -239,17 +238,7 @@ class MultiTurnSampler:
 
     async def _sample_all(self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool) -> list[list[Sample]]:
         async with self.engine.turns(return_routed_experts=routed, max_concurrency=self.max_concurrency) as source:
-            tasks = [
-                [asyncio.create_task(self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed)) for j in range(n)]
-                for i in range(len(prompts))
-            ]  # fmt: skip
-            try:
-                return [[await t for t in group] for group in tasks]
-            except BaseException:
-                for t in itertools.chain.from_iterable(tasks):
-                    t.cancel()
-                await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
-                raise
+            return await run_groups(lambda i, j: self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed), len(prompts), n)
 
     async def _one(self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool) -> Sample:
         handle = EngineHandle(source, params, seed)

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 import httpx
 from torch import Tensor
 
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, sample_seed
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
 from moe_rl.routing.encoding import decode_routed_experts
 
 log = logging.getLogger(__name__)
@@ -104,17 +104,7 @@ class SGLangEngine(RolloutEngine):
         semaphore = asyncio.Semaphore(self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             request = functools.partial(self._request, client, semaphore, params=params, routed=routed, expected_version=expected_version)
-            tasks = [
-                [asyncio.create_task(request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}")) for j in range(n)]
-                for i in range(len(prompts))
-            ]  # fmt: skip
-            try:
-                return [[await t for t in group] for group in tasks]
-            except BaseException:
-                for t in itertools.chain.from_iterable(tasks):
-                    t.cancel()
-                await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
-                raise
+            return await run_groups(lambda i, j: request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}"), len(prompts), n)
 
     async def _request(
         self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, prompt: Sequence[int], seed: int, *, params: SamplingParams,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncContextManager, Mapping, Protocol, Sequence
+from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from torch import Tensor
 
@@ -128,3 +130,19 @@ class RolloutEngine(ABC):
 def sample_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
     """Distinct per sample within a call; distinct across calls with different ``seed``."""
     return (seed * 1_000_003 + prompt_index * n + sample_index) % (2**31 - 1)
+
+
+T = TypeVar("T")
+
+
+async def run_groups(make: Callable[[int, int], Awaitable[T]], groups: int, n: int) -> list[list[T]]:
+    """``result[i][j] = await make(i, j)``, all at once; if one fails, the rest are
+    cancelled (and awaited) before the error propagates."""
+    tasks = [[asyncio.ensure_future(make(i, j)) for j in range(n)] for i in range(groups)]
+    try:
+        return [[await t for t in group] for group in tasks]
+    except BaseException:
+        for t in itertools.chain.from_iterable(tasks):
+            t.cancel()
+        await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
+        raise
