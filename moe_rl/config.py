@@ -203,6 +203,8 @@ class TrainConfig:
     # rank collects a step's rollouts (DAPO rounds of long samples) or evaluates
     collective_timeout_min: float = 180.0
     eval_every: int = 0  # with data.eval_task: evaluate before training, every N steps and at the end (0: only at the end)
+    log_samples: int = 4  # prompts per step whose first sample (prompt, response, rewards, advantage) goes to samples.jsonl and TensorBoard's text tab
+    flat_reward_steps: int = 3  # warn when every sample got the same rewards this many steps in a row (0: never)
 
 
 @dataclass
@@ -598,5 +600,7 @@ def _validate_training(c: Config) -> None:
     _positive("train.max_skipped_updates", c.train.max_skipped_updates)
     _positive("train.collective_timeout_min", c.train.collective_timeout_min)
     _positive("train.eval_every", c.train.eval_every, allow_zero=True)
+    _positive("train.log_samples", c.train.log_samples, allow_zero=True)
+    _positive("train.flat_reward_steps", c.train.flat_reward_steps, allow_zero=True)
     if not c.train.run_dir:
         raise ConfigError("train.run_dir is empty")

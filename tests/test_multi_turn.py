@@ -5,7 +5,6 @@ training end to end on the local engine and an SGLang server."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -22,7 +21,7 @@ from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.data.tasks import ArithmeticChainTask, Problem
 from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
-from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError, load_generate_fn
+from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
 from moe_rl.trainer.batch import Experience, build_train_batch
 from moe_rl.trainer.objective import PolicyObjective

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from moe_rl.config import DataConfig
 
 PROMPT_FIELD = "{prompt}"
+CHAT_TEXT_HINT = "a message's text (e.g. prompt.-1.content: the last message of the prompt field)"
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class PromptFormatter:
     def __post_init__(self) -> None:
         check_prompt_settings(self.template, self.system_prompt, self.chat_template)
         if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("data.chat_template=true, but the model's tokenizer has no chat template")
+            raise ValueError(
+                "data.chat_template=true, but the model's tokenizer has no chat template: add one (\"chat_template\" in its "
+                f"tokenizer_config.json, e.g. its instruct variant's), or set data.chat_template=false and point data.prompt_key at {CHAT_TEXT_HINT}"
+            )
 
     @classmethod
     def from_config(cls, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptFormatter:
@@ -44,7 +48,7 @@ class PromptFormatter:
         """The prompt as text (chat template applied when on)."""
         if not self.chat_template:
             if problem.messages is not None:
-                raise ValueError("this problem is a chat (a list of messages): set data.chat_template=true")
+                raise ValueError(f"this problem is a chat (a list of messages): set data.chat_template=true, or point data.prompt_key at {CHAT_TEXT_HINT}")
             return self.template.replace(PROMPT_FIELD, problem.prompt)
         messages = list(problem.messages or [{"role": "user", "content": self.template.replace(PROMPT_FIELD, problem.prompt)}])
         if self.system_prompt and not any(m["role"] == "system" for m in messages):

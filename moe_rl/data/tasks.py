@@ -10,9 +10,11 @@ or a list of chat messages (``[{"role": "user", "content": ...}]``, as verl's da
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -24,6 +26,9 @@ ARITHMETIC_CHAIN = "arithmetic_chain"  # a*b+c: a multi-step task for the calcul
 BUILT_IN_TASKS = (ARITHMETIC, ARITHMETIC_CHAIN)
 EVAL_SEED = 0x5EED  # the built-in task's held-out problems
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+SKIPS_LOGGED = 5  # rows whose skipping is logged one by one (the rest are counted)
+PROMPT_NAMES = ("prompt", "question", "problem", "input", "query", "instruction", "messages")
+ANSWER_NAMES = ("answer", "ground_truth", "solution", "label", "target", "output", "final_answer")
 
 
 @dataclass(frozen=True)
@@ -94,15 +99,32 @@ class DatasetTask:
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.items: list[Problem] = []
         self.skipped: list[str] = []  # "where: why" of every row left out
+        first_row = None
         for where, row in read_rows(spec, self._skip):
+            first_row = row if first_row is None else first_row
             problem = self._problem(row)
             if isinstance(problem, str):
                 self._skip(f"{where}: {problem}")
             else:
                 self.items.append(problem)
+        if len(self.skipped) > SKIPS_LOGGED:
+            log.warning("... %d more rows skipped (%d of the %d rows read)", len(self.skipped) - SKIPS_LOGGED, len(self.skipped),
+                        len(self.skipped) + len(self.items))  # fmt: skip
         if not self.items:
-            raise ValueError(f"{spec} holds no usable problems ({len(self.skipped)} rows skipped)")
+            raise ValueError(f"{spec} holds no usable problems ({len(self.skipped)} rows skipped){self._fields_hint(first_row)}")
         self.holds_messages = any(p.messages is not None for p in self.items)
+
+    def _fields_hint(self, row: Any) -> str:
+        """What the first row holds, and the keys that would likely work."""
+        if not isinstance(row, dict):
+            return ""
+        fields = row_fields(row)
+        hints = []
+        for setting, key, names in (("data.prompt_key", self.prompt_key, PROMPT_NAMES), ("data.answer_key", self.answer_key, ANSWER_NAMES)):
+            if field_of(row, key) is None:
+                guess = suggest_field(key, fields, names)
+                hints.append(f"{setting}={key!r} is not among them" + (f" (try {setting}={guess})" if guess else ""))
+        return f"; its rows hold the fields {', '.join(fields)}" + (": " + "; ".join(hints) if hints else "")
 
     def _problem(self, row: Any) -> Problem | str:
         """The row's problem, or why it has none."""
@@ -119,7 +141,7 @@ class DatasetTask:
         return f'needs a non-empty prompt (text or chat messages) in "{self.prompt_key}"'
 
     def _skip(self, why: str) -> None:
-        if len(self.skipped) < 20:
+        if len(self.skipped) < SKIPS_LOGGED:
             log.warning("skipping %s", why)
         self.skipped.append(why)
 
@@ -138,13 +160,39 @@ class DatasetTask:
 
 
 def field_of(row: dict, key: str) -> Any:
-    """``row[key]``, following dots into nested mappings (``None`` when missing)."""
+    """``row[key]``, following dots into nested mappings and, for a number, into lists
+    (``prompt.-1.content``: the last message's text); ``None`` when missing."""
     value: Any = row
     for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and re.fullmatch(r"-?\d+", part) and -len(value) <= int(part) < len(value):
+            value = value[int(part)]
+        else:
             return None
-        value = value[part]
     return value
+
+
+def row_fields(row: dict, prefix: str = "", depth: int = 3) -> list[str]:
+    """The dotted keys of a row's fields (nested mappings followed ``depth`` deep; a chat
+    is shown as one field)."""
+    out = []
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and depth > 1:
+            out += row_fields(value, f"{name}.", depth - 1)
+        else:
+            out.append(name + (" (chat messages)" if _is_chat(value) else ""))
+    return out
+
+
+def suggest_field(key: str, fields: list[str], likely: tuple[str, ...]) -> str | None:
+    """The field most like ``key`` by name, or one whose last part is a ``likely`` name."""
+    plain = [f.split(" ")[0] for f in fields]
+    close = difflib.get_close_matches(key, plain, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    return next((f for f in plain if f.rsplit(".", 1)[-1].lower() in likely), None)
 
 
 def _is_chat(value: Any) -> bool:

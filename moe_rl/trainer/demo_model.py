@@ -16,6 +16,7 @@ import torch
 
 from moe_rl.config import Config
 from moe_rl.data.tasks import ArithmeticTask
+from moe_rl.data.tokenizer import REVISION as TOKENIZER_REVISION
 from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
 from moe_rl.models.tiny import save_tiny_checkpoint, tiny_config
 from parallel.collectives import barrier, broadcast_object, data_parallel_share, is_first_rank
@@ -24,7 +25,8 @@ from parallel.collectives import barrier, broadcast_object, data_parallel_share,
 def demo_model_dir(cfg: Config) -> Path:
     # not the parallel layout: every layout trains the same model (the warm start itself runs
     # under whichever layout asks first; layouts differ only by float error)
-    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__}, sort_keys=True)
+    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__,
+                      "tokenizer": TOKENIZER_REVISION}, sort_keys=True)  # fmt: skip
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch import Tensor
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
 from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
+from moe_rl.trainer.sample_log import SAMPLES_TAG, SampleRecord, samples_markdown
 from parallel.collectives import all_reduce, reports_loss
 
 
@@ -98,6 +100,31 @@ def log_ratio_values(outputs: list[dict]) -> Tensor | None:
     return torch.cat(values).cpu() if values else None
 
 
+def step_line(step: int, total: int, scalars: dict[str, float], *, short: bool = False) -> str:
+    """``step 3/30  reward 0.412  loss -0.0213  pass@1 ...  1.2 s``: one line per step."""
+    parts = [] if short else [f"step {step}/{total}"]
+    for tag, name, fmt in ((tags.REWARD_TOTAL, "reward", ".3f"), (tags.TRAIN_LOSS, "loss", ".4g"), (tags.TRAIN_CLIP_FRAC, "clip", ".3f"),
+                           (tags.RESPONSE_LENGTH_MEAN, "length", ".1f")):  # fmt: skip
+        if tag in scalars:
+            parts.append(f"{name} {scalars[tag]:{fmt}}")
+    if tags.PERF_STEP_TIME in scalars and not short:
+        parts.append(f"{scalars[tags.PERF_STEP_TIME]:.1f}s")
+    return "  ".join(parts)
+
+
+def eval_table(step: int, scalars: dict[str, float]) -> str:
+    """The held-out evaluation in ``scalars`` (if any) as a two-line table."""
+    keys = [k for k in scalars if k.startswith("eval/") and k != tags.EVAL_PROMPTS]
+    if not keys:
+        return ""
+    names = [k.split("/", 1)[1] for k in keys]
+    widths = [max(len(n), 6) for n in names]
+    head = "  ".join(n.rjust(w) for n, w in zip(names, widths))
+    values = "  ".join(f"{scalars[k]:.3f}".rjust(w) for k, w in zip(keys, widths))
+    prompts = int(scalars.get(tags.EVAL_PROMPTS, 0))
+    return f"eval after step {step} ({prompts} held-out prompts):\n  {head}\n  {values}"
+
+
 class StepLogger:
     """Logs of a run that starts (or resumes) after ``start_step`` steps: what an earlier
     attempt logged past that step (the steps it did not checkpoint) is dropped, in
@@ -105,7 +132,8 @@ class StepLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True) -> None:
         self.enabled = enabled
-        self.writer = self.bar = self.jsonl = None
+        self.run_dir, self.total_steps = run_dir, total_steps
+        self.writer = self.bar = self.jsonl = self.samples = None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -113,17 +141,27 @@ class StepLogger:
         earlier = (run_dir / "tensorboard").is_dir()  # TensorBoard then hides earlier events past start_step
         self.writer = BackgroundWriter(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None))
         _keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
+        _keep_rows_up_to(run_dir / "samples.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
         if progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]], histograms: dict[str, Tensor] | None = None) -> None:
+    def log(
+        self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]], histograms: dict[str, Tensor] | None = None,
+        samples: list[SampleRecord] = (),
+    ) -> None:  # fmt: skip
         """``routing``: :meth:`moe_rl.routing.monitor.RoutingMonitor.reduce`'s groups;
-        ``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch."""
+        ``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch;
+        ``samples`` go to ``samples.jsonl`` and TensorBoard's text tab."""
         if not self.enabled:
             return
+        if samples:
+            self.writer.add_text(SAMPLES_TAG, samples_markdown(list(samples)), step)
+            self.samples.write("".join(json.dumps(r.to_dict()) + "\n" for r in samples))
+            self.samples.flush()
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         for tag, values in (histograms or {}).items():
@@ -136,6 +174,9 @@ class StepLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{scalars.get(tags.REWARD_TOTAL, 0.0):.3f}", loss=f"{scalars.get(tags.TRAIN_LOSS, 0.0):.3f}")
+        else:
+            self._print(step_line(step, self.total_steps, scalars))
+        self._print(eval_table(step, scalars))
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         """Scalars outside a training step (the evaluation before the first)."""
@@ -146,6 +187,30 @@ class StepLogger:
         self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self.jsonl.flush()
+        self._print(eval_table(step, scalars))
+
+    def summary(self, steps_run: int, scalars: dict[str, float], checkpoint: Path | None, seconds: float) -> None:
+        """The end of a run: what it reached and where to look."""
+        if not self.enabled:
+            return
+        lines = [f"{self.run_dir.name}: {steps_run} step(s) in {seconds:.0f}s" + (f", {step_line(0, 0, scalars, short=True)}" if scalars else "")]
+        evaluation = {k: v for k, v in scalars.items() if k.startswith("eval/pass@")}
+        if evaluation:
+            lines.append("  held-out: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in evaluation.items()))
+        if checkpoint is not None:
+            lines.append(f"  checkpoint: {checkpoint}")
+        lines.append(f"  metrics: {self.run_dir / 'metrics.jsonl'}; samples: {self.run_dir / 'samples.jsonl'}")
+        lines.append(f"  TensorBoard: tensorboard --logdir {self.run_dir / 'tensorboard'}")
+        self._print("\n".join(lines))
+
+    def _print(self, text: str) -> None:
+        """A console line that keeps the progress bar intact."""
+        if not text:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def _log_routing(self, step: int, routing: dict[str, dict[str, Tensor]]) -> dict[str, float]:
         """Each group under its tags; expert load goes with old->new (same prefix)."""
@@ -172,6 +237,7 @@ class StepLogger:
             self.bar.close()
         self.writer.close()
         self.jsonl.close()
+        self.samples.close()
 
 
 class BackgroundWriter:
@@ -207,6 +273,12 @@ class BackgroundWriter:
 
     def add_figure(self, tag: str, figure: Any, step: int, close: bool = True) -> None:
         self._submit("add_figure", tag, figure, step, close=close)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self._submit("add_text", tag, text, step)
+
+    def add_custom_scalars(self, layout: dict) -> None:
+        self._submit("add_custom_scalars", layout)
 
     def flush(self) -> None:
         self._submit("flush")
@@ -253,7 +325,8 @@ class BackgroundWriter:
 
 
 def _keep_rows_up_to(path: Path, step: int) -> None:
-    """Rewrite ``metrics.jsonl`` without the rows past ``step`` (and any torn last line)."""
+    """Rewrite a JSON-lines log (``metrics.jsonl``, ``samples.jsonl``) without the rows past
+    ``step`` (and any torn last line)."""
     if not path.exists():
         return
     kept = []

@@ -60,28 +60,28 @@ def samples_markdown(records: list[SampleRecord]) -> str:
 
 
 class FlatRewardWatch:
-    """Warns once when every sample of ``patience`` consecutive steps got the same total
-    reward (all 0, or all equal): the policy then gets no signal, and the cause is rarely
-    the algorithm."""
+    """Warns once when every sample of ``patience`` consecutive steps got the same rewards
+    (all 0, or all equal): the policy then gets no signal, and the cause is rarely the
+    algorithm."""
 
     def __init__(self, patience: int) -> None:
         self.patience = patience
         self.in_a_row = 0
         self.warned = False
 
-    def observe(self, step: int, totals: list[float], max_new_tokens: int) -> bool:
-        """Whether this step's ``totals`` make the warning fire (it fires once per run)."""
-        flat = len(set(round(t, 9) for t in totals)) <= 1
+    def observe(self, step: int, rewards: list[list[float]], max_new_tokens: int) -> bool:
+        """Whether step ``step``'s rewards (one row per sample) make the warning fire (once per run)."""
+        flat = len({tuple(round(v, 9) for v in row) for row in rewards}) <= 1
         self.in_a_row = self.in_a_row + 1 if flat else 0
         if self.warned or not self.patience or self.in_a_row < self.patience:
             return False
         self.warned = True
-        value = totals[0] if totals else 0.0
+        value = ", ".join(f"{v:g}" for v in rewards[0]) if rewards else "0"
         log.warning(
-            "steps %d-%d: every sample scored %s: the policy learns nothing from equal rewards. Likely causes: the prompt "
+            "steps %d-%d: every sample got the rewards (%s): the policy learns nothing from equal rewards. Likely causes: the prompt "
             "format (does the model answer this data.prompt_template / chat template?), rollout.max_new_tokens=%d "
             "(long enough for an answer?), the reward functions (do they parse this answer format? data.answer_key?). "
             "Read what it sampled in samples.jsonl or TensorBoard's text tab.",
-            step - self.in_a_row + 1, step, f"{value:g}" if value else "0", max_new_tokens,
+            step - self.in_a_row + 1, step, value, max_new_tokens,
         )  # fmt: skip
         return True

@@ -23,9 +23,10 @@ import yaml
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.config import Config, ConfigError
-from moe_rl.data.prompts import PromptFormatter
+from moe_rl.data.prompts import CHAT_TEXT_HINT, PromptFormatter
 from moe_rl.data.tasks import Task, make_task
 from moe_rl.evaluation import Evaluator, build_evaluator
+from moe_rl.trainer.sample_log import FlatRewardWatch, SampleRecord, sample_records
 from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
 from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
@@ -93,6 +94,7 @@ class Trainer:
     placement: Placement  # who holds the GPUs when: trainer and engine apart, or colocated
     planner: MicroBatchPlanner  # which samples go into which micro-batch (rows, or a token budget)
     logger: StepLogger
+    flat_rewards: FlatRewardWatch  # warns when the rewards tell the policy nothing (first rank)
     on_policy: bool  # one update on fresh samples: no separate old-log-prob pass
 
     def __init__(self, cfg: Config) -> None:
@@ -170,6 +172,7 @@ class Trainer:
         self.planner = MicroBatchPlanner(a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.parallel.seq_len_multiple)
         self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
         self._closing.callback(self.logger.close)
+        self.flat_rewards = FlatRewardWatch(cfg.train.flat_reward_steps)
         # strictly on-policy (one update, nothing to record or measure): the update pass's
         # own log-probs are the old ones, so the extra forward pass is skipped
         self.on_policy = (cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
@@ -216,7 +219,7 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Run to ``train.steps``; returns the last step's scalars."""
         scalars: dict[str, float] = {}
-        skipped_in_a_row = 0
+        skipped_in_a_row, checkpoint, start = 0, None, time.perf_counter()
         if self.start_step >= self.cfg.train.steps and is_first_rank():
             log.warning("%s is already at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
                         self.run_dir, self.start_step, self.cfg.train.steps)  # fmt: skip
@@ -226,13 +229,14 @@ class Trainer:
             for step in range(self.start_step, self.cfg.train.steps):
                 scalars = self.train_step(step)
                 skipped_in_a_row = skipped_in_a_row + 1 if scalars[tags.TRAIN_UPDATE_SKIPPED] else 0
-                self._end_of_step(step + 1, scalars, skipped_in_a_row, stop.requested())
+                checkpoint = self._end_of_step(step + 1, scalars, skipped_in_a_row, stop.requested()) or checkpoint
+        self.logger.summary(self.cfg.train.steps - self.start_step, scalars, checkpoint, time.perf_counter() - start)
         return scalars
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (0-based); returns its scalars, as logged."""
         start = time.perf_counter()
-        exp, rollout_scalars = self.collect_experience(step)
+        exp, rollout_scalars, shown = self.collect_experience(step)
         rollout_time = time.perf_counter() - start
         self.placement.for_training()
         batch = self.make_batch(exp, step)
@@ -270,16 +274,18 @@ class Trainer:
             **evaluation,
         }
         log_ratios = log_ratio_values(update.outputs)
-        self.logger.log(step + 1, scalars, routing, {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {})
+        self.logger.log(step + 1, scalars, routing, {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {}, shown)
         return scalars
 
     # ------------------------------------------------------------------ the stages of a step
 
-    def collect_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
-        """Prompts -> rollout -> rewards -> advantages on the first rank; each rank gets its share.
-        With asynchronous rollouts: the experience collected while the last step trained
-        (or now, on a run's first step), and the next step's collection started."""
+    def collect_experience(self, step: int) -> tuple[Experience, dict[str, float], list[SampleRecord]]:
+        """Prompts -> rollout -> rewards -> advantages on the first rank; each rank gets its share
+        (and the first rank a few samples as text, to log). With asynchronous rollouts: the
+        experience collected while the last step trained (or now, on a run's first step), and
+        the next step's collection started."""
         exp = scalars = None
+        shown: list[SampleRecord] = []
         if self.collector is not None:
             ready = self.background.take(step) if self.background else None
             if ready is None:
@@ -288,7 +294,9 @@ class Trainer:
             scalars = {**scalars, tags.ROLLOUT_POLICY_LAG: policy_lag(exp, step, self.max_policy_lag)}
             if self.background and step + 1 < self.cfg.train.steps:
                 self.background.start(step + 1)
-        return share_experience(exp, scalars, self.planner)
+            shown = sample_records(exp, self.tokenizer, step + 1, self.cfg.train.log_samples, self.cfg.rollout.group_size)
+            self.flat_rewards.observe(step + 1, exp.rewards.tolist(), self.cfg.rollout.max_new_tokens)
+        return (*share_experience(exp, scalars, self.planner), shown)
 
     def make_batch(self, exp: Experience, step: int) -> TrainBatch:
         """This data-parallel rank's share as micro-batches on its device, as many as every
@@ -373,13 +381,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints, stopping
 
-    def _end_of_step(self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool) -> None:
-        """Checkpoint when due (or when stopping), then stop if asked to or if updates keep failing."""
+    def _end_of_step(self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool) -> Path | None:
+        """Checkpoint when due (or when stopping), then stop if asked to or if updates keep
+        failing; the checkpoint saved, if any."""
         train = self.cfg.train
         too_many_skips = skipped_in_a_row >= train.max_skipped_updates
         due = step == train.steps or bool(train.save_every and step % train.save_every == 0)
-        if due or too_many_skips or stop_requested:
-            self.save_checkpoint(step, scalars)
+        checkpoint = self.save_checkpoint(step, scalars) if due or too_many_skips or stop_requested else None
         if too_many_skips:
             raise TrainingStopped(
                 f"{skipped_in_a_row} consecutive steps had NaN/Inf in the loss or gradients (train.max_skipped_updates="
@@ -387,6 +395,7 @@ class Trainer:
             )
         if stop_requested:
             raise KeyboardInterrupt(f"stopped on request after step {step}; checkpoint saved")
+        return checkpoint
 
     def save_checkpoint(self, step: int, scalars: dict[str, float]) -> Path:
         """Collective: weights, optimizer and RNG state after ``step`` steps."""
@@ -425,7 +434,8 @@ def _make_task(cfg: Config, spec: str, key: str) -> Task:
     except (ValueError, OSError) as e:
         raise ConfigError(f"{key}: {e}") from None
     if task.holds_messages and not d.chat_template:
-        raise ConfigError(f"{key}: its prompts are chat messages ({d.prompt_key}); set data.chat_template=true")
+        raise ConfigError(f"{key}: its prompts are chat messages ({d.prompt_key}); set data.chat_template=true (the tokenizer's chat "
+                          f"template writes them as text), or point data.prompt_key at {CHAT_TEXT_HINT}")  # fmt: skip
     return task
 
 
