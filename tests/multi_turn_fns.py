@@ -49,3 +49,8 @@ def not_async(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript
 
 async def too_few_args(problem, *, prompt_ids) -> Transcript:
     raise AssertionError("never called")
+
+
+def always_zero(sample, **kwargs) -> float:
+    """A reward that never pays (the flat-reward warning's case)."""
+    return 0.0
