@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import re
 import subprocess
 import sys
@@ -60,6 +62,10 @@ def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> Non
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert model.config.model_type == "qwen3_moe"
     assert not list(tmp_path.glob(".hf.tmp-*")), "temporary export directory left behind"
+    mask = os.umask(0)
+    os.umask(mask)  # written as any tool writes: readable by a server running as another user (umask 022)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {0o666 & ~mask}
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])

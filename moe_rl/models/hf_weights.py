@@ -386,9 +386,21 @@ def export_hf_weights(
                     shutil.copy2(src, tmp / name)
     barrier()
     if rank == 0:
+        _readable_as_umask_allows(tmp)
         _replace_dir(tmp, out)
     barrier()
     return out
+
+
+def _readable_as_umask_allows(directory: Path) -> None:
+    """The permissions any tool gives what it writes (0777/0666 less the umask): the
+    temporary directory was made private (0700) and some writers make their files 0600,
+    which a server running as another user could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory.chmod(0o777 & ~mask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~mask)
 
 
 def _replace_dir(new: Path, out: Path) -> None:
