@@ -120,3 +120,21 @@ ROUTING_TRAIN_VS_ROLLOUT_CHANGED = routing("changed_frac", "train_vs_rollout")
 ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER = routing("any_layer_changed_frac", "train_vs_rollout")
 ROUTING_TRAIN_VS_ROLLOUT_MISMATCH_CHANGED = routing("logp_mismatch_routing_changed", "train_vs_rollout")
 ROUTING_TRAIN_VS_ROLLOUT_MISMATCH_SAME = routing("logp_mismatch_routing_same", "train_vs_rollout")
+
+
+# TensorBoard's "Custom Scalars" tab: the routing drift of every layer in one chart per kind
+# (regexes over the tags above), next to the rewards and the train-inference mismatch
+CUSTOM_SCALARS_LAYOUT = {
+    "routing drift per layer": {
+        "old -> updated policy: experts changed (routing/changed_frac/layer_*)": ["Multiline", [r"^routing/changed_frac/layer_\d+$"]],
+        "rollout engine -> trainer (routing/train_vs_rollout/changed_frac/layer_*)": ["Multiline", [r"^routing/train_vs_rollout/changed_frac/layer_\d+$"]],
+        "replayed update passes (0 under R2/R3)": ["Multiline", [r"^routing/replayed/changed_frac/layer_\d+$"]],
+        "router KL, old -> updated (routing/router_kl/layer_*)": ["Multiline", [r"^routing/router_kl/layer_\d+$"]],
+        "expert load imbalance (routing/expert_load_cv/layer_*)": ["Multiline", [r"^routing/expert_load_cv/layer_\d+$"]],
+    },
+    "learning": {
+        "rewards": ["Multiline", [r"^reward/(total|[^/]+)$"]],
+        "held-out pass@k": ["Multiline", [r"^eval/pass@\d+$"]],
+        "train-inference log-prob mismatch": ["Multiline", [r"^train/logp_mismatch_(mean|max)$"]],
+    },
+}

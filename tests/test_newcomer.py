@@ -60,6 +60,14 @@ def test_a_verl_dataset_trains_with_the_built_in_chat_template_and_shows_its_sam
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0}).Reload()
     texts = events.Tensors("samples/text_summary")
     assert [t.step for t in texts] == [1, 2, 3] and records[0]["prompt"] in texts[0].tensor_proto.string_val[0].decode()
+    # the custom-scalars layout: each per-layer routing chart finds its layers' tags
+    import re
+
+    from moe_rl import tags
+
+    assert "custom_scalars__config__" in events.Tags()["tensors"]
+    for name, (_, patterns) in tags.CUSTOM_SCALARS_LAYOUT["routing drift per layer"].items():
+        assert len([t for t in events.Tags()["scalars"] if re.search(patterns[0], t)]) == 2, name  # the built-in model's 2 layers
     assert console.count("every sample got the rewards (0)") == 1 and "steps 1-2" in console and "samples.jsonl" in console
     assert "step 3/3  reward 0.000" in console and f"checkpoint: {run}/checkpoints/step_000003" in console  # no progress bar: a line a step
 

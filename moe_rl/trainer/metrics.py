@@ -140,6 +140,7 @@ class StepLogger:
 
         earlier = (run_dir / "tensorboard").is_dir()  # TensorBoard then hides earlier events past start_step
         self.writer = BackgroundWriter(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None))
+        self.writer.add_custom_scalars(tags.CUSTOM_SCALARS_LAYOUT)
         _keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         _keep_rows_up_to(run_dir / "samples.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")
