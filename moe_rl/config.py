@@ -35,10 +35,10 @@ ATTENTION_MODULES = ("sdpa", "local")
 class ModelConfig:
     hf_dir: str | None = None  # None: the built-in tiny demo model (warm-started and cached)
     architecture: str = "qwen3_moe"  # for the built-in model: one of DEMO_ARCHITECTURES
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_experts: int = 8
-    top_k: int = 2
+    hidden_size: int = 64  # the built-in model: hidden width
+    num_layers: int = 2  # the built-in model: decoder layers (all MoE)
+    num_experts: int = 8  # the built-in model: routed experts per layer
+    top_k: int = 2  # the built-in model: experts per token
     # routed experts: grouped (stacked weights, a grouped matmul per projection) or sequential
     # (megatron-core's SequentialMLP, one module per expert); checkpoints are the same HF tensors
     experts: str = "grouped"
@@ -55,39 +55,39 @@ class DataConfig:
     prompt_template: str = "{prompt}"  # wraps the question, e.g. "{prompt} Put the answer in \\boxed{}."
     chat_template: bool = False  # apply the tokenizer's chat template (with the generation prompt)
     system_prompt: str = ""  # with chat_template: a system message before each prompt
-    max_operand: int = 9
+    max_operand: int = 9  # the built-in tasks: largest operand
     max_prompt_tokens: int = 64  # longer prompts are left-truncated (counted)
     eval_task: str | None = None  # held-out problems (same forms as task); evaluated every train.eval_every steps
     eval_max_prompts: int = 0  # 0: every problem (the built-in task: 64)
     eval_samples: int = 4  # responses per prompt: pass@1 and pass@<eval_samples>
-    eval_temperature: float = 1.0
+    eval_temperature: float = 1.0  # sampling temperature of the evaluation
     eval_solved_reward: str = "correct"  # a reward: a response solves its problem when it scores >= 1
 
 
 @dataclass
 class RolloutConfig:
     engine: str = "local"  # local | sglang
-    group_size: int = 8
-    prompts_per_step: int = 16
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    sglang_urls: list[str] = field(default_factory=list)
+    group_size: int = 8  # responses per prompt (a GRPO group)
+    prompts_per_step: int = 16  # prompts per step (the batch is prompts_per_step x group_size)
+    max_new_tokens: int = 6  # response length limit (6 suits the built-in a+b= task; raise it for real data)
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs use it too)
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # -1: off
+    sglang_urls: list[str] = field(default_factory=list)  # running SGLang servers to attach to (http://host:port)
     launch_server: bool = False  # start SGLang servers (else attach to sglang_urls)
-    server_port: int = 30000
-    server_tp: int = 1
-    server_ep: int = 1
+    server_port: int = 30000  # a launched server's port
+    server_tp: int = 1  # a launched server's --tp-size
+    server_ep: int = 1  # a launched server's --ep-size
     server_gpus: list[int] = field(default_factory=list)  # GPUs of a launched server (must not be the trainer's)
-    mem_fraction_static: float = 0.8
+    mem_fraction_static: float = 0.8  # a launched server's --mem-fraction-static
     # a launched server: the Python that runs sglang.launch_server ("": this one; SGLang's own
     # venv, e.g. .venv-sglang/bin/python from tools/setup.sh --sglang), extra launch flags
     # (after moe-rl's own: a flag given here wins), how long it may take to become healthy,
     # and --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels)
     server_python: str = ""
-    server_args: list[str] = field(default_factory=list)
-    server_start_timeout_s: float = 600.0
-    server_deterministic: bool = True
+    server_args: list[str] = field(default_factory=list)  # extra sglang.launch_server flags (after moe-rl's own: they win)
+    server_start_timeout_s: float = 600.0  # how long a launched server may take to become healthy
+    server_deterministic: bool = True  # --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels)
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
     # SGLang: how weights reach the servers after each step: distributed (buckets broadcast
     # over a weight-update group the servers join) | disk (a HF directory each server re-reads)
@@ -105,13 +105,13 @@ class RolloutConfig:
     # DAPO dynamic sampling: drop groups whose samples all got the same rewards (zero
     # advantage) and sample more prompts, up to max_sampling_rounds rounds per step
     filter_zero_std_groups: bool = False
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = 3  # dynamic sampling: generation rounds per step at most
     # multi-turn / tool-use rollouts: "package.module:function", an async generate function
     # (moe_rl.rollout.multi_turn; "" = one engine call per sample), the keyword arguments it
     # gets, and how long one sample's function may run before it scores 0
     generate_fn: str = ""
-    generate_kwargs: dict = field(default_factory=dict)
-    generate_timeout_s: float = 300.0
+    generate_kwargs: dict = field(default_factory=dict)  # keyword arguments of rollout.generate_fn
+    generate_timeout_s: float = 300.0  # one sample's generate function may run this long before it scores 0
 
 
 @dataclass
@@ -131,6 +131,8 @@ class ConditionalItem:
 
 @dataclass
 class RewardConfig:
+    # named rewards (fn: a built-in rule or module:function), summed with their weights
+    # (GDPO: normalised apart); the defaults suit the built-in a+b= task
     rewards: list[RewardItem] = field(
         default_factory=lambda: [
             RewardItem("correct", "math_correct", 1.0),
@@ -138,8 +140,8 @@ class RewardConfig:
             RewardItem("short", "length", 0.25, {"budget": 4}),
         ]
     )
-    conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])
-    timeout_s: float = 5.0
+    conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])  # target pays only where condition >= threshold
+    timeout_s: float = 5.0  # a reward call past this scores 0 (counted in reward/failures/<name>)
     # 0: each call in a thread of the first rank, one at a time; N: N worker processes in
     # parallel, a call past timeout_s has its worker killed (nothing left running)
     workers: int = 0
@@ -147,19 +149,19 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"
-    loss: str = "grpo"
-    loss_params: dict = field(default_factory=dict)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | gdpo (moe_rl.algorithms.advantages)
+    loss: str = "grpo"  # grpo | gspo | gspo_token | gmpo | gmpo_seqclip | cispo | sapo (moe_rl.algorithms.losses)
+    loss_params: dict = field(default_factory=dict)  # the loss's parameters, e.g. {eps_low: 0.2, eps_high: 0.28}
     old_logprobs: str = "recompute"  # recompute | rollout (the engine's: the mismatch folded into the ratio)
     # train-inference mismatch correction (moe_rl.algorithms.rollout_correction): none |
     # token_tis | seq_tis | token_mis | icepop | seq_mis | reject, with its parameters
     rollout_correction: str = "none"
-    rollout_correction_params: dict = field(default_factory=dict)
-    kl_coef: float = 0.0
+    rollout_correction_params: dict = field(default_factory=dict)  # its parameters, e.g. {upper: 2.0}
+    kl_coef: float = 0.0  # KL to the reference (starting) policy; 0: off
     reference: str = "host"  # KL reference: host (starting weights swapped into the policy) | device (a second model)
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    updates_per_batch: int = 2
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    entropy_coef: float = 0.0  # entropy bonus
+    updates_per_batch: int = 2  # optimizer steps on each step's samples
     micro_batch_size: int = 32  # rows per micro-batch (with max_tokens_per_micro_batch: at most)
     # > 0: pack samples by length into micro-batches of at most this many padded tokens
     # (each padded to its own longest), data-parallel ranks balanced by tokens
@@ -177,27 +179,27 @@ class RoutingConfig:
     expert_bias_update_rate: float = 1e-3  # routers with an expert bias (GLM-4.5, DeepSeek-V3): aux-loss-free balancing step; 0 freezes it
     metrics: bool = True  # drift metrics; also asks the rollout engine for routed experts (train-inference drift)
     after_update_pass: bool = True  # one extra forward to measure the routing an update changes
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # recompute MoE layers in the backward (R2/R3 replay the same routing there)
 
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 100
-    lr: float = 3e-3
-    batch_size: int = 64
-    cache_dir: str = "~/.cache/moe-rl"
+    steps: int = 100  # the built-in model's supervised warm start: steps
+    lr: float = 3e-3  # its learning rate
+    batch_size: int = 64  # its batch size
+    cache_dir: str = "~/.cache/moe-rl"  # where the warm-started model is cached (keyed by the settings that shape it)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
-    seed: int = 1
-    run_dir: str = "runs/default"
+    steps: int = 30  # RL steps
+    seed: int = 1  # data order, sampling seeds, initial weights of the built-in model
+    run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, samples.jsonl, tensorboard/, logs/
     save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
-    resume: bool = True
+    keep_last: int = 2  # checkpoints kept
+    resume: bool = True  # continue from the run directory's newest checkpoint
     resume_anyway: bool = False  # resume although the config differs from the checkpoint's run
-    progress: bool = True
+    progress: bool = True  # a progress bar (false: one line per step)
     max_skipped_updates: int = 3  # consecutive NaN/Inf updates before the run stops
     # how long a rank may wait in a collective: the other ranks wait in one while the first
     # rank collects a step's rollouts (DAPO rounds of long samples) or evaluates

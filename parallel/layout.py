@@ -29,11 +29,11 @@ class ParallelLayout:
     """Parallel sizes; ``etp=None`` means ETP = TP (megatron-core's default);
     ``sequence_parallel=None`` turns it on exactly when TP > 1 (MoE requires it then)."""
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    sequence_parallel: bool | None = None
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    ep: int = 1  # expert parallel
+    etp: int | None = None  # expert tensor parallel (null: tp)
+    sequence_parallel: bool | None = None  # null: on exactly when tp > 1 (MoE needs it then)
 
     @property
     def expert_tp(self) -> int:

@@ -26,25 +26,25 @@ class OptimSettings:
     config's ``optim`` section is this type. ``extra`` passes further megatron-core
     ``OptimizerConfig`` fields through."""
 
-    lr: float = 2e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    lr: float = 2e-4  # peak learning rate
+    min_lr: float = 0.0  # where a decay ends
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # Adam
+    adam_beta2: float = 0.999  # Adam
+    adam_eps: float = 1e-8  # Adam
     clip_grad: float = 1.0  # 0 disables clipping
     # learning rate per RL step (constant over its updates): linear warmup, step s < warmup_steps
     # at lr * (s + 1) / warmup_steps, then constant, or a linear / cosine decay that would
     # reach min_lr one step after decay_steps (0: train.steps); min_lr after that
     lr_schedule: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    decay_steps: int = 0
+    warmup_steps: int = 0  # linear warmup steps
+    decay_steps: int = 0  # 0: train.steps
     # shard optimizer state and master weights over data-parallel ranks; None: when a
     # data-parallel group (dense or expert) has more than one rank (with one there is
     # nothing to shard and the shard all-gather is pure overhead)
     use_distributed_optimizer: bool | None = None
-    overlap_grad_reduce: bool = False
-    extra: dict = field(default_factory=dict)
+    overlap_grad_reduce: bool = False  # DDP: reduce gradients in buckets while the backward runs
+    extra: dict = field(default_factory=dict)  # further megatron-core OptimizerConfig fields
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value (``optim.<key>=...``)."""

@@ -25,7 +25,7 @@ BEGIN, END = "<!-- config-reference -->", "<!-- /config-reference -->"
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """``field -> comment``: the comment on a field's line, or the comment lines right above it."""
+    """``field -> comment``: the comment lines right above a field, then the one on its line."""
     source = inspect.getsource(cls)
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -38,15 +38,13 @@ def field_comments(cls: type) -> dict[str, str]:
         name = stripped.split(":", 1)[0]
         if ":" not in stripped or not name.isidentifier() or line.startswith((" " * 8, "\t\t")) or stripped.startswith(("def ", "@", "#")):
             continue
-        if number in comments:
-            out[name] = comments[number]
-            continue
         above, k = [], number - 1
         while k in comments and lines[k - 1].strip().startswith("#"):
             above.insert(0, comments[k])
             k -= 1
-        if above:
-            out[name] = " ".join(above)
+        text = " ".join(above + ([comments[number]] if number in comments else []))
+        if text:
+            out[name] = text
     return out
 
 
