@@ -249,7 +249,8 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
     lines = [
         "## The papers' claims at small scale",
         "",
-        f"Each row compares a figure of run A with run B, paired by {paired_by}: A and B as mean ± std, the effect as "
+        f"Each row compares a figure of run A with run B, paired by {paired_by}: A and B as mean ± std over the "
+        f"{'seeds' if seeds and len(seeds) > 1 else 'steps'}, the effect as "
         f"the mean paired difference A − B ± its standard error. A row agrees when the effect is in the claimed direction "
         f"by more than {Z:g} standard errors (\"≥\" rows: when A is not below B by more than that). A claim agrees when "
         "all its rows do.",
@@ -266,6 +267,18 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
     return "\n".join(lines)
 
 
+def claims_lead(results: list[ClaimResult]) -> list[str]:
+    """The claims' verdict for the report's conclusions: how many agree, and for those that
+    do not, why they may not at this scale (their caveats)."""
+    if not results:
+        return []
+    lines = [f"The papers' claims: {summary_line(results)} (table below)."]
+    for i, r in enumerate(results, 1):
+        if r.checkable and not r.agrees:
+            lines.append(f"Claim {i} does not agree here ({r.claim.statement})" + (f": {r.claim.caveat}." if r.claim.caveat else "."))
+    return lines
+
+
 def summary_line(results: list[ClaimResult]) -> str:
     checkable = [r for r in results if r.checkable]
     missing = len(results) - len(checkable)
@@ -273,12 +286,24 @@ def summary_line(results: list[ClaimResult]) -> str:
 
 
 def _row(i: int, c: Comparison, o: Outcome | None) -> str:
+    """One comparison: "A > B" naming both sides (their runs, and their figures when one
+    run is compared with itself), A and B, the effect and the verdict, in 3 significant figures."""
     relation = "≥" if c.at_least else ">"
-    head = f"{i}. {c.a.run} {relation} {c.b.run}"
-    figure = c.a.label if c.a.label == c.b.label else f"{c.a.label} vs {c.b.label}"
+    if c.a.run == c.b.run:
+        head, figure = f"{i}. {c.a.run}: A {relation} B", f"A: {c.a.label}; B: {c.b.label}"
+    else:
+        head = f"{i}. {c.a.run} (A) {relation} {c.b.run} (B)"
+        figure = c.a.label if c.a.label == c.b.label else f"A: {c.a.label}; B: {c.b.label}"
     if o is None:
         return f"| {head} | {figure} | — | — | — | cannot be checked (run or tag missing) |"
     verdict = "agrees" if o.agrees else "does not agree"
-    se = "n/a" if math.isinf(o.stderr) else f"{o.stderr:.4g}"
-    return (f"| {head} | {figure} | {o.mean_a:.4g} ± {o.spread_a:.2g} | {o.mean_b:.4g} ± {o.spread_b:.2g} "
-            f"| {o.effect:+.4g} ± {se} | {verdict} |")  # fmt: skip
+    se = "n/a" if math.isinf(o.stderr) else sig(o.stderr, 2)
+    return f"| {head} | {figure} | {sig(o.mean_a)} ± {sig(o.spread_a, 2)} | {sig(o.mean_b)} ± {sig(o.spread_b, 2)} | {sig(o.effect, sign=True)} ± {se} | {verdict} |"
+
+
+def sig(x: float, digits: int = 3, *, sign: bool = False) -> str:
+    """``x`` to ``digits`` significant figures, in plain notation while that stays short
+    (0.0123, 12.3, 1.23e-05)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:+g}" if sign else f"{x:g}"
+    return f"{x:{'+' if sign else ''}.{digits}g}"

@@ -76,7 +76,7 @@ def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
                 cells.append("—")
                 continue
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
-            cells.append(f"{statistics.fmean(values):.4f} ± {sd:.4f} ({min(values):.4f}..{max(values):.4f})")
+            cells.append(f"{_sig(statistics.fmean(values))} ± {_sig(sd, 2)} ({_sig(min(values))}..{_sig(max(values))})")
         lines.append(f"| {base} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -134,42 +134,56 @@ def ema(values: list[float], alpha: float = 0.3) -> list[float]:
     return out
 
 
-def _banded(ax, name: str, seed_series: list[dict[int, float]], smooth: bool) -> None:
-    """Mean over seeds (smoothed when asked) with a min..max band over seeds."""
+STYLES = [dict(marker=m, linestyle=ls) for ls, m in zip(["-", "--", "-.", ":"] * 3, ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"])]
+
+
+def _banded(ax, name: str, seed_series: list[dict[int, float]], smooth: bool, style: dict, points: bool = False) -> None:
+    """Mean over seeds (smoothed when asked) with a min..max band over seeds when there
+    are several; ``points``: markers at the measured steps (evaluations), joined faintly."""
     steps = sorted(set().union(*seed_series))
     per_step = [[s[st] for s in seed_series if st in s] for st in steps]
     mean = [sum(v) / len(v) for v in per_step]
-    line = ax.plot(steps, ema(mean) if smooth else mean, label=name)[0]
+    every = max(1, len(steps) // 10)
+    kwargs = dict(style, markevery=1 if points else every, markersize=6 if points else 4, linewidth=0.8 if points else 1.4)
+    line = ax.plot(steps, ema(mean) if smooth else mean, label=name, **kwargs)[0]
     if len(seed_series) > 1:
         ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15)
     if smooth:
         ax.plot(steps, mean, color=line.get_color(), alpha=0.3, linewidth=0.8)
 
 
+FIGURES = [  # file, tag, title, y-axis label, smoothed, evaluation points
+    ("reward", TAGS["reward"], "training reward", "mean total reward", True, False),
+    ("eval_reward", tags.EVAL_REWARD_MEAN, "held-out reward (fixed prompts and sampling seeds)", "mean total reward", False, True),
+    ("eval_pass1", tags.eval_pass_at(1), "held-out pass@1", "pass@1", False, True),
+    ("expert_change", TAGS["expert_change"], "activated experts changed per update", "share of (token, layer) top-k choices", False, False),
+    ("mismatch", TAGS["mismatch"], "train-vs-rollout log-prob mismatch", "mean |trainer - engine| log-prob", False, False),
+    ("clip_frac", TAGS["clip_frac"], "clip fraction", "share of response tokens clipped", False, False),
+]  # fmt: skip
+
+
 def plot_curves(plots: Path, by_run: dict[str, list[dict]]) -> None:
-    """One PNG per figure: each run's mean over seeds with a seed band (training reward
-    also smoothed, the raw mean faint behind it)."""
-    figures = [("reward", TAGS["reward"], "training reward (EMA 0.3; band: seeds min..max)", True),
-               ("eval_reward", tags.EVAL_REWARD_MEAN, "held-out reward (fixed prompts and sampling seeds)", False),
-               ("eval_pass1", tags.eval_pass_at(1), "held-out pass@1", False),
-               ("expert_change", TAGS["expert_change"], "share of activated experts changed per update", False),
-               ("mismatch", TAGS["mismatch"], "train-vs-rollout |log-prob difference|", False),
-               ("clip_frac", TAGS["clip_frac"], "clip fraction", False)]  # fmt: skip
-    for key, tag, title, smooth in figures:
+    """One PNG per figure: each run's mean over seeds (a band: min..max over seeds, when
+    there are several), a marker and line style per run so that overlapping runs stay
+    visible; training reward smoothed (EMA 0.3) with the raw mean faint behind it;
+    evaluations as points."""
+    several = any(len(seeds) > 1 for seeds in by_run.values())
+    for key, tag, title, ylabel, smooth, points in FIGURES:
         if not any(s.get(tag) for seeds in by_run.values() for s in seeds):
             continue
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, seeds in by_run.items():
+        for i, (name, seeds) in enumerate(by_run.items()):
             series = [s[tag] for s in seeds if s.get(tag)]
             if series:
-                _banded(ax, name, series, smooth)
-        _finish(fig, ax, f"{title} ({tag})", "step", plots / f"{key}.png")
+                _banded(ax, name, series, smooth, STYLES[i % len(STYLES)], points)
+        notes = ", ".join(n for n, on in (("EMA 0.3", smooth), ("band: seeds min..max", several)) if on)
+        _finish(fig, ax, f"{title} ({tag})" + (f"; {notes}" if notes else ""), "step", ylabel, plots / f"{key}.png")
 
 
 def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
-    """Per MoE layer: the share of activated experts an update changed, mean over steps
-    and seeds (``routing/expert_change_frac/layer_<l>``)."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    """Per MoE layer, grouped bars: the share of activated experts an update changed,
+    mean over steps and seeds (``routing/expert_change_frac/layer_<l>``)."""
+    per_run = {}
     for name, seeds in by_run.items():
         layers = sorted({int(t.rsplit("_", 1)[1]) for s in seeds for t in s if t.startswith("routing/expert_change_frac/layer_")})
         values = []
@@ -177,16 +191,28 @@ def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
             series = [v for s in seeds for v in s.get(tags.routing("expert_change_frac", layer=layer), {}).values()]
             values.append(sum(series) / len(series) if series else float("nan"))
         if layers:
-            ax.plot(layers, values, marker="o", label=name)
-    _finish(fig, ax, "experts changed per update, per layer (routing/expert_change_frac/layer_<l>)", "MoE layer",
-            plots / "layer_drift.png")
+            per_run[name] = (layers, values)
+    if not per_run:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(per_run)
+    hatches = ["", "//", "..", "xx", "\\\\", "--", "++", "oo"]
+    for i, (name, (layers, values)) in enumerate(per_run.items()):
+        ax.bar([l + (i - (len(per_run) - 1) / 2) * width for l in layers], values, width, label=name, hatch=hatches[i % len(hatches)])
+    all_layers = sorted({l for layers, _ in per_run.values() for l in layers})
+    ax.set_xticks(all_layers)
+    tallest = max((v for _, values in per_run.values() for v in values if v == v), default=0.0)
+    ax.set_ylim(0, tallest * 1.35 or 1.0)  # room for the legend above the bars
+    _finish(fig, ax, "experts changed per update, per MoE layer (routing/expert_change_frac/layer_<l>)", "MoE layer",
+            "share of top-k choices changed", plots / "layer_drift.png")
 
 
-def _finish(fig, ax, title: str, xlabel: str, path: Path) -> None:
+def _finish(fig, ax, title: str, xlabel: str, ylabel: str, path: Path) -> None:
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel)
-    if ax.get_lines():
-        ax.legend(fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    if ax.get_lines() or ax.patches:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -214,40 +240,122 @@ def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[st
     return lines + [""]
 
 
+def _sig(x: float | None, digits: int = 3) -> str:
+    """3 significant figures (— for a missing figure)."""
+    from moe_rl.claims import sig
+
+    return "—" if x is None else sig(x, digits)
+
+
+def _f3(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f}"
+
+
+def _e(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2e}"
+
+
+def _held_out(series: dict[str, dict[int, float]]) -> tuple[float, float, int] | None:
+    """(pass@1 at the first evaluation, at the last, the last's step)."""
+    p1 = series.get(tags.eval_pass_at(1), {})
+    if len(p1) < 2:
+        return None
+    steps = sorted(p1)
+    return p1[steps[0]], p1[steps[-1]], steps[-1]
+
+
 def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) -> list[str]:
+    """The runs side by side (3 significant figures), then the details."""
     summary = {name: summarize_run(s, window) for name, s in data.items()}
-    lines = [
-        f"Reward at fixed steps, and first/last {window}-step means of `{TAGS['reward']}`; other columns are "
-        "means over all steps.",
-        "",
-        "| run | first | final | " + " | ".join(f"step {s}" for s in fixed_steps)
-        + f" | experts changed per update (`{TAGS['expert_change']}`) | tokens changed in any layer (`{TAGS['any_layer']}`)"
-        f" | replayed-pass routing change (`{TAGS['replayed']}`) | train-vs-rollout routing (`{TAGS['train_vs_rollout']}`)"
-        f" | log-prob mismatch (`{TAGS['mismatch']}`) | clip frac (`{TAGS['clip_frac']}`) | step s (`{TAGS['step_time']}`) |",
-        "|" + "---|" * (10 + len(fixed_steps)),
-    ]
+    lines = ["## Runs", "",
+             f"Training reward: mean of the first and last {window} steps; held-out pass@1: first evaluation (step 0, "
+             "before training) -> last; the routing columns are shares of the (token, MoE layer) top-k choices, means over "
+             "all steps. Tags: " + ", ".join(f"`{TAGS[k]}`" for k in ("reward", "expert_change", "train_vs_rollout", "mismatch", "clip_frac", "step_time"))
+             + f", `{tags.eval_pass_at(1)}`.", "",
+             "| run | training reward | held-out pass@1 | experts changed per update (%) | train-vs-rollout routing changed (%) "
+             "| log-prob mismatch (nats) | clip fraction (%) | step (s) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, s in summary.items():
+        held = _held_out(data[name])
+        lines.append(
+            f"| {name} | {_f3(s.get('first'))} -> {_f3(s.get('final'))} | " + (f"{_f3(held[0])} -> {_f3(held[1])}" if held else "—")
+            + f" | {_pct(s['expert_change'])} | {_pct(s['train_vs_rollout'])} | {_e(s['mismatch'])} | {_pct(s['clip_frac'])} | {_f3(s['step_time'])} |"
+        )  # fmt: skip
+    lines += ["", "Details: training reward at fixed steps; tokens whose experts changed in any layer "
+              f"(`{TAGS['any_layer']}`); routing change between the old pass and the update passes (`{TAGS['replayed']}`: 0 under R2/R3).", "",
+              "| run | " + " | ".join(f"reward at step {st}" for st in fixed_steps) + " | tokens changed in any layer (%) | replayed-pass routing change (%) |",
+              "|" + "---|" * (3 + len(fixed_steps))]  # fmt: skip
     for name, s in summary.items():
         reward = data[name].get(TAGS["reward"], {})
-        fixed = [_fmt(reward.get(step)) for step in fixed_steps]
-        lines.append(
-            f"| {name} | {_fmt(s.get('first'))} | {_fmt(s.get('final'))} | " + " | ".join(fixed)
-            + f" | {_fmt(s['expert_change'], 4)} | {_fmt(s['any_layer'], 4)} | {_fmt(s['replayed'], 4)}"
-            f" | {_fmt(s['train_vs_rollout'], 4)} | {_fmt(s['mismatch'], 5)} | {_fmt(s['clip_frac'], 4)} | {_fmt(s['step_time'], 2)} |"
-        )
+        lines.append(f"| {name} | " + "".join(f"{_f3(reward.get(st))} | " for st in fixed_steps) + f"{_pct(s['any_layer'])} | {_pct(s['replayed'])} |")
     return lines
 
 
+def conclusions(data: dict[str, dict[str, dict[int, float]]], window: int) -> list[str]:
+    """What the runs say, in words: who learned on held-out problems (and who only on the
+    training rewards), what replay changed, which runs coincide and why."""
+    summary = {name: summarize_run(s, window) for name, s in data.items()}
+    out = []
+    held = {name: h for name, s in data.items() if (h := _held_out(s))}
+    if held:
+        up = [f"{n} ({_f3(a)} -> {_f3(b)})" for n, (a, b, _) in held.items() if b > a]
+        down = [f"{n} ({_f3(a)} -> {_f3(b)})" for n, (a, b, _) in held.items() if b <= a]
+        out.append("Held-out pass@1 rose for " + (", ".join(up) if up else "no run") + (f"; it did not for {', '.join(down)}" if down else "") + ".")
+        finals = {n: s["final"] for n, s in summary.items() if s.get("final") is not None}
+        best = max(finals, key=finals.get) if finals else None
+        if best in held and held[best][1] <= held[best][0]:
+            out.append(f"{best} has the highest final training reward ({_f3(finals[best])}) but its held-out pass@1 did not rise: "
+                       "it learned what the training rewards pay for (e.g. the answer's form) more than the task.")
+    replayed = {n: s["replayed"] for n, s in summary.items() if s.get("replayed") is not None}
+    zero, moving = [n for n, v in replayed.items() if v == 0], {n: v for n, v in replayed.items() if v > 0}
+    if zero and moving:
+        out.append(f"Replay: the update passes of {', '.join(zero)} used exactly the old pass's routing; without replay "
+                   + ", ".join(f"{n} {_pct(v)}%" for n, v in moving.items()) + " of router choices changed between the old pass and its updates.")
+    engine = {n: s["train_vs_rollout"] for n, s in summary.items() if s.get("train_vs_rollout") is not None}
+    if any(v == 0 for v in engine.values()) and any(v > 0 for v in engine.values()):
+        out.append("Train-inference routing: " + ", ".join(f"{n} {_pct(v)}%" for n, v in engine.items())
+                   + " of the trainer's router choices differed from the engine's (0 where the trainer replays the engine's routing, R3).")
+    out += _coinciding(data, summary)
+    return out
+
+
+def _coinciding(data: dict[str, dict[str, dict[int, float]]], summary: dict[str, dict]) -> list[str]:
+    """Pairs of runs whose training reward is the same at (nearly) every step, explained."""
+    names, out = list(data), []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ra, rb = data[a].get(TAGS["reward"], {}), data[b].get(TAGS["reward"], {})
+            steps = sorted(ra.keys() & rb.keys())
+            same = sum(abs(ra[k] - rb[k]) <= 1e-9 * max(1.0, abs(ra[k])) for k in steps)
+            if len(steps) < 3 or same < 0.8 * len(steps):
+                continue
+            why = "their settings made the same samples and updates"
+            if summary[a].get("replayed") == 0 == summary[b].get("replayed"):
+                why = ("both replay routing, and what they replay (R2: the old policy's experts, R3: the engine's) differs only "
+                       "on the few router choices where the engine and the trainer disagree (the train-vs-rollout column of "
+                       "the run that replays the old policy's): the samples, rewards and updates are the same until one of "
+                       "those choices changes a sampled token")
+            out.append(f"{a} and {b} have the same training reward at {same} of {len(steps)} steps: {why}.")
+    return out
+
+
 def write_report(out_dir: Path, data: dict[str, dict[str, dict[int, float]]], fixed_steps: list[int], window: int = 5,
-                 extra_sections: str = "", seeds: list[int] | None = None) -> Path:  # fmt: skip
-    """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' scalars (:func:`read_scalars`)."""
+                 extra_sections: str = "", seeds: list[int] | None = None, lead: list[str] = ()) -> Path:  # fmt: skip
+    """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' scalars
+    (:func:`read_scalars`); ``lead``: more conclusions (the claims' verdict) for the top."""
     by_run = {name: list(per_seed.values()) for name, per_seed in group_by_run(data, seeds).items()}
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     plot_curves(plots, by_run)
     plot_layer_drift(plots, by_run)
-    lines = ["# moe-rl compare report", "",
-             "Generated from each run's TensorBoard events (`<run>/tensorboard`); column headers name the tag.",
-             *summary_table(data, fixed_steps, window)]  # fmt: skip
+    said = conclusions(data, window) + list(lead)
+    lines = ["# moe-rl compare report", "", "Generated from each run's TensorBoard events (`<run>/tensorboard`).", ""]
+    if said:
+        lines += ["## Conclusions", "", *[f"- {line}" for line in said], ""]
+    lines += summary_table(data, fixed_steps, window)
     if seeds and len(seeds) > 1:
         lines += [""] + seed_table({name: summarize_run(s, window) for name, s in data.items()}, seeds)
     lines += [""] + eval_table(data) + expert_bias_table(data) + cost_table(by_run)

@@ -292,3 +292,30 @@ def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_c
     kept = evaluate_claims({}, compared={"grpo", "grpo_r2"})
     assert [r.claim.statement for r in kept] == [c.statement for c in CLAIMS if _runs_of(c) <= {"grpo", "grpo_r2"}] and kept
     assert not any(r.checkable for r in kept)  # no logs: configured, but cannot be checked
+
+
+def test_compare_report_opens_with_its_conclusions(tmp_path: Path) -> None:
+    """The report says in words who learned on held-out problems, who only learned the
+    training rewards, what replay changed and why two runs coincide; claim rows name both
+    sides; figures in one format per column."""
+    from moe_rl.claims import CLAIMS, Outcome, _row
+    from moe_rl.report import write_report
+
+    steps = range(1, 6)
+    def run(reward: float, replayed: float, engine: float, pass1: tuple[float, float]) -> dict:
+        return {"reward/total": {s: reward + 0.01 * s for s in steps}, "routing/replayed/changed_frac/mean": dict.fromkeys(steps, replayed),
+                "routing/train_vs_rollout/changed_frac/mean": dict.fromkeys(steps, engine), "eval/pass@1": {0: pass1[0], 5: pass1[1]}}
+    data = {"grpo": run(1.0, 0.005, 0.0035, (0.5, 0.7)), "grpo_r2": run(1.1, 0.0, 0.001, (0.5, 0.6)),
+            "grpo_r3": run(1.1, 0.0, 0.0, (0.5, 0.6)), "gmpo": run(1.5, 0.004, 0.001, (0.5, 0.3))}  # fmt: skip
+    report = write_report(tmp_path, data, fixed_steps=[3]).read_text()
+    head = report.split("## Conclusions")[1].split("## Runs")[0]
+    assert "rose for grpo (0.500 -> 0.700), grpo_r2 (0.500 -> 0.600), grpo_r3 (0.500 -> 0.600); it did not for gmpo (0.500 -> 0.300)" in head
+    assert "gmpo has the highest final training reward (1.530) but its held-out pass@1 did not rise" in head
+    assert "the update passes of grpo_r2, grpo_r3 used exactly the old pass's routing; without replay grpo 0.50%, gmpo 0.40%" in head
+    assert "grpo_r2 and grpo_r3 have the same training reward at 5 of 5 steps: both replay routing" in head
+    assert "| grpo | 1.030 -> 1.030 | 0.500 -> 0.700 | — | 0.35 |" in report  # 3 decimals, percentages
+    same_run = CLAIMS[0].comparisons[0]
+    outcome = Outcome(0.123456, 0.0456, 0.01, 0.002, 0.0778, 0.001, 5, True)
+    assert _row(1, same_run, outcome).startswith("| 1. grpo: A > B | A: mean abs log-ratio, routing changed; B: mean abs log-ratio, routing same | 0.123 ± 0.01 | 0.0456 ± 0.002 | +0.0778 ± 0.001 |")
+    two_runs = CLAIMS[1].comparisons[0]
+    assert _row(2, two_runs, None).startswith("| 2. grpo (A) > grpo_r2 (B) | routing/replayed/changed_frac/mean |")

@@ -100,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[compare] {name}: {status} in {time.monotonic() - t0:.0f}s", flush=True)
                 if proc.returncode != 0:
                     failed.append(name)
-    from moe_rl.claims import claims_section, evaluate_claims, summary_line
+    from moe_rl.claims import claims_lead, claims_section, evaluate_claims, summary_line
     from moe_rl.report import read_scalars, write_report
 
     done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
     claims = evaluate_claims(done, seeds=seeds, compared=set(spec.get("runs") or {}) if not only else set(only))
-    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(claims, seeds), seeds=seeds)
+    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(claims, seeds), seeds=seeds,
+                          lead=claims_lead(claims))
     print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}")
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0
