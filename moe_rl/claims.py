@@ -302,8 +302,8 @@ def _row(i: int, c: Comparison, o: Outcome | None) -> str:
 
 
 def sig(x: float, digits: int = 3, *, sign: bool = False) -> str:
-    """``x`` to ``digits`` significant figures, in plain notation while that stays short
-    (0.0123, 12.3, 1.23e-05)."""
+    """``x`` to ``digits`` significant figures, trailing zeros kept (0.0120, 12.3, 1.00,
+    1.23e-05)."""
     if x == 0 or not math.isfinite(x):
         return f"{x:+g}" if sign else f"{x:g}"
-    return f"{x:{'+' if sign else ''}.{digits}g}"
+    return f"{x:{'+' if sign else ''}#.{digits}g}".rstrip(".")

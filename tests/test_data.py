@@ -92,8 +92,10 @@ def test_prompt_formatting(tokenizer) -> None:
         plain.text(chat_row)
     with pytest.raises(ValueError, match="must contain \\{prompt\\}"):
         PromptFormatter(tokenizer, template="Q:")
+    bare = demo_tokenizer()
+    bare.chat_template = None
     with pytest.raises(ValueError, match="the model's tokenizer has no chat template"):
-        PromptFormatter(demo_tokenizer(), chat_template=True)
+        PromptFormatter(bare, chat_template=True)
 
 
 class ScriptedEngine(RolloutEngine):
@@ -316,6 +318,6 @@ def test_compare_report_opens_with_its_conclusions(tmp_path: Path) -> None:
     assert "| grpo | 1.030 -> 1.030 | 0.500 -> 0.700 | — | 0.35 |" in report  # 3 decimals, percentages
     same_run = CLAIMS[0].comparisons[0]
     outcome = Outcome(0.123456, 0.0456, 0.01, 0.002, 0.0778, 0.001, 5, True)
-    assert _row(1, same_run, outcome).startswith("| 1. grpo: A > B | A: mean abs log-ratio, routing changed; B: mean abs log-ratio, routing same | 0.123 ± 0.01 | 0.0456 ± 0.002 | +0.0778 ± 0.001 |")
+    assert _row(1, same_run, outcome).startswith("| 1. grpo: A > B | A: mean abs log-ratio, routing changed; B: mean abs log-ratio, routing same | 0.123 ± 0.010 | 0.0456 ± 0.0020 | +0.0778 ± 0.0010 |")
     two_runs = CLAIMS[1].comparisons[0]
     assert _row(2, two_runs, None).startswith("| 2. grpo (A) > grpo_r2 (B) | routing/replayed/changed_frac/mean |")

@@ -239,6 +239,6 @@ def test_seed_table_mean_and_spread() -> None:
                "gmpo_s1": {"final": 1.5}, "gmpo_s2": {"final": 1.5}}  # fmt: skip
     lines = seed_table(summary, [1, 2])
     grpo = next(l for l in lines if l.startswith("| grpo |"))
-    assert "1.5000 ± 0.7071 (1.0000..2.0000)" in grpo and "0.2000 ± 0.1414" in grpo
+    assert "1.50 ± 0.71 (1.00..2.00)" in grpo and "0.200 ± 0.14" in grpo
     gmpo = next(l for l in lines if l.startswith("| gmpo |"))
-    assert "1.5000 ± 0.0000" in gmpo and "—" in gmpo
+    assert "1.50 ± 0 " in gmpo and "—" in gmpo
