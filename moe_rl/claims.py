@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_rl import tags
-from moe_rl.report import group_by_run
+from moe_rl.report import group_by_run, sig
 
 Scalars = dict[str, dict[int, float]]  # tag -> step -> value, of one run (one seed)
 Series = Callable[[Scalars], dict[int, float]]  # a per-step figure of one run
@@ -300,10 +300,3 @@ def _row(i: int, c: Comparison, o: Outcome | None) -> str:
     se = "n/a" if math.isinf(o.stderr) else sig(o.stderr, 2)
     return f"| {head} | {figure} | {sig(o.mean_a)} ± {sig(o.spread_a, 2)} | {sig(o.mean_b)} ± {sig(o.spread_b, 2)} | {sig(o.effect, sign=True)} ± {se} | {verdict} |"
 
-
-def sig(x: float, digits: int = 3, *, sign: bool = False) -> str:
-    """``x`` to ``digits`` significant figures, trailing zeros kept (0.0120, 12.3, 1.00,
-    1.23e-05)."""
-    if x == 0 or not math.isfinite(x):
-        return f"{x:+g}" if sign else f"{x:g}"
-    return f"{x:{'+' if sign else ''}#.{digits}g}".rstrip(".")

@@ -3,6 +3,7 @@ only (every figure names the tag it comes from)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -240,10 +241,16 @@ def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[st
     return lines + [""]
 
 
+def sig(x: float, digits: int = 3, *, sign: bool = False) -> str:
+    """``x`` to ``digits`` significant figures, trailing zeros kept (0.0120, 12.3, 1.00,
+    1.23e-05)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:+g}" if sign else f"{x:g}"
+    return f"{x:{'+' if sign else ''}#.{digits}g}".rstrip(".")
+
+
 def _sig(x: float | None, digits: int = 3) -> str:
     """3 significant figures (— for a missing figure)."""
-    from moe_rl.claims import sig
-
     return "—" if x is None else sig(x, digits)
 
 

@@ -57,7 +57,7 @@ class ScriptedPolicy(RolloutEngine):
         raise NotImplementedError
 
     @contextlib.asynccontextmanager
-    async def turns(self, *, return_routed_experts: bool, max_concurrency: int):
+    async def turns(self, *, return_routed_experts: bool):
         yield _Source(self)
 
     async def generate_turn(self, token_ids, params, *, seed, routing_from=0) -> Sample:
@@ -78,7 +78,7 @@ class _Source:
 
 
 def sample_with(policy: ScriptedPolicy, fn, problem: Problem, *, timeout_s: float = 30.0, routed: bool = True, **kwargs) -> Sample:
-    sampler = MultiTurnSampler(policy, fn, TOKENIZER, kwargs=kwargs, timeout_s=timeout_s, max_concurrency=4)
+    sampler = MultiTurnSampler(policy, fn, TOKENIZER, kwargs=kwargs, timeout_s=timeout_s)
     return sampler.sample([problem], [ids(problem.prompt)], 1, PARAMS, seed=7, routed=routed)[0][0]
 
 
@@ -124,7 +124,7 @@ def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> No
     from moe_rl.data.prompts import PromptFormatter
 
     policy = ScriptedPolicy(["\\boxed{2}<eos>"])
-    sampler = MultiTurnSampler(policy, multi_turn_fns.sometimes_fails, TOKENIZER, kwargs={}, timeout_s=30, max_concurrency=4)
+    sampler = MultiTurnSampler(policy, multi_turn_fns.sometimes_fails, TOKENIZER, kwargs={}, timeout_s=30)
     problems = [Problem("1+1=", "2"), Problem("1+2=", "3")]
     scorer = RewardScorer([RewardSpec("format", "format", 1.0, {})])
     sampled = generate_and_score(problems, PromptFormatter(TOKENIZER), sampler, scorer, PARAMS, 2, seed=1, return_routing=True)
@@ -245,7 +245,7 @@ def test_one_turn_equals_the_single_turn_rollout(local_engine) -> None:
     prompts = [ids(p.prompt) for p in problems]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
     single = SingleTurnSampler(local_engine).sample(problems, prompts, 4, params, seed=11, routed=True)
-    multi = MultiTurnSampler(local_engine, multi_turn_fns.one_turn, tokenizer, kwargs={}, timeout_s=60, max_concurrency=8)
+    multi = MultiTurnSampler(local_engine, multi_turn_fns.one_turn, tokenizer, kwargs={}, timeout_s=60)
     turned = multi.sample(problems, prompts, 4, params, seed=11, routed=True)
     for a, b in zip((s for g in single for s in g), (s for g in turned for s in g)):
         assert (a.output_ids, a.seed, a.finish_reason) == (b.output_ids, b.seed, b.finish_reason)
@@ -262,7 +262,7 @@ def test_multi_turn_routing_is_the_engines_for_every_token(local_engine) -> None
     problems = ArithmeticChainTask(9).problems(1, 0, 2)
     prompts = [ids(p.prompt) for p in problems]
     params = SamplingParams(max_new_tokens=5, temperature=1.0)
-    multi = MultiTurnSampler(local_engine, multi_turn_fns.two_turns, TOKENIZER, kwargs={}, timeout_s=60, max_concurrency=8)
+    multi = MultiTurnSampler(local_engine, multi_turn_fns.two_turns, TOKENIZER, kwargs={}, timeout_s=60)
     samples = [s for g in multi.sample(problems, prompts, 4, params, seed=5, routed=True) for s in g]
     two = [s for s in samples if s.meta["turns"] == 2]
     assert two and all(s.loss_mask[: 3 + len(ids(" ok "))] == [1] * 3 + [0] * len(ids(" ok ")) for s in two)

@@ -157,7 +157,7 @@ class LocalEngine(RolloutEngine):
         return out
 
     @contextlib.asynccontextmanager
-    async def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncIterator[TurnSource]:
+    async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
         """Requests made while the event loop runs are batched (as :meth:`generate_seeded`)."""
         yield _BatchingTurns(self, return_routed_experts)
 

@@ -223,21 +223,19 @@ class SingleTurnSampler:
 
 
 class MultiTurnSampler:
-    """``n`` transcripts of each problem from ``fn``, all concurrently (at most
-    ``max_concurrency`` engine requests in flight)."""
+    """``n`` transcripts of each problem from ``fn``, all concurrently (within the engine's
+    concurrency limit: ``rollout.concurrency_per_server`` per SGLang server)."""
 
-    def __init__(
-        self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float, max_concurrency: int
-    ) -> None:
+    def __init__(self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float) -> None:
         self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
-        self.kwargs, self.timeout_s, self.max_concurrency = dict(kwargs), timeout_s, max_concurrency
+        self.kwargs, self.timeout_s = dict(kwargs), timeout_s
 
     def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]:
         params.validate()
         return asyncio.run(self._sample_all(problems, prompts, n, params, seed, routed))
 
     async def _sample_all(self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool) -> list[list[Sample]]:
-        async with self.engine.turns(return_routed_experts=routed, max_concurrency=self.max_concurrency) as source:
+        async with self.engine.turns(return_routed_experts=routed) as source:
             return await run_groups(lambda i, j: self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed), len(prompts), n)
 
     async def _one(self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool) -> Sample:
@@ -267,8 +265,8 @@ class MultiTurnSampler:
         such turn the bare prompt (its routing from a one-token request when needed)."""
         last = next((t for t in reversed(handle.turns) if t.input_ids[: len(prompt)] == prompt), None)
         if last is None and routed:
-            last = Turn(prompt, [], [], "abort", "", (await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)).routed_experts)
-            last = replace(last, routed_experts=last.routed_experts[: len(prompt) - 1])
+            probe = await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)
+            last = Turn(prompt, [], [], "abort", "", probe.routed_experts[: len(prompt) - 1])
         output = (last.input_ids[len(prompt) :] + last.output_ids) if last is not None else []
         return Sample(
             prompt_ids=list(prompt), output_ids=output, output_logprobs=[0.0] * len(output), finish_reason="abort",

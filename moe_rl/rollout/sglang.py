@@ -131,13 +131,13 @@ class SGLangEngine(RolloutEngine):
         return sample
 
     @contextlib.asynccontextmanager
-    async def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncIterator[TurnSource]:
+    async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
         """Single requests over one connection pool, at most ``max_concurrency`` in flight."""
         if return_routed_experts and (self.num_layers is None or self.top_k is None):
             raise ValueError("routed experts need num_layers and top_k of the served model")
         expected = self.weight_version
         async with httpx.AsyncClient(timeout=self.timeout) as client:
-            yield _HttpTurns(self, client, asyncio.Semaphore(max_concurrency), return_routed_experts, expected)
+            yield _HttpTurns(self, client, asyncio.Semaphore(self.max_concurrency), return_routed_experts, expected)
 
     async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict) -> Any:
         """``parse(reply)`` of the first good reply; transport errors, 5xx, replies that are

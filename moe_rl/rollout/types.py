@@ -119,8 +119,9 @@ class RolloutEngine(ABC):
         """Take full weights by HF checkpoint names from this process (engines that can)."""
         raise NotImplementedError(f"{type(self).__name__} does not take weights in process; sync them through disk")
 
-    def turns(self, *, return_routed_experts: bool, max_concurrency: int) -> AsyncContextManager[TurnSource]:
-        """A :class:`TurnSource` over this engine for one event loop (``async with``)."""
+    def turns(self, *, return_routed_experts: bool) -> AsyncContextManager[TurnSource]:
+        """A :class:`TurnSource` over this engine for one event loop (``async with``), within
+        the engine's own concurrency limit."""
         raise NotImplementedError(f"{type(self).__name__} does not serve multi-turn rollouts")
 
     def close(self) -> None:

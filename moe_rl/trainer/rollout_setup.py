@@ -69,9 +69,7 @@ def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
     r = cfg.rollout
     if not r.generate_fn:
         return SingleTurnSampler(engine)
-    concurrency = r.concurrency_per_server * max(1, len(getattr(engine, "urls", ())))
-    return MultiTurnSampler(engine, load_generate_fn(r.generate_fn), tokenizer, kwargs=dict(r.generate_kwargs),
-                            timeout_s=r.generate_timeout_s, max_concurrency=concurrency)  # fmt: skip
+    return MultiTurnSampler(engine, load_generate_fn(r.generate_fn), tokenizer, kwargs=dict(r.generate_kwargs), timeout_s=r.generate_timeout_s)
 
 
 def sampling_params(cfg: Config, eos_token_id: int | None, *, evaluation: bool = False) -> SamplingParams:
