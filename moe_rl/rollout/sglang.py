@@ -29,7 +29,7 @@ import httpx
 from torch import Tensor
 
 from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
-from moe_rl.routing.encoding import decode_routed_experts
+from moe_rl.routing.encoding import decode_routed_experts, repeats_an_expert
 
 log = logging.getLogger(__name__)
 
@@ -201,15 +201,14 @@ class SGLangEngine(RolloutEngine):
         return Sample(prompt, output_ids, logprobs, finish, version, seed, routed_experts=routed_experts)
 
     def _decode_routing(self, encoded: str, positions: int) -> Tensor:
-        """SGLang's routed experts, checked: one row per position, ``top_k`` distinct expert
-        ids per layer, each below ``num_experts`` (when known)."""
-        experts = decode_routed_experts(encoded, self.num_layers, self.top_k)
+        """SGLang's routed experts in the smallest integer type for ``num_experts`` (int32
+        when it is not known), checked: one row per position, ``top_k`` distinct expert ids
+        per layer, each below ``num_experts`` (when known). Vectorised, ~25 ms for 8k
+        tokens x 48 layers x top-8 (``tools/bench_routing.py``): cheap enough for the event loop."""
+        experts = decode_routed_experts(encoded, self.num_layers, self.top_k, self.num_experts)
         if experts.shape[0] != positions:
             raise ValueError(f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1-routed_experts_start_len = {positions}")
-        if experts.numel() and (int(experts.min()) < 0 or (self.num_experts is not None and int(experts.max()) >= self.num_experts)):
-            raise ValueError(f"routed_experts has expert ids outside [0, {self.num_experts})")
-        ordered = experts.sort(dim=-1).values
-        if self.top_k > 1 and (ordered[..., 1:] == ordered[..., :-1]).any():
+        if repeats_an_expert(experts):
             raise ValueError("routed_experts repeats an expert within a token's top-k")
         return experts
 
