@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, PretrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moe_rl.algorithms.registry import Registry
 from parallel.layout import ModelDims
@@ -244,16 +246,47 @@ def _mla_problem(cfg: PretrainedConfig) -> str | None:
     return _sigmoid_router_problem(cfg)
 
 
-# DeepSeek-V3 (and Kimi-K2): GLM-4.5's MoE layers under multi-head latent attention
-ARCHITECTURES.register("deepseek_v3")(
-    dataclasses.replace(
-        GLM4_MOE,
-        model_type="deepseek_v3",
-        qk_norm=lambda c: "none",
-        attention=_mla_settings,
-        unsupported=_mla_problem,
-    )
+# DeepSeek-V3: GLM-4.5's MoE layers under multi-head latent attention
+DEEPSEEK_V3 = dataclasses.replace(
+    GLM4_MOE,
+    model_type="deepseek_v3",
+    qk_norm=lambda c: "none",
+    attention=_mla_settings,
+    unsupported=_mla_problem,
 )
+ARCHITECTURES.register("deepseek_v3")(DEEPSEEK_V3)
+# Kimi-K2: DeepSeek-V3's layout and tensor names under its own model_type (61 layers, the first dense)
+ARCHITECTURES.register("kimi_k2")(dataclasses.replace(DEEPSEEK_V3, model_type="kimi_k2"))
+
+
+class KimiK2Config(DeepseekV3Config):
+    """Kimi-K2's ``config.json`` (``model_type: kimi_k2``). transformers 5 ships no class for
+    it and Kimi's checkpoints name remote code (``auto_map``), which offline loading cannot
+    fetch; their fields are DeepSeek-V3's, so DeepSeek-V3's class reads them, as SGLang's
+    own ``kimi_k2`` alias does."""
+
+    model_type = "kimi_k2"
+
+
+class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
+    """transformers' DeepSeek-V3 model for a ``kimi_k2`` config (the reference of parity,
+    drift and the local engine)."""
+
+    config_class = KimiK2Config
+
+
+def _register_with_transformers(config_class: type[PretrainedConfig], model_class: type, like: str) -> None:
+    """Let transformers' Auto classes load ``config_class.model_type`` directories with these
+    classes and checkpoint conversions of model type ``like`` (unless transformers knows
+    the model type itself)."""
+    if config_class.model_type in CONFIG_MAPPING:
+        return
+    AutoConfig.register(config_class.model_type, config_class)
+    AutoModelForCausalLM.register(config_class, model_class)
+    register_checkpoint_conversion_mapping(config_class.model_type, get_checkpoint_conversion_mapping(like))
+
+
+_register_with_transformers(KimiK2Config, KimiK2ForCausalLM, like="deepseek_v3")
 
 
 def load_hf_config(path: str) -> PretrainedConfig:

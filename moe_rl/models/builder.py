@@ -34,6 +34,7 @@ def make_transformer_config(
     kwargs.update(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        **layout.megatron_stage_layers(hf_config.num_hidden_layers),  # uneven stages where the layers do not divide
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         sequence_parallel=layout.use_sequence_parallel,

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+from moe_rl.models.architectures import KimiK2Config, KimiK2ForCausalLM
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -81,7 +82,20 @@ _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
         DeepseekV3ForCausalLM,
         dict(_COMMON, **_DEEPSEEK_STYLE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
     ),
+    # Kimi-K2: DeepSeek-V3's layout with ungrouped routing, its scaling factor and YaRN settings;
+    # 3 layers (a dense one, 2 MoE), so that no pipeline of 2 stages splits them evenly
+    "kimi_k2": (
+        KimiK2Config,
+        KimiK2ForCausalLM,
+        dict(_COMMON, **_DEEPSEEK_STYLE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+             qk_nope_head_dim=8, v_head_dim=8) | dict(num_hidden_layers=3, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+             rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=16.0, original_max_position_embeddings=8,
+                                  beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    ),  # fmt: skip
 }
+# the ``architectures`` a checkpoint's config names where the class's own name is not the published one
+# (Kimi-K2's checkpoints name DeepSeek-V3's, which SGLang serves them with)
+_PUBLISHED_CLASS = {"kimi_k2": "DeepseekV3ForCausalLM"}
 
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides: Any) -> PretrainedConfig:
@@ -109,6 +123,9 @@ def save_tiny_checkpoint(path: str | os.PathLike, model_type: str = "qwen3_moe",
             elif name.endswith("e_score_correction_bias"):
                 tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
     model.save_pretrained(path)
+    if model_type in _PUBLISHED_CLASS:  # (save_pretrained writes the class's own name)
+        model.config.architectures = [_PUBLISHED_CLASS[model_type]]
+        model.config.save_pretrained(path)
     return str(path)
 
 
