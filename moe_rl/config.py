@@ -162,10 +162,12 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
     updates_per_batch: int = 2  # optimizer steps on each step's samples
-    micro_batch_size: int = 32  # rows per micro-batch (with max_tokens_per_micro_batch: at most)
-    # > 0: pack samples by length into micro-batches of at most this many padded tokens
-    # (each padded to its own longest), data-parallel ranks balanced by tokens
-    max_tokens_per_micro_batch: int = 0
+    micro_batch_size: int = 32  # rows per micro-batch (with a token budget: at most)
+    # samples packed by length into micro-batches of at most this many padded tokens (rows x
+    # longest), data-parallel ranks balanced by tokens; -1: derived each step, micro_batch_size
+    # x the step's mean sample length; 0: micro_batch_size rows in sample order. Every
+    # micro-batch is padded only to its own longest sample
+    max_tokens_per_micro_batch: int = -1
 
     @property
     def corrects_rollout(self) -> bool:
@@ -425,7 +427,8 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     _positive("algorithm.entropy_coef", a.entropy_coef, allow_zero=True)
     _positive("algorithm.updates_per_batch", a.updates_per_batch)
     _positive("algorithm.micro_batch_size", a.micro_batch_size)
-    _positive("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch, allow_zero=True)
+    if a.max_tokens_per_micro_batch < -1:
+        raise ConfigError(f"algorithm.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} must be -1 (derived), 0 (by rows) or a token budget > 0")
     if a.advantage != "dr_grpo" and group_size < 2:
         raise ConfigError(f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
 

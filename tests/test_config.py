@@ -81,7 +81,7 @@ BAD = [
     (["data.system_prompt=Be brief."], "data.system_prompt needs data.chat_template=true"),
     (["data.eval_task=arithmetic", "data.eval_solved_reward=right"], "data.eval_solved_reward='right' is not a reward"),
     (["data.eval_samples=0"], "data.eval_samples=0 must be > 0"),
-    (["algorithm.max_tokens_per_micro_batch=-1"], "algorithm.max_tokens_per_micro_batch=-1 must be >= 0"),
+    (["algorithm.max_tokens_per_micro_batch=-2"], "algorithm.max_tokens_per_micro_batch=-2 must be -1 (derived), 0 (by rows) or a token budget > 0"),
     (["optim.lr_schedule=step"], "optim.lr_schedule='step' is not valid; valid: constant, linear, cosine"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
     (["train.steps=5", "optim.warmup_steps=5"], "optim.warmup_steps=5 must be below the decay horizon (train.steps=5)"),

@@ -41,14 +41,15 @@ def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     # another rank has 4 samples: this one gets as many micro-batches, topped up with an empty row
     assert [mb.sample_indices for mb in batch.micro_batches] == [[0, 2], [3, -1]]
     first, second = batch.micro_batches
-    # every micro-batch is padded to the step's longest sample (5 tokens), rounded up to 4's multiple
-    assert first.input_ids.shape == second.input_ids.shape == (2, 8)
+    # each micro-batch is padded to its own longest sample (5 and 3 tokens), rounded up to 4's multiple
+    assert first.input_ids.shape == (2, 8) and second.input_ids.shape == (2, 4)
     assert first.input_ids[0].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
     assert first.lengths.tolist() == [5, 5] and second.lengths.tolist() == [3, 0]
     # position t scores token t+1: the response of sample 0 starts at position len(prompt) - 1
     assert first.mask[0].tolist() == [0, 1, 1, 1, 0, 0, 0]
     assert first.rollout_logp[0, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert first.mask[1].tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert second.input_ids[0].tolist() == [4, 4, 4, 0] and second.mask[0].tolist() == [0, 0, 0]
     assert second.mask.sum() == 0  # an empty response (and the empty row) trains nothing
     assert first.advantages.tolist() == [1.0, 0.5] and second.advantages.tolist() == [-0.5, 0.0]
     assert [r.shape[0] for r in first.routed_experts] == [4, 4]
@@ -83,12 +84,12 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) 
         batch = build_train_batch(exp, 0, fixed_plan(list(range(rows)), rows, micro_batch_size),
                                   seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
         objective = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)
-        weights = torch.zeros(rows, batch.micro_batches[0].mask.shape[1], requires_grad=True)
+        weights = torch.zeros(rows, max(exp.lengths) - 1, requires_grad=True)
         value = 0.0
-        for mb in batch.micro_batches:
+        for mb in batch.micro_batches:  # each as wide as its longest sample
             real = [i for i in mb.sample_indices if i >= 0]
             logp = torch.zeros(mb.mask.shape)
-            logp[: len(real)] = weights[real] - 0.5
+            logp[: len(real)] = weights[real, : mb.mask.shape[1]] - 0.5
             mb.old_logp = -0.45 + 0.05 * torch.arange(mb.mask.shape[1]).expand(mb.mask.shape)  # ratios vary by token
             loss, _ = objective(torch.stack([logp, torch.zeros_like(logp)], -1), mb)
             loss.backward()
@@ -367,6 +368,33 @@ def test_token_budget_plans_balance_ranks_and_bound_micro_batches() -> None:
     assert padding(plans, True) < 0.2 < 0.4 < padding(fixed, False)
 
 
+def test_the_default_budget_pads_little_and_no_micro_batch_outgrows_fixed_rows() -> None:
+    """DAPO-like long-tailed lengths (lognormal responses, median ~1,500 tokens, cut at 8,192)
+    on 4 ranks: the derived budget (micro_batch_size x the mean length) pads <= 15% where
+    fixed rows padded to the step's longest (the old default) pad over half; no micro-batch
+    holds more padded tokens than a fixed one could."""
+    import random
+
+    from moe_rl.trainer.packing import MicroBatchPlanner, derived_budget, fixed_plan, round_up, token_budget_plan
+
+    gen = random.Random(0)
+    lengths = [min(512, max(32, int(gen.lognormvariate(5.0, 0.5)))) + min(8192, max(1, int(gen.lognormvariate(7.3, 0.9)))) for _ in range(256)]
+    ranks, rows = 4, 8
+    budget = derived_budget(lengths, rows, 8)
+    assert budget == rows * round_up(-(-sum(lengths) // len(lengths)), 8) == derived_budget(lengths[::-1], rows, 8)
+    plans = [token_budget_plan(lengths, r, ranks, budget, rows, 8) for r in range(ranks)]
+    assert sorted(i for plan in plans for mb in plan for i in mb if i is not None) == list(range(256))
+    assert len({len(plan) for plan in plans}) == 1
+    sizes = [len(mb) * round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) for plan in plans for mb in plan]
+    assert max(sizes) <= rows * round_up(max(lengths), 8)
+    fixed = [fixed_plan(range(r, 256, ranks), 64, rows) for r in range(ranks)]
+    fixed_padded = sum(len(mb) for plan in fixed for mb in plan) * round_up(max(lengths), 8)
+    assert 1 - sum(lengths) / sum(sizes) <= 0.15 and 1 - sum(lengths) / fixed_padded > 0.5
+    # the planner packs by the derived budget unless told otherwise (one process: rank 0 of 1)
+    assert MicroBatchPlanner(rows, seq_len_multiple=8).plan(lengths) == token_budget_plan(lengths, 0, 1, budget, rows, 8)
+    assert MicroBatchPlanner(rows, max_tokens=0).plan(lengths) == fixed_plan(range(256), 256, rows)
+
+
 def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
     from moe_rl.trainer.packing import token_budget_plan
 
@@ -375,9 +403,8 @@ def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
     exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 2, rows))
     width = max(exp.lengths) - 1
 
-    def total(plan, pad_each: bool) -> tuple[float, torch.Tensor]:
-        batch = build_train_batch(exp, 0, plan, seq_len_multiple=1, pad_id=0, device=torch.device("cpu"),
-                                  with_routing=True, pad_each=pad_each)  # fmt: skip
+    def total(plan) -> tuple[float, torch.Tensor]:
+        batch = build_train_batch(exp, 0, plan, seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=True)
         objective = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)
         weights = torch.zeros(rows, width, requires_grad=True)
         value = 0.0
@@ -392,8 +419,8 @@ def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
             value += float(loss.detach())
         return value, weights.grad, batch
 
-    whole, grad_whole, _ = total([list(range(rows))], False)
-    packed, grad_packed, batch = total(token_budget_plan(exp.lengths, 0, 1, 20, 8, 1), True)
+    whole, grad_whole, _ = total([list(range(rows))])
+    packed, grad_packed, batch = total(token_budget_plan(exp.lengths, 0, 1, 20, 8, 1))
     assert len(batch.micro_batches) > 2 and len({mb.input_ids.shape for mb in batch.micro_batches}) > 1
     for mb in batch.micro_batches:  # each padded to its own longest sample
         assert mb.input_ids.shape[1] == max(exp.lengths[i] for i in mb.sample_indices if i >= 0)

@@ -97,20 +97,37 @@ def client_overhead(requests: int) -> dict:
 
 
 def padding_fractions(samples: int = 256, ranks: int = 4, micro_batch_size: int = 8, max_tokens: int = 4096) -> dict:
-    """Padding share of the micro-batches of one step whose samples are spread 10-500
-    tokens: fixed rows (padded to the step's longest) vs packed under a token budget."""
-    from moe_rl.trainer.packing import fixed_plan, round_up, token_budget_plan
+    """Padding share of one step's micro-batches, computed from the plans. Spread 10-500
+    tokens: fixed rows padded to the step's longest vs packed under ``max_tokens``.
+    Long-tailed (DAPO-like: prompts ~150 tokens, lognormal responses of median ~1,500 cut at
+    8,192): the old default (fixed rows padded to the step's longest), rows padded each to
+    their own longest (``max_tokens_per_micro_batch=0``) and the default derived budget."""
+    import random
 
-    lengths = [10 + (i * 7919) % 491 for i in range(samples)]
+    from moe_rl.trainer.packing import derived_budget, fixed_plan, round_up, token_budget_plan
 
-    def padding(plans, pad_each: bool) -> float:
-        width = lambda mb: round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if pad_each else round_up(max(lengths), 8)  # noqa: E731
-        return 1 - sum(lengths) / sum(len(mb) * width(mb) for plan in plans for mb in plan)
+    def padding(lengths, plans, own_longest: bool) -> tuple[float, int]:
+        """(padding share, the largest micro-batch's padded tokens)."""
+        width = lambda mb: round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if own_longest else round_up(max(lengths), 8)  # noqa: E731
+        sizes = [len(mb) * width(mb) for plan in plans for mb in plan]
+        return 1 - sum(lengths) / sum(sizes), max(sizes)
 
-    fixed = [fixed_plan(range(r, samples, ranks), -(-samples // ranks), micro_batch_size) for r in range(ranks)]
-    packed = [token_budget_plan(lengths, r, ranks, max_tokens, 64, 8) for r in range(ranks)]
-    return {"samples": samples, "ranks": ranks, "fixed": padding(fixed, False), "packed": padding(packed, True),
-            "fixed_micro_batches": len(fixed[0]), "packed_micro_batches": len(packed[0]), "max_tokens": max_tokens}  # fmt: skip
+    def by_rows(lengths) -> list:
+        return [fixed_plan(range(r, len(lengths), ranks), -(-len(lengths) // ranks), micro_batch_size) for r in range(ranks)]
+
+    spread = [10 + (i * 7919) % 491 for i in range(samples)]
+    packed = [token_budget_plan(spread, r, ranks, max_tokens, 64, 8) for r in range(ranks)]
+    gen = random.Random(0)
+    tail = [min(512, max(32, int(gen.lognormvariate(5.0, 0.5)))) + min(8192, max(1, int(gen.lognormvariate(7.3, 0.9)))) for _ in range(samples)]
+    budget = derived_budget(tail, micro_batch_size, 8)
+    derived = [token_budget_plan(tail, r, ranks, budget, micro_batch_size, 8) for r in range(ranks)]
+    long_tailed = {"mean_tokens": sum(tail) / samples, "longest": max(tail), "derived_budget": budget}
+    for name, plans, own in (("old_default", by_rows(tail), False), ("rows", by_rows(tail), True), ("default", derived, True)):
+        frac, largest = padding(tail, plans, own)
+        long_tailed[name] = {"padding_frac": frac, "micro_batches": len(plans[0]), "largest_micro_batch_tokens": largest}
+    return {"samples": samples, "ranks": ranks, "fixed": padding(spread, by_rows(spread), False)[0], "packed": padding(spread, packed, True)[0],
+            "fixed_micro_batches": len(by_rows(spread)[0]), "packed_micro_batches": len(packed[0]), "max_tokens": max_tokens,
+            "micro_batch_size": micro_batch_size, "long_tailed": long_tailed}  # fmt: skip
 
 
 def main() -> None:
@@ -245,6 +262,20 @@ def _probe_row(rows: list[dict]) -> str:
                      f"later passes {r['new_kept_bytes'] / 1024:.0f} KB" for r in rows)  # fmt: skip
 
 
+def _padding_rows(p: dict) -> list[tuple[str, str]]:
+    """padding_fractions' rows: the spread lengths, and the long-tailed ones by default old and new."""
+    tail, rows = p["long_tailed"], p["micro_batch_size"]
+    cell = lambda k: f"{100 * tail[k]['padding_frac']:.0f}% in {tail[k]['micro_batches']} micro-batches (largest {tail[k]['largest_micro_batch_tokens']:,} tokens)"  # noqa: E731
+    return [
+        (f"padding, {p['samples']} samples of 10-500 tokens on {p['ranks']} ranks",
+         f"fixed {p['fixed_micro_batches']} x {rows} rows {100 * p['fixed']:.0f}% vs packed "
+         f"<= {p['max_tokens']} tokens ({p['packed_micro_batches']} micro-batches) {100 * p['packed']:.0f}%"),
+        (f"perf/padding_frac, {p['samples']} long-tailed samples (mean {tail['mean_tokens']:.0f}, longest {tail['longest']:,}) on {p['ranks']} ranks",
+         f"old default (rows padded to the step's longest) {cell('old_default')} vs default (budget {tail['derived_budget']:,} = "
+         f"{rows} x mean) {cell('default')}; rows padded each {100 * tail['rows']['padding_frac']:.0f}%"),
+    ]  # fmt: skip
+
+
 def _print_table(r: dict) -> None:
     t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
     rows = [
@@ -254,9 +285,7 @@ def _print_table(r: dict) -> None:
         *_reference_rows(r["reference"]),
         ("routing kept by the drift metrics per step", _probe_row(r["probe_memory"])),
         ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
-        (f"padding, {r['padding']['samples']} samples of 10-500 tokens on {r['padding']['ranks']} ranks",
-         f"fixed {r['padding']['fixed_micro_batches']} x 8 rows {100 * r['padding']['fixed']:.0f}% vs packed "
-         f"<= {r['padding']['max_tokens']} tokens ({r['padding']['packed_micro_batches']} micro-batches) {100 * r['padding']['packed']:.0f}%"),
+        *_padding_rows(r["padding"]),
         ("drift metrics on / + after-update pass", f"{r['routing_overhead']['drift metrics']:.3f}x / {r['routing_overhead']['drift + after-update pass']:.3f}x"),
         (f"log-probs vocab 151,936 x seq {lp['seq']}: memory", f"chunked {lp['chunked_growth_mib']:.0f} MiB vs full logits {lp['naive_growth_mib']:.0f} MiB = {lp['memory_ratio_chunked_over_naive']:.3f}x"),
         ("  time", f"{lp['chunked_seconds']:.1f}s vs {lp['naive_seconds']:.1f}s = {lp['time_ratio_chunked_over_naive']:.2f}x"),

@@ -117,21 +117,19 @@ def build_train_batch(
     pad_id: int,
     device: torch.device,
     with_routing: bool,
-    pad_each: bool = False,
 ) -> TrainBatch:
     """This rank's micro-batches, one per entry of ``plan`` (:mod:`moe_rl.trainer.packing`:
     sample indices, ``None`` for an empty row that adds nothing to any loss or metric).
-    Sequences are padded to the step's longest sample (every micro-batch one shape), or
-    with ``pad_each`` to each micro-batch's own longest; lengths are rounded up to
-    ``seq_len_multiple``. Built on the CPU and moved to ``device`` in one place
-    (:func:`_on_device`)."""
+    Each micro-batch is padded to its own longest sample, rounded up to
+    ``seq_len_multiple`` (micro-batches of different lengths: pipeline stages exchange
+    shapes, :func:`moe_rl.models.forward.run_microbatches`). Built on the CPU and moved to
+    ``device`` in one place (:func:`_on_device`)."""
     routing_shape = _routing_shape(exp) if with_routing else None
     lengths = exp.lengths
-    step_len = round_up(max(lengths), seq_len_multiple)
     micro_batches = []
     for rows in plan:
         longest = max((lengths[i] for i in rows if i is not None), default=0)
-        seq_len = round_up(max(longest, 2), seq_len_multiple) if pad_each else step_len
+        seq_len = round_up(max(longest, 2), seq_len_multiple)
         micro_batches.append(_on_device(_micro_batch(exp, rows, seq_len, pad_id, routing_shape), device))
     return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp)
 

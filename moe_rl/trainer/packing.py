@@ -2,14 +2,16 @@
 
 A *plan* is this rank's micro-batches as lists of sample indices (``None``: an empty row).
 Every data-parallel rank gets a plan with the same number of micro-batches (the
-expert-parallel all-to-all and the pipeline schedule run in lockstep).
+expert-parallel all-to-all and the pipeline schedule run in lockstep). Each micro-batch is
+padded only to its own longest sample (:func:`moe_rl.trainer.batch.build_train_batch`).
 
-- :func:`fixed_plan`: ``micro_batch_size`` rows each, equal shapes (padded to the step's
-  longest sample).
+- :func:`fixed_plan`: ``micro_batch_size`` rows each, samples in order.
 - :func:`token_budget_plan`: samples spread over ranks by tokens (longest first to the
   least loaded rank), then packed longest-first into micro-batches whose padded size
-  ``rows x longest`` stays within ``max_tokens`` (a longer sample goes alone); each
-  micro-batch is padded only to its own longest sample.
+  ``rows x longest`` stays within ``max_tokens`` (a longer sample goes alone).
+- :func:`derived_budget`: the default budget, ``micro_batch_size`` samples of the step's
+  mean length (never more tokens a micro-batch than ``micro_batch_size`` rows of the
+  step's longest sample, the fixed plan's size).
 """
 
 from __future__ import annotations
@@ -85,24 +87,44 @@ def token_budget_plan(lengths: Sequence[int], rank: int, ranks: int, max_tokens:
     return equalize(packed[rank], max(1, *(len(p) for p in packed)))
 
 
+DERIVED_BUDGET = -1  # max_tokens: micro_batch_size samples of the step's mean length
+
+
+def derived_budget(lengths: Sequence[int], micro_batch_size: int, multiple: int) -> int:
+    """``micro_batch_size`` x the step's mean sample length (rounded up to ``multiple``): as
+    many micro-batches as fixed rows would make for samples of equal length, long samples
+    in fewer rows, short ones in full rows. Computed from every sample of the step, so
+    every data-parallel rank derives the same budget."""
+    mean = -(-sum(lengths) // max(len(lengths), 1))
+    return micro_batch_size * round_up(max(mean, 2), multiple)
+
+
 @dataclass(frozen=True)
 class MicroBatchPlanner:
-    """The run's way of planning micro-batches, chosen once: by rows (``max_tokens=0``) or
-    by a token budget; ``pad_each``: each micro-batch is padded to its own longest."""
+    """The run's way of planning micro-batches, chosen once: ``max_tokens`` > 0 packs by
+    that token budget, :data:`DERIVED_BUDGET` (-1) by :func:`derived_budget` of each step,
+    0 by rows (``micro_batch_size`` each, samples in order)."""
 
     micro_batch_size: int
-    max_tokens: int = 0
+    max_tokens: int = DERIVED_BUDGET
     seq_len_multiple: int = 1
 
-    @property
-    def pad_each(self) -> bool:
-        return self.max_tokens > 0
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.max_tokens < DERIVED_BUDGET:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and max_tokens={self.max_tokens} >= -1")
+
+    def budget(self, lengths: Sequence[int]) -> int:
+        """The token budget of a step's micro-batches (0: by rows)."""
+        if self.max_tokens == DERIVED_BUDGET:
+            return derived_budget(lengths, self.micro_batch_size, self.seq_len_multiple)
+        return self.max_tokens
 
     def plan(self, lengths: Sequence[int]) -> Plan:
         """This data-parallel rank's plan for a step's samples of ``lengths``."""
         from parallel.collectives import data_parallel_position
 
         rank, size = data_parallel_position()
-        if self.max_tokens:
-            return token_budget_plan(lengths, rank, size, self.max_tokens, self.micro_batch_size, self.seq_len_multiple)
+        budget = self.budget(lengths)
+        if budget:
+            return token_budget_plan(lengths, rank, size, budget, self.micro_batch_size, self.seq_len_multiple)
         return fixed_plan(range(rank, len(lengths), size), -(-len(lengths) // size), self.micro_batch_size)

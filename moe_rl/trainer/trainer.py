@@ -304,7 +304,6 @@ class Trainer:
         return build_train_batch(
             exp, step, self.planner.plan(exp.lengths), seq_len_multiple=self.cfg.parallel.seq_len_multiple,
             pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
-            pad_each=self.planner.pad_each,
         )  # fmt: skip
 
     def compute_old_logprobs(self, batch: TrainBatch) -> list[dict]:
