@@ -207,13 +207,29 @@ def padding_left_out_of_expert_load(ddp, model, config, batch: list[MicroBatch])
 
 
 BIAS_CHECKS = {"1,1,1,1", "1,1,2,1"}  # layouts where GLM-4.5 also runs expert_bias_update_checks (one process; EP2 x DP2)
+GRAD_CHECKS = {"1,1,1,1", "1,2,1,1"}  # layouts where Kimi-K2 (3 layers: PP2 splits them 2 + 1) also saves gradients
 
 
-def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path, bias_checks: bool = False) -> None:
+def fixed_loss_gradients(model, hf_config, batch: list[MicroBatch], out: Path) -> None:
+    """The fixed loss over the whole batch (``out/loss.pt``, by the last stage) and its
+    gradients in HF names (``out/grads_rank*.pt``, by the ranks that write them). For
+    layouts without tensor or data parallelism (each stage's gradients are then whole)."""
+    model.zero_grad()
+    results = run_microbatches(model, batch, loss_fn=loss_fn, forward_only=False)
+    grads = gather_hf_tensors(model, hf_config, source=lambda name, p: torch.zeros_like(p) if p.grad is None else p.grad)
+    if grads:
+        torch.save(grads, out / f"grads_rank{dist.get_rank()}.pt")
+    if results:
+        torch.save(torch.tensor(sum(float(r["loss"]) for r in results)), out / "loss.pt")
+
+
+def family_checks(
+    hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path, bias_checks: bool = False, grad_checks: bool = False
+) -> None:
     """Another architecture under ``layout``: forward-only log-probs and entropies of the
     whole batch (saved by the reporting rank), R2 replay before any update reproducing
-    them bit for bit, R3 replay of transformers' own routing reproducing them, and an
-    export of the loaded weights (``out/export``)."""
+    them bit for bit, R3 replay of transformers' own routing reproducing them, an export
+    of the loaded weights (``out/export``) and with ``grad_checks`` a fixed loss's gradients."""
     import json
 
     from megatron.core import parallel_state as ps
@@ -238,6 +254,8 @@ def family_checks(hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], 
         torch.save(torch.cat([r["logprobs"] for r in plain]), out / "logp.pt")
         torch.save(torch.cat([r["entropy"] for r in plain]), out / "entropy.pt")
     export_hf_weights(model, hf_config, out / "export")
+    if grad_checks:
+        fixed_loss_gradients(model, hf_config, batch, out)
     if bias_checks and config.moe_router_enable_expert_bias:  # (the same on every rank: the checks are collective)
         result.update(expert_bias_update_checks(model, config, hf_config, batch))
     (out / f"replay_rank{dist.get_rank()}.json").write_text(json.dumps(result))
@@ -314,7 +332,9 @@ def main() -> None:
         # 5. other architectures: log-probs and replay
         for family in families if spec in family_layouts else []:
             bias_checks = spec in BIAS_CHECKS and Path(family).name == "glm4_moe"
-            family_checks(family, layout, fixed_batch(load_hf_config(family).vocab_size), out / Path(family).name, bias_checks)
+            grad_checks = spec in GRAD_CHECKS and Path(family).name == "kimi_k2"
+            family_batch = fixed_batch(load_hf_config(family).vocab_size)
+            family_checks(family, layout, family_batch, out / Path(family).name, bias_checks, grad_checks)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

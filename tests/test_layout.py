@@ -15,7 +15,11 @@ MODEL = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=4, num_e
         (ParallelLayout(tp=2, pp=2), 6, "world size 6 is not divisible by tp\\*pp = 2\\*2 = 4"),
         (ParallelLayout(ep=4, etp=2), 4, "not divisible by ep\\*etp = 4\\*2 = 8"),
         (ParallelLayout(ep=3), 3, "model.num_experts=8 is not divisible by parallel.ep=3"),
-        (ParallelLayout(pp=3), 3, "model.num_layers=4 is not divisible by parallel.pp=3"),
+        (ParallelLayout(pp=8), 8, "model.num_layers=4 is fewer than parallel.pp=8 pipeline stages"),
+        (ParallelLayout(pp=3, first_stage_layers=1), 3, "first_stage_layers=1 leave 3 of model.num_layers=4 layers to 2 other"),
+        (ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2), 2, "add up to 3 on pp=2, but model.num_layers=4"),
+        (ParallelLayout(last_stage_layers=4), 1, "need parallel.pp > 1"),
+        (ParallelLayout(pp=2, first_stage_layers=0), 2, "parallel.first_stage_layers=0 must be a positive integer"),
         (ParallelLayout(tp=8), 8, "model.num_query_groups \\(key/value heads\\)=4 is not divisible by parallel.tp=8"),
         (ParallelLayout(tp=0), 1, "parallel.tp=0 must be a positive integer"),
         (ParallelLayout(sequence_parallel=True), 1, "sequence_parallel=True needs tp > 1"),
@@ -35,3 +39,33 @@ def test_good_layouts_and_derived_sizes() -> None:
     dense = ModelDims(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=None, vocab_size=8)
     with pytest.raises(LayoutError, match="has no experts"):
         ParallelLayout(ep=2).validate(2, dense)
+
+
+@pytest.mark.parametrize(
+    "layers, layout, stages",
+    [
+        (4, ParallelLayout(pp=2), (2, 2)),  # divides: megatron's even split
+        (3, ParallelLayout(pp=2), (2, 1)),  # a dense first layer + 2 MoE layers
+        (61, ParallelLayout(pp=8), (7, 8, 8, 8, 8, 8, 8, 6)),  # DeepSeek-V3 / Kimi-K2
+        (61, ParallelLayout(pp=4), (15, 16, 16, 14)),
+        (92, ParallelLayout(pp=8), (10, 12, 12, 12, 12, 12, 12, 10)),  # GLM-4.5
+        (29, ParallelLayout(pp=16), (8, *[1] * 14, 7)),  # middle stages of 2 would leave an end empty
+        (10, ParallelLayout(pp=4, first_stage_layers=1), (1, 3, 3, 3)),  # set: the others share the rest
+        (10, ParallelLayout(pp=4, first_stage_layers=2, last_stage_layers=4), (2, 2, 2, 4)),
+        (3, ParallelLayout(pp=2, last_stage_layers=2), (1, 2)),
+    ],
+)
+def test_stage_layers_are_megatrons_own_split(layers: int, layout: ParallelLayout, stages: tuple[int, ...]) -> None:
+    """The split chosen (by hand above) is the one megatron-core builds from the config we
+    give it: each stage's layer count and offset as megatron computes them per pipeline rank."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from moe_rl.models.builder import make_transformer_config
+    from moe_rl.models.tiny import tiny_config
+
+    assert layout.stage_layers(layers) == stages
+    layout.validate(layout.pp, ModelDims(layers, 4, 2, 8, 64))
+    config = make_transformer_config(tiny_config("mixtral", num_hidden_layers=layers), layout)
+    assert tuple(get_num_layers_to_build(config, pp_rank=r) for r in range(layout.pp)) == stages
+    assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(layout.pp)] == [sum(stages[:r]) for r in range(layout.pp)]

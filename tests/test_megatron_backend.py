@@ -30,6 +30,8 @@ FAMILIES = {  # name: (model_type, config overrides); qwen3 (norm_topk_prob=Fals
     "deepseek_v3": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                         "rope_theta": 10000.0}}),
+    # Kimi-K2 (DeepSeek-V3's layout under model_type kimi_k2): 3 layers, a dense one and 2 MoE, which PP2 splits 2 + 1
+    "kimi_k2": ("kimi_k2", {}),
 }
 FAMILY_LAYOUTS = ["1,1,1,1", "2,1,1,2", "1,1,2,1", "1,2,1,1", "2,1,2,1"]  # 1 process, TP2, EP2, PP2, TP2 x EP2 ETP1
 
@@ -92,7 +94,21 @@ def test_family_export_round_trip_is_exact(qwen3_runs: Path, family: str, layout
     assert a.keys() == b.keys()
     for key in sorted(a.keys()):
         assert torch.equal(a.get(key), b.get(key)), key
-    assert any("e_score_correction_bias" in k for k in a.keys()) == (family in ("glm4_moe", "deepseek_v3"))
+    assert any("e_score_correction_bias" in k for k in a.keys()) == (family in ("glm4_moe", "deepseek_v3", "kimi_k2"))
+
+
+def test_uneven_pipeline_stages_equal_one_process(qwen3_runs: Path) -> None:
+    """Kimi-K2's 3 layers (dense, MoE, MoE) on 2 pipeline stages, 2 + 1: the loss and every
+    gradient equal the one-process run's (log-probs and the export: the family tests)."""
+    ref, run = qwen3_runs / "1-1-1-1" / "kimi_k2", qwen3_runs / "1-2-1-1" / "kimi_k2"
+    stage_layers = [{int(k.split(".")[2]) for k in torch.load(f) if k.startswith("model.layers.")} for f in sorted(run.glob("grads_rank*.pt"))]
+    assert stage_layers == [{0, 1}, {2}], "stage 0 holds the dense layer and the first MoE layer, stage 1 the last layer"
+    torch.testing.assert_close(torch.load(run / "loss.pt"), torch.load(ref / "loss.pt"), rtol=1e-6, atol=1e-6)
+    ref_grads, grads = _grads(ref), _grads(run)
+    assert set(grads) == set(ref_grads) and any(".experts." in k for k in grads)
+    for key, g in ref_grads.items():
+        torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=2e-6, msg=lambda m: f"{key}: {m}")
+        assert g.abs().sum() > 0 or ".experts." in key, f"{key}: no gradient"
 
 
 def _grads(run: Path) -> dict[str, torch.Tensor]:
