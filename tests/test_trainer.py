@@ -307,9 +307,10 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps] (tests/trainer_layouts_worker.py)
     1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
-        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", *FAMILY_RUNS],
+        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", "one-r3l3:1,1,1,1:r3+l3", *FAMILY_RUNS],
     # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
-    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn", "ep2-mt:1,1,2,1:mt"],
+    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn", "ep2-mt:1,1,2,1:mt",
+        "pp2-r3l3:1,2,1,1:r3+l3"],  # 3 layers on 2 pipeline stages: 2 + 1
     4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
 }
 

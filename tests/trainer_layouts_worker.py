@@ -7,7 +7,7 @@ processes (started N times by ``spawn_local``); rank 0 writes each run's step sc
 
 VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
 ``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``), ``+qwen2`` / ``+olmoe``
-/ ``+glm`` / ``+dsv3``: the built-in model in that family; ``+async``: asynchronous rollouts;
+/ ``+glm`` / ``+dsv3``: the built-in model in that family; ``+l3``: with 3 layers; ``+async``: asynchronous rollouts;
 ``mt``: multi-turn samples with environment tokens.
 The pytest side compares every layout with the one-process run of the same variant.
 """
@@ -41,6 +41,8 @@ VARIANTS = {
     "olmoe": ["model.architecture=olmoe", "warm_start.steps=4"],
     "glm": ["model.architecture=glm4_moe", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01", "routing.after_update_pass=true"],
     "dsv3": ["model.architecture=deepseek_v3", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01"],
+    # 3 layers: no even split over 2 pipeline stages (megatron-core's uneven stages, 2 + 1)
+    "l3": ["model.num_layers=3", "warm_start.steps=4"],
     # step k+1 generated while step k trains (the runs here take exactly train.steps steps)
     "async": ["rollout.async_rollouts=true", "algorithm.old_logprobs=rollout", "train.steps=3"],
     # multi-turn samples (two policy turns around inserted tokens: tests/multi_turn_fns.py), R3
