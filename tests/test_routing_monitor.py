@@ -1,4 +1,5 @@
-"""A training step's routing measurements (RoutingMonitor) for none / r2 / r3."""
+"""A training step's routing measurements (RoutingMonitor) for none / r2 / r3; compact
+routing indices; the metrics on a sample of the tokens."""
 
 from __future__ import annotations
 
@@ -44,3 +45,29 @@ def test_train_vs_rollout_and_load(results) -> None:
         # 2 micro-batches x (9 + 6 routed positions) x k=2 choices per layer
         assert [sum(row) for row in load["expert_load"]] == [60.0, 60.0]
         assert len(load["expert_load_cv"]) == 2
+
+
+def test_routing_is_kept_compact_and_router_distributions_only_for_router_kl(results) -> None:
+    for mode in ("none", "r2", "r3"):
+        kept = results[mode]["kept"]
+        assert kept["index_dtypes"] == ["torch.uint8"] and kept["old_probs_kept"] == [True, True]  # 4 experts: 1 byte
+        assert kept["replay_dtypes"] == ([] if mode == "none" else ["torch.uint8"])
+        assert "router_kl" in results[mode]["old_vs_new"]
+    assert results["r3_sampled"]["kept"]["old_probs_kept"] == [False, False] and "router_kl" not in results["r3_sampled"]["old_vs_new"]
+
+
+def test_replay_from_compact_indices_equals_int64_replay(results) -> None:
+    check = results["compact_vs_int64"]
+    assert check["compact_dtype"] == "torch.uint8" and check["router_grad_min"] > 0
+    assert check["logprobs_equal"] and check["losses_equal"] and check["router_grads_equal"]
+    assert check["max_diff_to_own_routing"] < 5e-7  # the engine's routing is the model's own here
+
+
+def test_metrics_on_a_sample_of_tokens_estimate_all_of_them(results) -> None:
+    sampled = results["r3_sampled"]
+    # a third of each micro-batch's 9 + 6 routed positions is observed ...
+    assert sampled["kept"]["observed_tokens"] == [5, 5]
+    # ... weighted so that counts estimate all tokens: 2 micro-batches x 15 positions x k=2 per layer
+    assert [sum(row) for row in sampled["load"]["expert_load"]] == pytest.approx([60.0, 60.0])
+    assert sampled["replayed"]["any_layer_changed_frac"] == 0.0 and sampled["train_vs_rollout"]["changed_frac"] == [0.0, 0.0]
+    assert 0 < sampled["old_vs_new"]["any_layer_changed_frac"] <= 1

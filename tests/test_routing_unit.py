@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from moe_rl.routing.drift import drift_metrics, load_metrics
-from moe_rl.routing.encoding import decode_routed_experts, encode_routed_experts, load_routing, save_routing
+from moe_rl.routing.encoding import (
+    decode_routed_experts, encode_routed_experts, expert_index_dtype, load_routing, repeats_an_expert, save_routing,
+)  # fmt: skip
+from moe_rl.routing.monitor import sampled_tokens
 from moe_rl.routing.replay import ReplayError, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
@@ -28,6 +31,46 @@ def test_sglang_encoding_round_trip_and_layout() -> None:
     assert struct.unpack("<i", raw[4:8])[0] == idx[0, 0, 1].item()
     with pytest.raises(ValueError, match="multiple of num_layers"):
         decode_routed_experts(text, num_layers=4, top_k=2)
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(8, torch.uint8), (256, torch.uint8), (257, torch.int16), (32768, torch.int16), (32769, torch.int32)])
+def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(num_experts: int, dtype: torch.dtype) -> None:
+    import base64
+
+    import numpy as np
+
+    from moe_rl.rollout.sglang import SGLangEngine
+
+    assert expert_index_dtype(num_experts) == dtype
+    gen = torch.Generator().manual_seed(num_experts)
+    top = [0, num_experts - 1, min(255, num_experts - 1), min(256, num_experts - 1)]  # edge ids: 255 and 256 where they exist
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:4] for _ in range(30 * 3)]).view(30, 3, 4)
+    idx[0, 0] = torch.tensor(sorted(set(top)) + [e for e in range(1, 4) if e not in top][: 4 - len(set(top))])
+    text = base64.b64encode(idx.to(torch.int32).numpy().astype("<i4").tobytes()).decode()
+    engine = SGLangEngine(["http://127.0.0.1:1"], num_layers=3, top_k=4, num_experts=num_experts)
+    got = engine._decode_routing(text, positions=30)
+    reference = torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<i4").reshape(30, 3, 4).copy())  # SGLang's own layout
+    assert got.dtype == dtype and torch.equal(got.to(torch.int32), reference)
+    with pytest.raises(ValueError, match="outside"):
+        decode_routed_experts(text, 3, 4, num_experts=int(idx.max()))
+    with pytest.raises(ValueError, match="covers 30 positions"):
+        engine._decode_routing(text, positions=29)
+    repeated = idx.clone()
+    repeated[29, 2, 3] = repeated[29, 2, 0]  # the last pair of the last token
+    assert not repeats_an_expert(idx) and repeats_an_expert(repeated)
+    with pytest.raises(ValueError, match="repeats an expert"):
+        engine._decode_routing(encode_routed_experts(repeated), positions=30)
+    replay = engine_routing_to_replay([got], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts)
+    wide = engine_routing_to_replay([reference.long()], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts)
+    assert replay[0].dtype == dtype and all(torch.equal(a.long(), b.long()) for a, b in zip(replay, wide))
+
+
+def test_metrics_sample_the_stated_share_of_tokens_deterministically() -> None:
+    mask = (torch.arange(150) % 3 != 0).float()  # 100 tokens count
+    picked = sampled_tokens(mask, 0.25, seed=7)
+    assert len(picked) == 25 and bool((mask[picked] > 0).all()) and torch.equal(picked, picked.sort().values.unique())
+    assert torch.equal(picked, sampled_tokens(mask, 0.25, seed=7)) and not torch.equal(picked, sampled_tokens(mask, 0.25, seed=8))
+    assert len(sampled_tokens(mask, 0.001, seed=7)) == 1 and torch.equal(sampled_tokens(mask, 1.0, seed=7), mask.nonzero().flatten())
 
 
 def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:

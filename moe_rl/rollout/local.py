@@ -3,7 +3,8 @@
 Same interface and log-prob semantics as :class:`moe_rl.rollout.sglang.SGLangEngine`:
 log-probs at the sampling temperature before top-p/top-k truncation, one seeded
 random stream per sample (drawn for every row at once), and routed experts in SGLang's layout
-(``[prompt + output - 1, num_layers, top_k]``; dense layers get ``0..k-1``).
+(``[prompt + output - 1, num_layers, top_k]``; dense layers get ``0..k-1``) in
+:func:`moe_rl.routing.encoding.expert_index_dtype`, as the SGLang client decodes them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from moe_rl.models.architectures import architecture_of
+from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
@@ -52,6 +54,7 @@ class LocalEngine(RolloutEngine):
         cfg = self.model.config
         self.arch = architecture_of(cfg)
         self._routers = RouterCapture(self.model)
+        self._index_dtype = expert_index_dtype(self.arch.num_experts(cfg))
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None) or cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self.tokens_generated = 0
@@ -175,7 +178,7 @@ class LocalEngine(RolloutEngine):
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
         ids = torch.tensor(prompts, device=self.model.device)
         step_out = self.model(ids, use_cache=True)
-        routing = [self._routers.take(n, prompt_len)[0]] if routed else []
+        routing = [self._routers.take(n, prompt_len)[0].to(self._index_dtype)] if routed else []
         outputs: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -193,13 +196,13 @@ class LocalEngine(RolloutEngine):
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
             if routed:
-                routing.append(self._routers.take(n, 1)[0])
+                routing.append(self._routers.take(n, 1)[0].to(self._index_dtype))
         samples = []
         full_routing = torch.cat(routing, dim=1) if routed else None  # [n, positions, L, k]
         for j in range(n):
             routed_j = None
             if routed:
-                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].to(torch.int32)
+                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].clone()  # its own storage, not the batch's
             samples.append(
                 Sample(
                     prompt_ids=list(prompts[j]),

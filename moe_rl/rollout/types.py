@@ -52,7 +52,9 @@ class Sample:
 
     ``output_logprobs[i]`` is ``log p(output_ids[i])`` at the sampling temperature, before
     top-p/top-k truncation (the trainer recomputes the same quantity). ``routed_experts``
-    is ``[len(prompt_ids) + len(output_ids) - 1, num_layers, top_k]`` when requested.
+    is ``[len(prompt_ids) + len(output_ids) - 1, num_layers, top_k]`` when requested, in
+    :func:`moe_rl.routing.encoding.expert_index_dtype` (uint8 up to 256 experts; int32 from
+    an engine not told the number of experts).
     ``loss_mask[i]`` (multi-turn samples) is 1 where ``output_ids[i]`` is the policy's own
     token and 0 where the environment inserted it (its log-prob is then 0); ``None``: every
     output token is the policy's.

@@ -23,6 +23,12 @@ token's routing differed in any layer: ``train_vs_rollout`` the old pass's
 ``|trainer - engine|`` log-prob (``logp_mismatch_routing_changed`` / ``_same``),
 ``replayed`` the update passes' ``|log-ratio|`` and clipping (``log_ratio_abs_...``,
 ``clip_frac_...``).
+
+The old pass keeps its routing for the step (expert indices in their compact type, and the
+router distributions in host memory only when ``router_kl`` is wanted); with
+``sample_frac`` < 1 every pass observes only that share of each micro-batch's tokens (a
+seeded draw, the same on every rank holding those tokens), weighted so that counts
+estimate all tokens. Replay always covers every token.
 """
 
 from __future__ import annotations
@@ -55,15 +61,23 @@ class RoutingMonitor:
     """Replay (``mode``) and, when ``measure``, the drift metrics (``measure=False``: replay
     only, no router probe and no statistics). ``split_environment`` (multi-turn runs): the
     train-vs-rollout routing of the tokens environments inserted is also reported on its
-    own (``train_vs_rollout_environment``)."""
+    own (``train_vs_rollout_environment``). ``router_kl``: keep the old pass's router
+    distributions for the after-update pass's ``router_kl`` (set it false when no such pass
+    runs). ``sample_frac``: the share of each micro-batch's tokens the metrics observe."""
 
     def __init__(
         self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False, measure: bool = True,
-        split_environment: bool = False,
+        split_environment: bool = False, router_kl: bool = True, sample_frac: float = 1.0,
     ) -> None:  # fmt: skip
         if mode not in REPLAY_MODES:
             raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
+        if not 0 < sample_frac <= 1:
+            raise ValueError(f"sample_frac={sample_frac} must be in (0, 1]")
         self.mode = mode
+        self.router_kl, self.sample_frac = router_kl, sample_frac
+        self._tokens: list[Tensor] | None = None  # per micro-batch: the observed tokens (None: all)
+        self._weights: list[float] = []  # per micro-batch: tokens / observed tokens
+        self._passes = 0
         self.probe = RouterProbe(model)
         self.measure = measure
         self.split_environment = split_environment
@@ -100,7 +114,7 @@ class RoutingMonitor:
             self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
 
         with self._cleanup_on_error():
-            yield self._start_probe(compare) + ([self.replay] if self.replay else [])
+            yield self._start_probe(compare, with_probs=False) + ([self.replay] if self.replay else [])
         if self.replay is not None:
             self.replay.finish()
         self._stop_probe(compare)
@@ -114,14 +128,15 @@ class RoutingMonitor:
 
         def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
             old, layers = self._old[i], self.probe.layer_numbers
-            old_probs = old.probs.to(new.probs.device)  # kept off the accelerator between the passes
+            with_kl = old.probs is not None and new.probs is not None
+            old_probs = old.probs.to(new.probs.device) if with_kl else None  # kept off the accelerator between the passes
             self._stats["old_vs_new"].add_drift(layers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
             if bias_before is not None:  # (a stage without MoE layers adds its tokens' empty routing, as every group does)
                 reference = new.natural if new.natural_with_reference_bias is None else new.natural_with_reference_bias
                 self._stats["expert_bias_effect"].add_drift(layers, reference, new.natural, self._masks[i])
 
         with self._cleanup_on_error():
-            yield self._start_probe(compare, reference_bias=bias_before)
+            yield self._start_probe(compare, reference_bias=bias_before, with_probs=self.router_kl)
         self._stop_probe(compare)
 
     def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
@@ -157,17 +172,20 @@ class RoutingMonitor:
         local = None
         if per_position is not None:
             local = []
-            for values in per_position:
+            for i, values in enumerate(per_position):
                 values = torch.cat([values, values.new_zeros(values.shape[0], 1, values.shape[2])], dim=1)  # position s-1 scores nothing
-                local.append(self._local(values).transpose(0, 1))
+                values = self._observed(i, self._local(values))
+                weights = values[:, -1:] * self._weights[i]  # the weights (last) estimate all tokens; the values stay as they are
+                local.append(torch.cat([values[:, :-1], weights], dim=1).transpose(0, 1))
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
 
     def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
         groups = STAT_GROUPS + ((ENVIRONMENT_GROUP,) if self.split_environment else ())
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in groups}
-        self._masks = [self._local(_routing_mask(mb)) for mb in batches]
+        self._sample_tokens([self._local(_routing_mask(mb)) for mb in batches])
         if self.split_environment:
-            self._environment_masks = [self._local(_environment_mask(mb)) for mb in batches]
+            environment = [self._local(_environment_mask(mb)) for mb in batches]
+            self._environment_masks = [self._observed(i, m) * self._weights[i] for i, m in enumerate(environment)]
         self._engine = None
         if engine_routing is not None:
             self._engine = [self._engine_local(mb, routed) for mb, routed in zip(batches, engine_routing)]
@@ -178,7 +196,7 @@ class RoutingMonitor:
             self.replay.start_replay(self._engine, forward_only=True)
         elif self.mode == "r2":
             self.replay.start_record()
-        return self._start_probe(probs_device=torch.device("cpu")) + ([self.replay] if self.replay else [])
+        return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl) + ([self.replay] if self.replay else [])
 
     def _end_old_pass(self) -> None:
         self._old = self._stop_probe()
@@ -190,20 +208,21 @@ class RoutingMonitor:
         for i, old in enumerate(self._old):
             self._stats["load"].add_load(layers, old.used, self._masks[i])
             if self._engine is not None:
-                engine = torch.stack(self._engine[i], dim=1) if self._engine[i] else old.used  # no MoE layer here: empty
+                engine = self._observed(i, torch.stack(self._engine[i], dim=1)) if self._engine[i] else old.used  # no MoE layer here: empty
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
                 if self.split_environment:
                     self._stats[ENVIRONMENT_GROUP].add_drift(layers, engine, old.used, self._environment_masks[i])
 
     def _start_probe(
-        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None
-    ) -> list:
-        """The probe's hooks for a pass (none when not measuring: it then captures nothing);
-        see :meth:`RouterProbe.start`."""
+        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None,
+        *, with_probs: bool,
+    ) -> list:  # fmt: skip
+        """The probe's hooks for a pass over the observed tokens (none when not measuring:
+        it then captures nothing); see :meth:`RouterProbe.start`."""
         if not self.measure:
             return []
-        self.probe.start(consume, probs_device, reference_bias)
+        self.probe.start(consume, probs_device, reference_bias, with_probs=with_probs, tokens=self._tokens)
         return [self.probe]
 
     def _stop_probe(self, consume: Consumer | None = None) -> list[ProbedRouting]:
@@ -213,8 +232,8 @@ class RoutingMonitor:
         probed = self.probe.stop()
         if probed or self.probe.layer_numbers or not self.measure:
             return probed
-        empty = lambda t: torch.zeros(t, 0, 0, dtype=torch.long, device=self._masks[0].device)  # noqa: E731
-        probed = [ProbedRouting(empty(len(m)), empty(len(m)), torch.zeros(len(m), 0, self.num_experts)) for m in self._masks]
+        empty = lambda t: torch.zeros(t, 0, 0, dtype=self.probe.index_dtype, device=self._masks[0].device)  # noqa: E731
+        probed = [ProbedRouting(empty(len(m)), empty(len(m)), None) for m in self._masks]
         if consume is None:
             return probed
         for i, routing in enumerate(probed):
@@ -242,6 +261,21 @@ class RoutingMonitor:
 
     # ------------------------------------------------------------ helpers
 
+    def _sample_tokens(self, masks: Sequence[Tensor]) -> None:
+        """This step's observed tokens per micro-batch (``masks``: this rank's routed tokens
+        that count) and the weights that make their counts estimate all tokens."""
+        self._passes += 1
+        if self.sample_frac >= 1:
+            self._tokens, self._weights, self._masks = None, [1.0] * len(masks), list(masks)
+            return
+        self._tokens = [sampled_tokens(m, self.sample_frac, seed=self._passes * 1_000_003 + i) for i, m in enumerate(masks)]
+        self._weights = [float((m > 0).sum()) / max(len(t), 1) for m, t in zip(masks, self._tokens)]
+        self._masks = [m[t] * w for m, t, w in zip(masks, self._tokens, self._weights)]
+
+    def _observed(self, index: int, per_token: Tensor) -> Tensor:
+        """Micro-batch ``index``'s ``[T_local, ...]`` values at its observed tokens."""
+        return per_token if self._tokens is None else per_token[self._tokens[index]]
+
     def _local(self, per_position: Tensor) -> Tensor:
         cfg = self._config
         return to_local_tokens(
@@ -263,6 +297,16 @@ class RoutingMonitor:
             tp_size=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=cfg.sequence_parallel,
         )
+
+
+def sampled_tokens(mask: Tensor, frac: float, seed: int) -> Tensor:
+    """Ascending indices of ``round(frac * n)`` (at least one) of the ``n`` tokens where
+    ``mask > 0``, drawn without replacement by a CPU generator seeded with ``seed``: the
+    same tokens on every rank that holds the same mask."""
+    valid = (mask > 0).nonzero().flatten()
+    keep = min(valid.numel(), max(1, round(frac * valid.numel())))
+    order = torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(seed))[:keep]
+    return valid[order.to(valid.device)].sort().values
 
 
 def _environment_mask(mb: MicroBatch) -> Tensor:

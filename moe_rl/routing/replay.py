@@ -8,7 +8,10 @@
 Replay forces the *expert choice*; the gate weights are recomputed from the live router
 logits at the replayed indices, so the router keeps its gradient. Indices are handled
 per micro-batch and per rank in megatron's token order: ``[s, b]`` flattened, this
-rank's sequence-parallel slice, this pipeline stage's MoE layers.
+rank's sequence-parallel slice, this pipeline stage's MoE layers. They are kept in
+:func:`moe_rl.routing.encoding.expert_index_dtype` (1 byte per token, layer and choice up
+to 256 experts) and become the int64 megatron-core gathers with one layer at a time, as a
+micro-batch's forward starts.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
+from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.modes import REPLAY_MODES
 
 
@@ -71,6 +75,7 @@ class RoutingReplay:
                 raise ValueError("the model was built without moe_enable_routing_replay=True")
             self.instances.append(router.router_replay)
         self.top_k = layers[0][1].topk if layers else 0
+        self.index_dtype = expert_index_dtype(layers[0][1].config.num_moe_experts) if layers else torch.uint8
         self.recompute = recompute
         self._phase = _Phase.IDLE
         self._record: dict[int, list[Tensor]] = {}
@@ -86,7 +91,7 @@ class RoutingReplay:
         self._set_action(RouterReplayAction.RECORD)
 
     def recorded(self) -> list[list[Tensor]]:
-        """Per micro-batch, per MoE layer: the recorded top-k ``[tokens, k]``."""
+        """Per micro-batch, per MoE layer: the recorded top-k ``[tokens, k]`` (``index_dtype``)."""
         if self._phase is not _Phase.RECORD:
             raise ReplayError("recorded() without start_record()")
         self._reset()
@@ -141,7 +146,7 @@ class RoutingReplay:
                         f"{tuple(idx.shape)}, the pass routes ({num_tokens}, {self.top_k}) tokens on this rank"
                     )
                 inst.target_topk_idx = None
-                inst.set_target_indices(idx)
+                inst.set_target_indices(idx.to(torch.int64))  # megatron gathers with int64; one layer's copy at a time
                 if not self._keep_backward:
                     inst.replay_backward_list.clear()
             self._replayed.add(index)
@@ -149,7 +154,7 @@ class RoutingReplay:
 
     def after_forward(self, index: int) -> None:
         if self._phase is _Phase.RECORD:
-            self._record[index] = [inst.get_recorded_indices().detach().clone() for inst in self.instances]
+            self._record[index] = [inst.get_recorded_indices().detach().to(self.index_dtype, copy=True) for inst in self.instances]
         elif self._phase is _Phase.REPLAY:
             # an activation-recompute pass during this micro-batch's backward must replay too
             self._set_action(RouterReplayAction.REPLAY_BACKWARD)
@@ -190,7 +195,8 @@ def engine_routing_to_replay(
     position over all ``num_experts`` (position p: ``p*k .. p*k+k-1`` mod E), so padding
     spreads over every expert-parallel rank instead of loading the first. Dense layers are
     skipped by taking only ``layer_numbers``; the sequence-parallel slice of this TP rank
-    is kept; the result is in megatron's ``[s, b]`` token order.
+    is kept; the result is in megatron's ``[s, b]`` token order, in
+    :func:`~moe_rl.routing.encoding.expert_index_dtype` of ``num_experts``.
     """
     b = len(routed)
     device = routed[0].device if b else torch.device("cpu")
@@ -198,14 +204,14 @@ def engine_routing_to_replay(
     if not 0 < top_k <= num_experts:
         raise ReplayError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     rotating = (torch.arange(seq_len, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % num_experts
-    full = rotating[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
+    full = rotating.to(expert_index_dtype(num_experts))[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
     for j, r in enumerate(routed):
         n = min(r.shape[0], seq_len)
         if r.shape[-1] != top_k:
             raise ReplayError(f"engine routing has top_k={r.shape[-1]}, the model routes to {top_k}")
         if layers.numel() and int(layers.max()) >= r.shape[1]:
             raise ReplayError(f"engine routing covers {r.shape[1]} layers, the model has MoE layer {int(layers.max())}")
-        full[:n, j] = r[:n].index_select(1, layers).to(torch.int64)
+        full[:n, j] = r[:n].index_select(1, layers)
     local = to_local_tokens(full.transpose(0, 1), tp_rank=tp_rank, tp_size=tp_size, sequence_parallel=sequence_parallel)
     return [local[:, l] for l in range(len(layers))]
 

@@ -73,7 +73,8 @@ class RoutingStats:
     def add_token_values(self, names: tuple[str, ...], values: Sequence[Tensor | None]) -> None:
         """Per-token values for the :meth:`add_drift` calls that have none yet: one
         ``[len(names) + 1, T]`` per call in this rank's token order, the last row each
-        token's weight (1 on response tokens, 0 where a value does not count); ``None``
+        token's weight (1 on response tokens, 0 where a value does not count; more than 1
+        where a token stands for others, under sampling); ``None``
         where this rank has no log-probs (not the last pipeline stage): zeros, summed over
         the pipeline stages with the last stage's values. :meth:`reduce` reports each
         name's weighted mean over all tokens, over tokens whose routing changed in any
@@ -136,9 +137,9 @@ class RoutingStats:
         return out
 
     def _split_values(self, flags: Tensor, pipeline_group: dist.ProcessGroup | None) -> Tensor:
-        """``[C, 2]``: per row of the token values (the last: the weights themselves), its
-        weighted sums over routing-changed and routing-same tokens of this rank (values
-        summed over the pipeline stages first, flags already OR-ed over them)."""
+        """``[C, 2]``: per row of the token values, its weighted sums over routing-changed
+        and routing-same tokens of this rank, and in the last row the sums of the weights
+        themselves (values summed over the pipeline stages first, flags already OR-ed over them)."""
         if not self._values:
             return torch.zeros(0, 2, dtype=torch.float64)
         values = torch.cat(self._values, dim=1)
@@ -146,7 +147,8 @@ class RoutingStats:
             values = all_reduce(values, group=pipeline_group)
         weights = values[-1]
         changed, same = flags[: weights.shape[0]] * weights, (1 - flags[: weights.shape[0]]) * weights
-        return torch.stack([(values * changed).sum(-1), (values * same).sum(-1)], dim=-1)
+        sums = torch.stack([(values[:-1] * changed).sum(-1), (values[:-1] * same).sum(-1)], dim=-1)
+        return torch.cat([sums, torch.stack([changed.sum(), same.sum()])[None]])
 
     def _split_metrics(self, split: Tensor, replicas: int) -> dict[str, Tensor]:
         """Means of the token values overall, over routing-changed and routing-same tokens."""

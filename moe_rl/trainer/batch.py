@@ -83,7 +83,7 @@ class PolicyMicroBatch(MicroBatch):
     mask: Tensor  # [b, s-1] float, 1 on the policy's response tokens (0 on tokens an environment inserted)
     advantages: Tensor  # [b]
     rollout_logp: Tensor  # [b, s-1] the engine's log-probs (0 off the response)
-    routed_experts: list[Tensor] | None  # per sequence [len-1, layers, k] from the engine, if asked for
+    routed_experts: list[Tensor] | None  # per sequence [len-1, layers, k] from the engine (its compact index type), if asked for
     sample_indices: list[int]  # positions in the step's Experience (-1: an empty row)
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)

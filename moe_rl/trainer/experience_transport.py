@@ -3,7 +3,8 @@
 Every rank gets the step's totals (lengths, token counts: small) and plans its own
 micro-batches from them; the first rank then sends each rank exactly the samples its plan
 names, packed into a few tensors (token ids, log-probs, advantages, routed experts in the
-smallest integer type that holds the expert ids) point to point on the ranks' devices.
+type the engine kept them in: :func:`moe_rl.routing.encoding.expert_index_dtype`) point to
+point on the ranks' devices.
 Nothing large is pickled, and no rank receives another replica's samples (tensor- and
 pipeline-parallel peers of one replica each receive the same share).
 """
@@ -20,7 +21,7 @@ from moe_rl.trainer.batch import Experience, StepTotals
 from moe_rl.trainer.packing import MicroBatchPlanner
 from parallel.collectives import broadcast_object, gather_objects, rank, rank_device, world_size
 
-_ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32)
+_ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def share_experience(exp: Experience | None, scalars: dict | None, planner: MicroBatchPlanner) -> tuple[Experience, dict]:
@@ -47,15 +48,15 @@ def share_experience(exp: Experience | None, scalars: dict | None, planner: Micr
 def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int) -> None:
     device = rank_device()
     routed = [s.routed_experts for s in samples if s.routed_experts is not None]
-    routing = torch.cat(routed) if routed else torch.zeros((0, 0, 0), dtype=torch.int32)
-    dtype_code = next(c for c, d in enumerate(_ROUTING_DTYPES) if routing.numel() == 0 or int(routing.max()) <= torch.iinfo(d).max)
+    routing = torch.cat(routed) if routed else torch.zeros((0, 0, 0), dtype=torch.uint8)
+    dtype_code = _ROUTING_DTYPES.index(routing.dtype)
     sizes = torch.tensor([[len(s.prompt_ids), len(s.output_ids), -1 if s.routed_experts is None else len(s.routed_experts)] for s in samples],
                          dtype=torch.long).reshape(-1, 3)  # fmt: skip (-1: no routing)
     header = torch.tensor([*routing.shape, dtype_code], dtype=torch.long)
     ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
     logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
     loss_mask = torch.tensor([m for s in samples for m in s.output_mask()], dtype=torch.uint8)
-    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), routing.to(_ROUTING_DTYPES[dtype_code])):
+    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), routing):
         dist.send(tensor.contiguous().to(device), dst=dst)
 
 
@@ -73,7 +74,7 @@ def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
     logprobs = recv((int(sizes[:, 1].sum()),), torch.float32).tolist()
     loss_mask = recv((int(sizes[:, 1].sum()),), torch.uint8).tolist()
     advantages = recv((count,), torch.float32)
-    routing = recv(tuple(header[:3]), _ROUTING_DTYPES[header[3]]).to(torch.int32)
+    routing = recv(tuple(header[:3]), _ROUTING_DTYPES[header[3]])
     samples, at_id, at_lp, at_route = [], 0, 0, 0
     for p, o, r in sizes.tolist():
         samples.append(Sample(
