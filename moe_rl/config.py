@@ -180,7 +180,8 @@ class RoutingConfig:
     replay: str = "none"  # none | r2 | r3
     expert_bias_update_rate: float = 1e-3  # routers with an expert bias (GLM-4.5, DeepSeek-V3): aux-loss-free balancing step; 0 freezes it
     metrics: bool = True  # drift metrics; also asks the rollout engine for routed experts (train-inference drift)
-    after_update_pass: bool = True  # one extra forward to measure the routing an update changes
+    after_update_pass: bool = True  # one extra forward to measure the routing an update changes (and router_kl, the only metric that keeps router distributions)
+    metrics_sample_frac: float = 1.0  # share of each micro-batch's tokens the drift metrics observe (a seeded draw; counts scaled to all tokens): < 1 for huge batches
     recompute_activations: bool = False  # recompute MoE layers in the backward (R2/R3 replay the same routing there)
 
 
@@ -456,6 +457,8 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
 
     _choice("routing.replay", routing.replay, REPLAY_MODES)
     _positive("routing.expert_bias_update_rate", routing.expert_bias_update_rate, allow_zero=True)
+    if not 0 < routing.metrics_sample_frac <= 1:
+        raise ConfigError(f"routing.metrics_sample_frac={routing.metrics_sample_frac} must be in (0, 1]")
     _choice("rollout.engine", r.engine, ("local", "sglang"))
     _choice("rollout.precision", r.precision, ("fp32", "bf16"))
     if r.engine == "sglang" and not r.sglang_urls and not r.launch_server:

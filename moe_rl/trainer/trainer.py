@@ -191,6 +191,7 @@ class Trainer:
         return RoutingMonitor(
             self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
             recompute=routing.recompute_activations, measure=routing.metrics, split_environment=bool(self.cfg.rollout.generate_fn),
+            router_kl=routing.after_update_pass, sample_frac=routing.metrics_sample_frac,
         )  # fmt: skip
 
     def _build_expert_bias_tracker(self) -> ExpertBiasTracker | None:
