@@ -81,8 +81,8 @@ class ParallelLayout:
         if others == 0 and rest:
             raise LayoutError(f"{given} add up to {num_layers - rest} on pp=2, but model.num_layers={num_layers}")
         if others and (rest < others or rest % others):
-            raise LayoutError(f"{given} leave {rest} of model.num_layers={num_layers} layers to {others} other "
-                              f"pipeline stages, which must share them evenly (at least one each)")  # fmt: skip
+            raise LayoutError(f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {others} "
+                              "pipeline stage(s), which need the same number each, at least one")  # fmt: skip
         middle = rest // others if others else 0
         return (middle if first is None else first, *[middle] * (pp - 2), middle if last is None else last)
 

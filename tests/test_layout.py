@@ -16,7 +16,7 @@ MODEL = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=4, num_e
         (ParallelLayout(ep=4, etp=2), 4, "not divisible by ep\\*etp = 4\\*2 = 8"),
         (ParallelLayout(ep=3), 3, "model.num_experts=8 is not divisible by parallel.ep=3"),
         (ParallelLayout(pp=8), 8, "model.num_layers=4 is fewer than parallel.pp=8 pipeline stages"),
-        (ParallelLayout(pp=3, first_stage_layers=1), 3, "first_stage_layers=1 leave 3 of model.num_layers=4 layers to 2 other"),
+        (ParallelLayout(pp=3, first_stage_layers=1), 3, "first_stage_layers=1 leave 3 of model.num_layers=4 layers for the other 2 pipeline"),
         (ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2), 2, "add up to 3 on pp=2, but model.num_layers=4"),
         (ParallelLayout(last_stage_layers=4), 1, "need parallel.pp > 1"),
         (ParallelLayout(pp=2, first_stage_layers=0), 2, "parallel.first_stage_layers=0 must be a positive integer"),
@@ -69,3 +69,15 @@ def test_stage_layers_are_megatrons_own_split(layers: int, layout: ParallelLayou
     config = make_transformer_config(tiny_config("mixtral", num_hidden_layers=layers), layout)
     assert tuple(get_num_layers_to_build(config, pp_rank=r) for r in range(layout.pp)) == stages
     assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(layout.pp)] == [sum(stages[:r]) for r in range(layout.pp)]
+
+
+def test_commands_take_the_stage_layers() -> None:
+    """parity / export / drift --engine: --first-stage-layers and --last-stage-layers reach the layout."""
+    import argparse
+
+    from moe_rl.commands._distributed import add_layout_args, layout_from
+
+    parser = argparse.ArgumentParser()
+    add_layout_args(parser)
+    assert layout_from(parser.parse_args(["--pp", "3", "--last-stage-layers", "1"])).stage_layers(7) == (3, 3, 1)
+    assert layout_from(parser.parse_args(["--pp", "2"])).stage_layers(3) == (2, 1)
