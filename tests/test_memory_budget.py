@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from memory_budget import GB, Layout, ParamCounts, budget, count_params, layout_from_config, stage_budget  # noqa: E402
+from memory_budget import GB, Layout, ParamCounts, budget, count_params, layer_params, layout_from_config, stage_budget  # noqa: E402
 
 TINY = {"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 2, "moe_intermediate_size": 3, "num_experts": 4, "num_experts_per_tok": 2,
@@ -22,6 +22,17 @@ def test_parameters_are_counted_as_by_hand() -> None:
     # per layer: q 4x4 + k 4x2 + v 4x2 + o 4x4 + q/k norms 2+2 = 52, two norms 8, router 4x4 = 16;
     # experts 4 x (gate_up 4x6 + down 3x4) = 144; embedding 10x4; lm_head 10x4 + final norm 4
     assert count_params(TINY) == ParamCounts(embedding=40, output=44, layers_dense=2 * 76, layers_expert=2 * 144)
+
+
+def test_uneven_stages_hold_their_own_layers() -> None:
+    # 3 layers, the first dense (an MLP of 3 x 4x8 = 96 in place of router and experts): pp=2 splits them 2 + 1
+    config = {**TINY, "num_hidden_layers": 3, "mlp_only_layers": [0]}
+    counts, layers = count_params(config), layer_params(config)
+    assert layers == [(52 + 8 + 96, 0), (76, 144), (76, 144)]
+    layout = Layout(world=2, pp=2, distributed_optimizer=False)
+    first, last = (stage_budget(counts, layout, s, layers) for s in (0, 1))
+    assert first["params_B"] * 1e9 == pytest.approx(156 + 76 + 144 + 40) and last["params_B"] * 1e9 == pytest.approx(76 + 144 + 44)
+    assert budget(counts, layout, layers) == first
 
 
 def test_per_rank_bytes_follow_the_layout() -> None:

@@ -8,16 +8,20 @@ the distributed optimizer). Activations, the KV cache and allocator slack come o
 
 Parameters are counted exactly on transformers' model built on the meta device (no memory):
 names with ``.experts.`` are routed experts (split over EP x ETP), the rest dense (split over
-TP; transformer layers over PP, the embedding on the first stage, the output layer on the last).
+TP; the embedding on the first stage, the output layer on the last, each decoder layer on the
+stage megatron-core puts it, uneven stages included: ``parallel.ParallelLayout.stage_layers``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from parallel.layout import ParallelLayout
 
 GB = 1e9
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16; fp32 main_grad; fp32 master + Adam m, v
@@ -39,6 +43,13 @@ class Layout:
     ep: int = 1
     etp: int = 1
     distributed_optimizer: bool = True
+    first_stage_layers: int | None = None  # as parallel.first_stage_layers
+    last_stage_layers: int | None = None
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers per pipeline stage, as the trainer splits them."""
+        split = ParallelLayout(pp=self.pp, first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+        return split.stage_layers(num_layers)
 
     @property
     def dp(self) -> int:
@@ -49,34 +60,61 @@ class Layout:
         return self.world // (self.ep * self.etp * self.pp)
 
 
-def count_params(hf_config: dict) -> ParamCounts:
-    """Exact counts from transformers' model for ``hf_config`` (a config.json's mapping)."""
+@functools.lru_cache(maxsize=4)
+def _parameter_sizes(config_json: str) -> tuple[bool, tuple[tuple[str, int], ...]]:
+    """(tied embeddings, (name, size) of each parameter) of transformers' model on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**hf_config)
+    import moe_rl.models.architectures  # noqa: F401  (model types transformers lacks: kimi_k2)
+
+    config = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    return bool(getattr(config, "tie_word_embeddings", False)), tuple((n, p.numel()) for n, p in model.named_parameters())
+
+
+def count_params(hf_config: dict) -> ParamCounts:
+    """Exact counts from transformers' model for ``hf_config`` (a config.json's mapping)."""
+    tied, sizes = _parameter_sizes(json.dumps(hf_config, sort_keys=True))
     counts = {"embedding": 0, "output": 0, "layers_dense": 0, "layers_expert": 0}
-    for name, param in model.named_parameters():
+    for name, size in sizes:
         if ".layers." not in name:
-            counts["embedding" if "embed_tokens" in name else "output"] += param.numel()
+            counts["embedding" if "embed_tokens" in name else "output"] += size
         else:
-            counts["layers_expert" if ".experts." in name else "layers_dense"] += param.numel()
-    if getattr(config, "tie_word_embeddings", False):
+            counts["layers_expert" if ".experts." in name else "layers_dense"] += size
+    if tied:
         counts["output"] += counts["embedding"]  # megatron keeps a copy on the last stage
     return ParamCounts(**counts)
 
 
-def stage_budget(counts: ParamCounts, layout: Layout, stage: int) -> dict[str, float]:
-    """GB per rank of pipeline stage ``stage`` (dense parts split over TP, experts over EP x ETP)."""
-    dense = counts.layers_dense / layout.pp
+def layer_params(hf_config: dict) -> list[tuple[int, int]]:
+    """(dense, routed-expert) parameters of each decoder layer (DeepSeek-V3's first layers
+    are dense: no experts, a wider MLP)."""
+    _, sizes = _parameter_sizes(json.dumps(hf_config, sort_keys=True))
+    layers = [[0, 0] for _ in range(hf_config["num_hidden_layers"])]
+    for name, size in sizes:
+        if ".layers." in name:
+            layers[int(name.split(".layers.")[1].split(".")[0])][".experts." in name] += size
+    return [(dense, expert) for dense, expert in layers]
+
+
+def stage_budget(counts: ParamCounts, layout: Layout, stage: int, layers: list[tuple[int, int]] | None = None) -> dict[str, float]:
+    """GB per rank of pipeline stage ``stage`` (dense parts split over TP, experts over EP x ETP):
+    the stage's own decoder layers of ``layers`` (:func:`layer_params`), or without them an
+    equal share of every layer's parameters."""
+    if layers is None:
+        dense, expert = counts.layers_dense / layout.pp, counts.layers_expert / layout.pp
+    else:
+        split = layout.stage_layers(len(layers))
+        mine = layers[sum(split[:stage]) : sum(split[: stage + 1])]
+        dense, expert = sum(d for d, _ in mine), sum(e for _, e in mine)
     if stage == 0:
         dense += counts.embedding
     if stage == layout.pp - 1:
         dense += counts.output
     dense /= layout.tp
-    expert = counts.layers_expert / layout.pp / (layout.ep * layout.etp)
+    expert /= layout.ep * layout.etp
     held = dense + expert
     sharded = dense / layout.dp + expert / layout.expert_dp if layout.distributed_optimizer else held
     out = {
@@ -89,9 +127,9 @@ def stage_budget(counts: ParamCounts, layout: Layout, stage: int) -> dict[str, f
     return out
 
 
-def budget(counts: ParamCounts, layout: Layout) -> dict[str, float]:
+def budget(counts: ParamCounts, layout: Layout, layers: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """The largest stage's budget (the one that must fit)."""
-    return max((stage_budget(counts, layout, s) for s in range(layout.pp)), key=lambda b: b["total_GB"])
+    return max((stage_budget(counts, layout, s, layers) for s in range(layout.pp)), key=lambda b: b["total_GB"])
 
 
 def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
@@ -105,6 +143,7 @@ def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
     layout = Layout(
         world=world, tp=tp, pp=int(par.get("pp", 1)), ep=ep, etp=int(tp if etp is None else etp),
         distributed_optimizer=bool(optim.get("use_distributed_optimizer", True)),
+        first_stage_layers=par.get("first_stage_layers"), last_stage_layers=par.get("last_stage_layers"),
     )  # fmt: skip
     if world % (layout.tp * layout.pp) or world % (layout.ep * layout.etp * layout.pp):
         raise SystemExit(f"memory_budget: world {world} is not divisible by tp*pp / ep*etp*pp of {path}")
@@ -123,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         hf_config = json.loads(hf_path.read_text())
     except OSError as e:
         raise SystemExit(f"memory_budget: cannot read {hf_path} ({e.strerror}): pass --hf-config") from None
-    counts = count_params(hf_config)
+    counts, layers = count_params(hf_config), layer_params(hf_config)
     total = sum(vars(counts).values())
     print(f"{args.config}: {total / 1e9:.2f}B parameters ({counts.layers_expert / 1e9:.2f}B in routed experts); "
           f"world {layout.world}, tp {layout.tp} pp {layout.pp} ep {layout.ep} etp {layout.etp}, dp {layout.dp}, "
           f"expert dp {layout.expert_dp}, distributed optimizer {'on' if layout.distributed_optimizer else 'off'}")  # fmt: skip
-    for stage in range(layout.pp):
-        b = stage_budget(counts, layout, stage)
-        print(f"  stage {stage}: {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
+    for stage, stage_layers in enumerate(layout.stage_layers(len(layers))):
+        b = stage_budget(counts, layout, stage, layers)
+        print(f"  stage {stage} ({stage_layers} layers): {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
               f"{b['grads_GB']:.1f} GB + master/Adam {b['optimizer_GB']:.1f} GB = {b['total_GB']:.1f} GB static per GPU")  # fmt: skip
     return 0
 
