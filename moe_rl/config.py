@@ -5,6 +5,7 @@ Every error names the key, the value and what would be valid."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -29,6 +30,7 @@ DEMO_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", 
 # how routed experts are built (moe_rl.models.layers.decoder_block_spec)
 EXPERT_MODULES = ("grouped", "sequential")
 ATTENTION_MODULES = ("sdpa", "local")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 @dataclass
@@ -45,6 +47,11 @@ class ModelConfig:
     # core attention: sdpa (torch's fused scaled_dot_product_attention) or local (megatron's,
     # which keeps [batch x heads, s, s] scores per layer)
     attention: str = "sdpa"
+    # linear layers and core attention: local (torch), transformer_engine (Transformer Engine's
+    # linears and fused attention, with its fused RoPE and token permutation; the same
+    # weights, norms and experts module) or auto (transformer_engine where it imports and a
+    # GPU is present, else local)
+    transformer_impl: str = "auto"
 
 
 @dataclass
@@ -529,6 +536,9 @@ def _validate_model_and_data(c: Config) -> None:
     m = c.model
     _choice("model.experts", m.experts, EXPERT_MODULES)
     _choice("model.attention", m.attention, ATTENTION_MODULES)
+    _choice("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
+    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("model.transformer_impl=transformer_engine, but Transformer Engine is not installed (model.transformer_impl=auto or local)")
     if m.hf_dir is not None:
         _check_hf_dir(m.hf_dir)
     else:

@@ -44,6 +44,10 @@ class OptimSettings:
     # nothing to shard and the shard all-gather is pure overhead)
     use_distributed_optimizer: bool | None = None
     overlap_grad_reduce: bool = False  # DDP: reduce gradients in buckets while the backward runs
+    # torch's fused AdamW kernel (CPU and GPU) where megatron-core falls back to torch's
+    # AdamW (no Transformer Engine or apex, whose fused Adam it takes then); false: torch's
+    # multi-tensor (foreach) form
+    fused_adam: bool = True
     extra: dict = field(default_factory=dict)  # further megatron-core OptimizerConfig fields
 
     def validate(self) -> None:
@@ -114,7 +118,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimSettin
         **settings.extra,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    _foreach_on_cpu(optimizer)
+    choose_adam_kernel(optimizer, fused=settings.fused_adam)
     return optimizer
 
 
@@ -130,18 +134,18 @@ def shards_optimizer_state(settings: OptimSettings) -> bool:
     return dense > 1 or parallel_state.get_expert_data_parallel_world_size() > 1
 
 
-def _foreach_on_cpu(optimizer: MegatronOptimizer) -> None:
-    """torch's Adam steps CPU parameters one tensor at a time unless asked for its
-    multi-tensor (foreach) form, which it picks by itself on CUDA; megatron-core's
-    fallback Adam (no Transformer Engine / apex) takes no such option, so set it on
-    the parameter groups (the public knob, read at every step)."""
+def choose_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
+    """megatron-core's fallback Adam (torch's AdamW, without Transformer Engine / apex)
+    takes no kernel option and would step CPU parameters one tensor at a time (its
+    multi-tensor form only by itself on CUDA): set torch's ``fused`` (one kernel per device
+    and dtype, no temporaries) or ``foreach`` on its parameter groups, the public knobs
+    read at every step. TE's / apex's fused Adam (no such knobs) is left as it is."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or "foreach" not in inner.defaults:
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
-            if group["foreach"] is None and all(p.device.type == "cpu" for p in group["params"]):
-                group["foreach"] = True
+            group["fused"], group["foreach"] = fused, not fused
 
 
 def build_lr_scheduler(optimizer: MegatronOptimizer, settings: OptimSettings, total_steps: int) -> LRSchedule:

@@ -2,8 +2,10 @@
 (GroupedExperts with the grouped matmul and with its per-expert fallback, megatron's
 SequentialMLP), core attention (SdpaAttention, megatron's DotProductAttention) and token
 dispatcher (the allgather one chosen at EP = 1, megatron's alltoall); and
-SdpaAttention against DotProductAttention on random inputs under each mask it may get.
-Run by test_layer_modules; prints one JSON line."""
+SdpaAttention against DotProductAttention on random inputs under each mask it may get;
+what the Transformer Engine spec changes in each family's layer spec (its classes are
+placeholders without TE: only the spec is built). Run by test_layer_modules; prints one
+JSON line."""
 
 import json
 import sys
@@ -99,4 +101,52 @@ out["alltoall_vs_allgather"] = {
 }
 out["grad_max_abs"] = max(float(g.abs().max()) for g in reference["grads"].values())
 out["attention"] = attention_checks(make_transformer_config(hf_config, layout))
+
+
+def spec_classes(spec, path: str = "") -> dict[str, str]:
+    """Every module class a layer spec names, by its path in the spec (TE's by role)."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    te = TESpecProvider()
+    roles = {id(te.column_parallel_linear()): "TE column-parallel linear", id(te.row_parallel_linear()): "TE row-parallel linear",
+             id(te.core_attention()): "TE attention"}  # fmt: skip
+    out = {}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        module = value.module if isinstance(value, ModuleSpec) else value
+        out[path + field.name] = roles.get(id(module), getattr(module, "__name__", str(module)))
+        if isinstance(value, ModuleSpec) and dataclasses.is_dataclass(value.submodules):
+            out.update(spec_classes(value.submodules, f"{path}{field.name}."))
+    return out
+
+
+def transformer_engine_spec_changes() -> dict:
+    """Per family and experts module: {path: [local class, TE spec class]} where they differ."""
+    import megatron.core.extensions.transformer_engine as te_extension
+
+    from moe_rl.models.architectures import architecture_of
+    from moe_rl.models.layers import decoder_block_spec
+    from moe_rl.models.tiny import tiny_config
+
+    te_extension.HAVE_TE = True  # the spec only: nothing is built from it here
+    changes = {}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        family_config = tiny_config(family)
+        config = make_transformer_config(family_config, layout)
+        qk_norm = architecture_of(family_config).qk_norm(family_config)
+        for experts in ("grouped", "sequential"):
+            specs = [decoder_block_spec(config, qk_norm, LayerModules(experts=experts, transformer_impl=impl)) for impl in ("local", "transformer_engine")]
+            for layer, (local, te) in enumerate(zip(*(s.layer_specs for s in specs))):
+                a, b = spec_classes(local.submodules), spec_classes(te.submodules)
+                changes[f"{family}/{experts}/{layer}"] = {k: [a[k], b[k]] for k in a if a[k] != b[k]}
+                assert a.keys() == b.keys()
+            assert spec_classes(specs[0])["layer_norm"] == spec_classes(specs[1])["layer_norm"] == "RMSNorm"
+    te_extension.HAVE_TE = False
+    return changes
+
+
+out["transformer_engine_spec"] = transformer_engine_spec_changes()
 print(json.dumps(out))

@@ -1,5 +1,6 @@
 """One-process optimizer checks (run by test_optim): which optimizer the default settings
-build, and that the first Adam step is the textbook one. Prints one JSON line."""
+build, and that the first Adam step is the textbook one (fused kernel, sharded or not, and
+the multi-tensor one). Prints one JSON line."""
 
 import json
 import sys
@@ -24,12 +25,12 @@ def loss_fn(le, mb):
     return -le[..., 0].sum() / 40, {}
 
 
-def first_step(distributed: bool | None) -> dict:
+def first_step(distributed: bool | None, fused: bool = True) -> dict:
     """Weights before and after one step, the gradients it used, and its optimizer's setup."""
     config = make_transformer_config(hf_config, layout)
     model = build_model(hf_config, config)
     load_hf_weights(model, hf_config, hf_dir)
-    settings = OptimSettings(lr=LR, adam_eps=EPS, clip_grad=0.0, use_distributed_optimizer=distributed)
+    settings = OptimSettings(lr=LR, adam_eps=EPS, clip_grad=0.0, use_distributed_optimizer=distributed, fused_adam=fused)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -37,21 +38,23 @@ def first_step(distributed: bool | None) -> dict:
     inner = [part.optimizer for part in optimizer.chained_optimizers]
     return {
         "sharded": shards_optimizer_state(settings),
-        "foreach": sorted({str(g["foreach"]) for opt in inner for g in opt.param_groups}),
+        "kernels": sorted({f"fused={g['fused']} foreach={g['foreach']}" for opt in inner for g in opt.param_groups}),
         "before": before,
         "after": {n: p.detach().clone() for n, p in model.named_parameters()},
         "grads": {n: p.main_grad.detach().clone() for n, p in model.named_parameters()},
     }
 
 
-auto, sharded = first_step(None), first_step(True)
+auto, sharded, foreach = first_step(None), first_step(True), first_step(None, fused=False)
 # Adam's first step with bias correction: w - lr * g / (|g| + eps) (no weight decay, no clipping)
 textbook = max(
     float((auto["after"][n] - (auto["before"][n] - LR * g / (g.abs() + EPS))).abs().max()) for n, g in auto["grads"].items()
 )
 moved = sum(int((auto["after"][n] != auto["before"][n]).sum()) for n in auto["before"])
 same = max(float((auto["after"][n] - sharded["after"][n]).abs().max()) for n in auto["after"])
+kernels_differ = max(float((auto["after"][n] - foreach["after"][n]).abs().max()) for n in auto["after"])
 print(json.dumps({
-    "auto_sharded": auto["sharded"], "explicit_sharded": sharded["sharded"], "auto_foreach": auto["foreach"],
+    "auto_sharded": auto["sharded"], "explicit_sharded": sharded["sharded"], "auto_kernels": auto["kernels"],
+    "foreach_kernels": foreach["kernels"], "fused_vs_foreach_max_diff": kernels_differ,
     "textbook_max_err": textbook, "moved": moved, "auto_vs_sharded_max_diff": same,
 }))  # fmt: skip

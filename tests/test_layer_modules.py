@@ -99,3 +99,62 @@ def test_the_shared_causal_mask_is_recognised_and_only_the_newest_are_kept() -> 
     for length in range(100, 108):  # eight newer lengths push it out
         causal_mask(length, cpu)
     assert not is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(107, cpu))
+
+
+def test_transformer_engine_swaps_only_linears_and_core_attention(result) -> None:
+    """The TE spec (built with TE's placeholder classes: no TE here) names TE's linears and
+    fused attention where the local spec has megatron's, in every family's layers and
+    experts module, and nothing else: norms, experts module, MLA's projections' roles stay."""
+    allowed = {("ColumnParallelLinear", "TE column-parallel linear"), ("RowParallelLinear", "TE row-parallel linear"),
+               ("SdpaAttention", "TE attention"), ("LatentSdpaAttention", "TE attention")}  # fmt: skip
+    changes = {key: set(layer) for key, layer in result["transformer_engine_spec"].items()}
+    for key, layer in result["transformer_engine_spec"].items():
+        assert {tuple(pair) for pair in layer.values()} <= allowed, key
+    attention = {"self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj"}
+    shared = {"mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"}  # in every MoE spec, built where configured
+    assert changes["qwen3_moe/grouped/0"] == attention | shared  # GroupedExperts stays
+    assert changes["qwen3_moe/sequential/0"] == attention | shared | {"mlp.experts.linear_fc1", "mlp.experts.linear_fc2"}
+    assert {"mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_kv_down_proj", "self_attention.core_attention"} <= changes["deepseek_v3/grouped/0"]
+
+
+def test_auto_picks_transformer_engine_only_where_it_imports_and_a_gpu_is_present(monkeypatch) -> None:
+    import megatron.core.extensions.transformer_engine as te_extension
+
+    from moe_rl.models.layers import LayerModules
+
+    assert not LayerModules(transformer_impl="auto").transformer_engine  # this machine: no TE, no GPU
+    for have_te, gpu in ((True, False), (False, True), (True, True)):
+        monkeypatch.setattr(te_extension, "HAVE_TE", have_te)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        assert LayerModules(transformer_impl="auto").transformer_engine == (have_te and gpu)
+        assert LayerModules(transformer_impl="transformer_engine").transformer_engine and not LayerModules().transformer_engine
+    with pytest.raises(ValueError, match="transformer_impl='te' is not one of"):
+        LayerModules(transformer_impl="te")
+
+
+@pytest.mark.parametrize(("family", "fusion"), [("qwen3_moe", "apply_rope_fusion"), ("deepseek_v3", "fused_permute")])
+def test_transformer_engine_layers_ask_for_tes_fused_rope_and_permutation(family: str, fusion: str) -> None:
+    """megatron-core refuses TE's fusions without TE: the config built for TE layers asks
+    for fused RoPE (not under MLA: megatron's MLA one is training-only) and fused token
+    permutation; the local config asks for neither."""
+    from moe_rl.models.builder import make_transformer_config
+    from moe_rl.models.layers import LayerModules
+    from moe_rl.models.tiny import tiny_config
+    from parallel.layout import ParallelLayout
+
+    config = make_transformer_config(tiny_config(family), ParallelLayout())
+    assert not config.apply_rope_fusion and not config.moe_permute_fusion
+    with pytest.raises((ValueError, ImportError), match=fusion):
+        make_transformer_config(tiny_config(family), ParallelLayout(), modules=LayerModules(transformer_impl="transformer_engine"))
+
+
+@pytest.mark.parametrize(("device", "dtype", "capability", "runs"), [
+    ("cpu", torch.float32, None, True), ("cpu", torch.bfloat16, None, True), ("cuda", torch.bfloat16, (9, 0), True),
+    ("cuda", torch.bfloat16, (10, 0), True), ("cuda", torch.bfloat16, (8, 0), False), ("cuda", torch.float32, (9, 0), False),
+])  # fmt: skip
+def test_grouped_matmul_runs_on_the_cpu_and_on_hopper_and_later_gpus_in_bf16(device, dtype, capability, runs: bool) -> None:
+    """torch's grouped_mm has CPU kernels and CUDA CUTLASS kernels for bf16 on SM90+
+    (elsewhere it loops over groups after a host copy of the offsets)."""
+    from moe_rl.models.grouped_experts import grouped_mm_runs
+
+    assert grouped_mm_runs(device, dtype, capability) is runs

@@ -1,5 +1,5 @@
 """parallel.optim in one process: the default optimizer is unsharded (one data-parallel
-rank has nothing to shard) and multi-tensor on CPU, and its first step is Adam's."""
+rank has nothing to shard) and torch's fused AdamW kernel, and its first step is Adam's."""
 
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ def test_one_data_parallel_rank_does_not_shard_unless_asked(result) -> None:
     assert result["auto_sharded"] is False and result["explicit_sharded"] is True
 
 
-def test_cpu_adam_steps_all_tensors_at_once(result) -> None:
-    assert result["auto_foreach"] == ["True"]
+def test_adam_runs_torchs_fused_kernel_unless_told_otherwise(result) -> None:
+    """(No Transformer Engine or apex here: megatron falls back to torch's AdamW.)"""
+    assert result["auto_kernels"] == ["fused=True foreach=False"]
+    assert result["foreach_kernels"] == ["fused=False foreach=True"]
 
 
 def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None:
     assert result["moved"] > 1000
     assert result["textbook_max_err"] < 1e-6  # a few float32 ulps of weights near 1; the step itself is lr = 1e-3
     assert result["auto_vs_sharded_max_diff"] < 1e-7
+    assert result["fused_vs_foreach_max_diff"] < 1e-6  # two kernels, the same step (float rounding apart)
 
 
 def test_overlapped_gradient_reduce_equals_it_off_whatever_the_micro_batch_count(tmp_path) -> None:

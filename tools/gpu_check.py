@@ -23,7 +23,12 @@ end of its output and the others still run):
   ``GroupedExperts`` (equal to one matmul per expert? faster?; the experts use it only on
   CPU until this says so) and which ``scaled_dot_product_attention`` backends run
   ``SdpaAttention``'s causal GQA and MLA shapes; whether a recomputed layer's mask still
-  selects the causal path.
+  selects the causal path. ``grouped_mm`` forward and backward against the per-expert
+  loop, and whether ``StackedLinear`` picks it on this GPU by itself (bf16, SM90+);
+- ``fusions``: ``model.transformer_impl=transformer_engine`` against ``local`` on the same
+  weights (log-probs and gradients, fp32 and bf16; only where Transformer Engine imports),
+  and torch's fused AdamW against its multi-tensor form over a few megatron optimizer steps
+  (weights after them, step time).
 
     python tools/gpu_check.py [--out gpu_check.json] [--smoke]
 
@@ -45,8 +50,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "matmul", "parity", "train", "colocated", "big_moe", "logprob_memory", "kernels")
-LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 480, "colocated": 300, "big_moe": 180, "logprob_memory": 120, "kernels": 90}
+STAGES = ("env", "matmul", "parity", "train", "colocated", "big_moe", "logprob_memory", "kernels", "fusions")
+LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 480, "colocated": 300, "big_moe": 180, "logprob_memory": 120, "kernels": 90,
+            "fusions": 180}  # fmt: skip
 
 
 def _device():
@@ -301,13 +307,25 @@ def stage_kernels(smoke: bool, work: Path) -> dict:
     offsets, sizes = counts.cumsum(0).to(device=device, dtype=torch.int32), counts.tolist()
     x = torch.randn(rows, hidden, device=device, dtype=dtype)
 
+    chosen = layer.grouped  # StackedLinear's own decision on this device and dtype
+
     def run(grouped: bool) -> torch.Tensor:
         layer.grouped = grouped
         return layer(x, offsets, sizes)
 
-    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "loop_s": _timed(lambda: run(False))}}
+    def grads(grouped: bool) -> list[torch.Tensor]:
+        layer.weight.grad = None
+        rows_in = x.clone().requires_grad_()
+        layer.grouped = grouped
+        (layer(rows_in, offsets, sizes).float() * upstream).sum().backward()
+        return [rows_in.grad, layer.weight.grad]
+
+    upstream = torch.randn(rows, 2 * ffn, device=device)
+    layer.weight.requires_grad_(True)
+    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "chosen_by_default": chosen, "loop_s": _timed(lambda: run(False))}}
     try:
         out["grouped_mm"].update(ok=True, max_diff=float((run(True) - run(False)).abs().max()), grouped_s=_timed(lambda: run(True)))
+        out["grouped_mm"]["grad_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads(True), grads(False)))
     except Exception as e:  # noqa: BLE001 (a report)
         out["grouped_mm"].update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
     from megatron.core.tensor_parallel.random import detach_variable
@@ -333,6 +351,115 @@ def stage_kernels(smoke: bool, work: Path) -> dict:
             except Exception as e:  # noqa: BLE001 (a report)
                 backends[backend.name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         out[f"sdpa_{name}"] = backends
+    return out
+
+
+def stage_fusions(smoke: bool, work: Path) -> dict:
+    import torch
+
+    from moe_rl.models.architectures import load_hf_config, model_dims
+    from moe_rl.models.forward import MicroBatch
+    from moe_rl.models.tiny import save_tiny_checkpoint
+    from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.layout import ParallelLayout
+
+    hf_dir = save_tiny_checkpoint(work / "hf", "qwen3_moe", seed=1, vocab_size=97)
+    hf_config, layout = load_hf_config(hf_dir), ParallelLayout()
+    gen = torch.Generator().manual_seed(0)
+    lengths = [24, 17, 9] if smoke else [256, 200, 77, 128]
+    batches = [MicroBatch(torch.randint(0, 97, (len(lengths), max(lengths)), generator=gen), lengths=torch.tensor(lengths)) for _ in range(2)]
+    init_distributed(layout, model_dims(hf_config), seed=0)
+    try:
+        out = {"transformer_engine": _transformer_engine_parity(hf_config, hf_dir, layout, batches),
+               "fused_adam": _fused_adam_against_foreach(hf_config, hf_dir, layout, batches, steps=3)}  # fmt: skip
+    finally:
+        destroy_distributed()
+    out["ok"] = out["transformer_engine"]["ok"] and out["fused_adam"]["ok"]
+    return out
+
+
+def _weighted_logp_loss(out, mb) -> tuple:
+    """A loss whose gradient differs by position: the log-probs weighted 0.5 .. 1.5."""
+    import torch
+
+    logp = out[..., 0]
+    return -(logp * torch.linspace(0.5, 1.5, logp.shape[-1], device=logp.device, dtype=logp.dtype)).sum() / 100, {}
+
+
+def _logprobs_and_grads(hf_config, hf_dir, layout, batches, modules, dtype) -> tuple:
+    """The model built with ``modules`` in ``dtype`` from ``hf_dir``'s weights: its log-probs
+    of ``batches`` and the HF-named gradients of a weighted log-prob loss."""
+    import torch
+
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import run_microbatches
+    from moe_rl.models.hf_weights import gather_hf_tensors, load_hf_weights
+    from parallel.optim import OptimSettings, wrap_ddp
+
+    config = make_transformer_config(hf_config, layout, params_dtype=dtype, modules=modules)
+    model = build_model(hf_config, config, modules=modules)
+    load_hf_weights(model, hf_config, hf_dir)
+    te_modules = sum(type(m).__module__.startswith("transformer_engine") or type(m).__name__.startswith("TE") for m in model.modules())
+    ddp = wrap_ddp(model, config, OptimSettings())
+    logp = torch.cat([r["logprobs"].float() for r in run_microbatches([ddp], batches, forward_only=True)])
+    ddp.zero_grad_buffer()
+    run_microbatches([ddp], batches, loss_fn=_weighted_logp_loss, forward_only=False)
+    return logp, gather_hf_tensors(model, hf_config, source=lambda name, p: p.main_grad.float()), te_modules
+
+
+def _transformer_engine_parity(hf_config, hf_dir, layout, batches) -> dict:
+    """TE's linears and fused attention (and its fused RoPE and permutation) against the
+    local spec on the same weights: log-probs and gradients, in fp32 and bf16."""
+    import torch
+
+    from moe_rl.models.layers import LayerModules, transformer_engine_usable
+
+    if not transformer_engine_usable():
+        return {"ok": True, "ran": False, "why": "Transformer Engine does not import here (or no GPU)"}
+    out: dict = {"ran": True}
+    for dtype in (torch.float32, torch.bfloat16):
+        local, te = (_logprobs_and_grads(hf_config, hf_dir, layout, batches, LayerModules(transformer_impl=impl), dtype) for impl in ("local", "transformer_engine"))
+        scale = max(float(g.abs().max()) for g in local[1].values())
+        out[str(dtype).removeprefix("torch.")] = {
+            "logp_max_diff": float((local[0] - te[0]).abs().max()),
+            "grad_max_diff_over_max_grad": max(float((local[1][k] - te[1][k]).abs().max()) for k in local[1]) / scale,
+            "te_modules": te[2], "local_te_modules": local[2],
+        }  # fmt: skip
+    fp32 = out["float32"]
+    out["ok"] = fp32["te_modules"] > 0 and fp32["logp_max_diff"] < 1e-3 and fp32["grad_max_diff_over_max_grad"] < 1e-3
+    return out
+
+
+def _fused_adam_against_foreach(hf_config, hf_dir, layout, batches, steps: int) -> dict:
+    """megatron's optimizer with torch's fused AdamW and with its multi-tensor form, fp32
+    weights, ``steps`` steps from the same weights and batches: the weights after them and
+    the step time of each (which Adam megatron took: TE's / apex's fused one ignores the
+    choice)."""
+    import torch
+
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import run_microbatches
+    from moe_rl.models.hf_weights import load_hf_weights
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    out: dict = {}
+    weights = {}
+    for fused in (True, False):
+        config = make_transformer_config(hf_config, layout, params_dtype=torch.float32)
+        model = build_model(hf_config, config)
+        load_hf_weights(model, hf_config, hf_dir)
+        settings = OptimSettings(lr=1e-3, fused_adam=fused)
+        ddp = wrap_ddp(model, config, settings)
+        optimizer = build_optimizer([ddp], settings)
+        inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+        for _ in range(steps):
+            train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=_weighted_logp_loss, forward_only=False))
+        name = "fused" if fused else "foreach"
+        weights[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[name] = {"adam": sorted({type(o).__name__ for o in inner}), "step_s": _timed(optimizer.step, reps=5),
+                     "kernels": sorted({f"fused={g.get('fused')} foreach={g.get('foreach')}" for o in inner for g in o.param_groups})}  # fmt: skip
+    out["max_abs_diff"] = max(float((weights["fused"][n] - weights["foreach"][n]).abs().max()) for n in weights["fused"])
+    out["ok"] = out["max_abs_diff"] < 1e-5
     return out
 
 

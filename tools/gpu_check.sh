@@ -3,7 +3,7 @@
 # network: install what is missing from ./wheels, then run tools/gpu_check.py, which
 # writes gpu_check.json (about 5-8 minutes on one H200; see its docstring for the stages).
 #
-#   bash tools/gpu_check.sh [--only env,matmul,parity,train,colocated,big_moe,logprob_memory,kernels]
+#   bash tools/gpu_check.sh [--only env,matmul,parity,train,colocated,big_moe,logprob_memory,kernels,fusions]
 #
 # ./wheels (git-ignored) is filled on a machine with network by `bash tools/gpu_wheels.sh`
 # (for the GPU machine's Python, 3.12 on the lent H200s): every wheel moe-rl needs except

@@ -23,11 +23,13 @@ def make_transformer_config(
     layout: ParallelLayout,
     *,
     params_dtype: torch.dtype | None = None,
+    modules: LayerModules = LayerModules(),
     **overrides: Any,
 ) -> TransformerConfig:
     """megatron-core config: the architecture's settings, the parallel layout, the dtype
-    (bf16 on CUDA, fp32 on CPU unless given) and any ``overrides`` (e.g. recompute,
-    ``moe_enable_routing_replay``, ``moe_aux_loss_coeff``)."""
+    (bf16 on CUDA, fp32 on CPU unless given), the fusions that come with ``modules``'
+    implementation (:func:`transformer_engine_fusions`) and any ``overrides`` (e.g.
+    recompute, ``moe_enable_routing_replay``, ``moe_aux_loss_coeff``)."""
     if params_dtype is None:
         params_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     kwargs = transformer_config_kwargs(hf_config)
@@ -52,9 +54,19 @@ def make_transformer_config(
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
     )
+    if modules.transformer_engine:
+        kwargs.update(transformer_engine_fusions(bool(kwargs.get("multi_latent_attention"))))
     kwargs.update(overrides)
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     return config_class(**kwargs)
+
+
+def transformer_engine_fusions(multi_latent_attention: bool) -> dict[str, bool]:
+    """Transformer Engine's fused RoPE (not under MLA, where megatron-core's is a
+    training-only experiment and the log-prob passes run forward only) and fused token
+    permutation. Not its fused router (it would bypass routing replay), nor weight-gradient
+    accumulation fusion (megatron's local output layer would then need apex)."""
+    return {"apply_rope_fusion": not multi_latent_attention, "moe_permute_fusion": True}
 
 
 def token_dispatcher_type(layout: ParallelLayout) -> str:

@@ -27,6 +27,19 @@ def init_device(config: TransformerConfig) -> torch.device | str | int:
     return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
 
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
+    """Whether torch's grouped matmul has a kernel for weights of ``dtype`` on a
+    ``device_type`` device (CUDA: of compute ``capability``): any dtype on the CPU; bf16 on
+    CUDA GPUs of capability 9.0 (Hopper) and up, torch's CUTLASS kernels. Elsewhere torch
+    would fall back to a matmul per group after copying the offsets to the host: no better
+    than :class:`StackedLinear`'s own loop."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+
+
 class StackedLinear(torch.nn.Module):
     """``weight[e]`` applied to the rows of expert ``e`` (rows grouped by expert)."""
 
@@ -35,10 +48,10 @@ class StackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=init_device(config)))
         # always "parallel", as megatron marks its expert linears: each rank's slice is its own
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
-        itemsize = self.weight.element_size()
-        # torch's grouped matmul: CPU (any dtype) and, not yet checked on a GPU here, nothing else
+        itemsize, device = self.weight.element_size(), self.weight.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         self.grouped = (
-            hasattr(F, "grouped_mm") and self.weight.device.type == "cpu"
+            grouped_mm_runs(device.type, self.weight.dtype, capability)
             and (in_features * itemsize) % 16 == 0 and (out_features * itemsize) % 16 == 0
         )  # fmt: skip
 

@@ -1,14 +1,17 @@
 """The megatron-core layer spec moe-rl builds models with: the local (pure torch) spec
 with an RMSNorm that works under sequence parallelism, and OLMoE's QK-norm over all
-heads."""
+heads; with Transformer Engine, its linear layers and fused attention in place of the
+local ones (same parameters and names)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -20,24 +23,44 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from moe_rl.config import ATTENTION_MODULES, EXPERT_MODULES
+from moe_rl.config import ATTENTION_MODULES, EXPERT_MODULES, TRANSFORMER_IMPLS
 from moe_rl.models.grouped_experts import GroupedExperts, init_device
+
+
+def transformer_engine_usable() -> bool:
+    """Whether Transformer Engine imports (megatron-core's own test) and a CUDA device is
+    there to run it."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return HAVE_TE and torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
 class LayerModules:
     """Which implementation builds a decoder layer's parts (``model.experts``,
-    ``model.attention``): ``grouped`` (:class:`GroupedExperts`) or ``sequential``
-    (megatron's ``SequentialMLP``); ``sdpa`` (:class:`SdpaAttention`) or ``local``
-    (megatron's ``DotProductAttention``, ``[batch x heads, s, s]`` scores)."""
+    ``model.attention``, ``model.transformer_impl``): ``grouped`` (:class:`GroupedExperts`)
+    or ``sequential`` (megatron's ``SequentialMLP``); ``sdpa`` (:class:`SdpaAttention`) or
+    ``local`` (megatron's ``DotProductAttention``, ``[batch x heads, s, s]`` scores);
+    ``local`` (torch) linears and attention, or ``transformer_engine``'s (``auto``: where
+    :func:`transformer_engine_usable`)."""
 
     experts: str = "grouped"
     attention: str = "sdpa"
+    transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
-        for key, value, valid in (("experts", self.experts, EXPERT_MODULES), ("attention", self.attention, ATTENTION_MODULES)):
+        choices = (("experts", self.experts, EXPERT_MODULES), ("attention", self.attention, ATTENTION_MODULES),
+                   ("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS))  # fmt: skip
+        for key, value, valid in choices:
             if value not in valid:
                 raise ValueError(f"{key}={value!r} is not one of {', '.join(valid)}")
+
+    @property
+    def transformer_engine(self) -> bool:
+        """Whether the layers are Transformer Engine's (``auto`` resolved on this machine)."""
+        if self.transformer_impl == "auto":
+            return transformer_engine_usable()
+        return self.transformer_impl == "transformer_engine"
 
 
 class RMSNorm(torch.nn.Module):
@@ -191,6 +214,36 @@ def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", modules
                 sub.self_attention.submodules.k_layernorm = k_norm
         if modules.experts == "grouped" and isinstance(sub.mlp.submodules, MoESubmodules):
             sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    if modules.transformer_engine:
+        for spec in {id(s): s for s in layer_specs}.values():
+            _use_transformer_engine(spec.submodules)
     offset = get_transformer_layer_offset(config)
     local = layer_specs[offset : offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)
+
+
+def _use_transformer_engine(submodules) -> None:
+    """In place, through a layer spec's submodules: megatron's local column- and
+    row-parallel linears become Transformer Engine's (megatron's ``TESpecProvider``
+    choices; the same ``weight`` parameters, no norm folded in, so checkpoints, exports
+    and weight syncs are unchanged) and the core attention TE's fused attention. Norms
+    and the experts module stay as chosen."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    if not HAVE_TE:
+        raise ValueError("transformer_impl=transformer_engine, but Transformer Engine does not import here (transformer_impl=local or auto)")
+    te = TESpecProvider()
+    swaps = {ColumnParallelLinear: te.column_parallel_linear(), RowParallelLinear: te.row_parallel_linear()}
+
+    def visit(sub) -> None:
+        for field in dataclasses.fields(sub):
+            value = getattr(sub, field.name)
+            if field.name == "core_attention":
+                setattr(sub, field.name, te.core_attention())
+            elif isinstance(value, type) and value in swaps:
+                setattr(sub, field.name, swaps[value])
+            elif isinstance(value, ModuleSpec) and dataclasses.is_dataclass(value.submodules):
+                visit(value.submodules)
+
+    visit(submodules)

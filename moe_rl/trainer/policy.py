@@ -75,7 +75,7 @@ def build_policy(
         **(FULL_RECOMPUTE if recompute_activations else {}),
         "moe_router_bias_update_rate": expert_bias_update_rate,
     }
-    config = make_transformer_config(hf_config, layout, **overrides)
+    config = make_transformer_config(hf_config, layout, modules=modules, **overrides)
     model = build_model(hf_config, config, logprob_config, modules)
     load_hf_weights(model, hf_config, hf_dir)
     ddp = wrap_ddp(model, config, optim)
@@ -87,7 +87,7 @@ def build_reference(
     hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, modules: LayerModules = LayerModules()
 ) -> GPTModel:
     """A frozen copy of the starting policy's stage (for the KL penalty)."""
-    model = build_model(hf_config, make_transformer_config(hf_config, layout), logprob_config, modules)
+    model = build_model(hf_config, make_transformer_config(hf_config, layout, modules=modules), logprob_config, modules)
     load_hf_weights(model, hf_config, hf_dir)
     return model.eval()
 

@@ -137,7 +137,7 @@ class Trainer:
         engine = self.collector.engine if self.collector else None
         make_room_for_the_trainer(cfg, engine)
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
-        modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention)
+        modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention, transformer_impl=cfg.model.transformer_impl)
         self.policy = build_policy(
             self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
