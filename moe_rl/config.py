@@ -207,6 +207,10 @@ class TrainConfig:
     run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, samples.jsonl, tensorboard/, logs/
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept
+    # write checkpoints in the background (a forked writer per rank) while training goes on;
+    # the next save and the end of the run wait for it. false: every save blocks until written
+    async_save: bool = True
+    export_every: int = 0  # also write HF weights (model/) into every N-th step's checkpoint (0: only the last step's)
     resume: bool = True  # continue from the run directory's newest checkpoint
     resume_anyway: bool = False  # resume although the config differs from the checkpoint's run
     progress: bool = True  # a progress bar (false: one line per step)
@@ -238,12 +242,13 @@ class Config:
     def fingerprint(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run that wrote its checkpoints
         (dotted keys -> JSON values): the model, layout, data, rewards, algorithm, replay,
-        seed and sampling. Steps, logging, learning rate and the like may change."""
+        seed and sampling. Steps, logging, learning rate, the parallel layout (checkpoints
+        reshard) and the like may change."""
         flat = _flatten(json.loads(json.dumps(self.to_dict())))
         return {k: v for k, v in flat.items() if k.startswith(_FINGERPRINTED) and k not in _NOT_FINGERPRINTED}
 
 
-_FINGERPRINTED = ("model.", "parallel.", "data.", "reward.", "algorithm.", "routing.replay", "routing.expert_bias_update_rate", "warm_start.", "train.seed",
+_FINGERPRINTED = ("model.", "data.", "reward.", "algorithm.", "routing.replay", "routing.expert_bias_update_rate", "warm_start.", "train.seed",
                   "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
                   "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
                   "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds", "rollout.generate_fn", "rollout.generate_kwargs")  # fmt: skip
@@ -615,6 +620,7 @@ def _validate_training(c: Config) -> None:
     _positive("train.steps", c.train.steps)
     _positive("train.save_every", c.train.save_every, allow_zero=True)
     _positive("train.keep_last", c.train.keep_last)
+    _positive("train.export_every", c.train.export_every, allow_zero=True)
     _positive("train.max_skipped_updates", c.train.max_skipped_updates)
     _positive("train.collective_timeout_min", c.train.collective_timeout_min)
     _positive("train.eval_every", c.train.eval_every, allow_zero=True)

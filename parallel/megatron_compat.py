@@ -21,6 +21,8 @@ def install() -> None:
     if not isinstance(mla.TELinear, type):
         mla.HAVE_TE = False
     _mask_padding_in_expert_load()
+    _adam_step_in_reshardable_load()
+    _adam_step_per_parameter_on_load()
 
 
 def _mask_padding_in_expert_load() -> None:
@@ -43,3 +45,53 @@ def _mask_padding_in_expert_load() -> None:
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
     TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+def _adam_step_in_reshardable_load() -> None:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every entry of a
+    parameter's optimizer state from the loaded tensors. torch Adam (the optimizer without
+    Apex or Transformer Engine) keeps its ``step`` there too, which a ``fully_reshardable``
+    load leaves out (``load_state_dict`` has set it already): a KeyError on resume (0.16.1).
+    Copy the other entries, and ``step`` only when it was loaded."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if "dst_tensors[key].copy_(tensors[key])" not in inspect.getsource(original):
+        return  # fixed upstream (or already wrapped)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors) -> None:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or "step" in tensors:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        targets = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, target in targets.items():
+            if key != "step":
+                target.copy_(tensors[key])
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _adam_step_per_parameter_on_load() -> None:
+    """``DistributedOptimizer.load_state_dict`` (torch Adam, without Apex or Transformer
+    Engine) gives every parameter's state one shared ``step`` tensor, which torch Adam then
+    increments once per parameter: after a resume the bias correction runs ahead by the
+    parameter count at every step (0.16.1). Give each parameter its own copy."""
+    import inspect
+
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+    if 's["step"] = step' not in inspect.getsource(original):
+        return  # fixed upstream (or already wrapped)
+
+    def load_state_dict(self, state_dict) -> None:
+        original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict

@@ -222,6 +222,9 @@ def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path
         updates = stats["weight_updates"] - earlier["weight_updates"]
         requests = stats["weight_update_requests"] - earlier["weight_update_requests"]
         assert updates == 3 and requests >= 3 * 2, stats  # 3 syncs, >1 bucket each
+        sent = stats["update_requests"][len(earlier["update_requests"]) :]
+        # each bucket one flat broadcast; pp2: each stage's first rank sends its own (a group each)
+        assert all(r["flattened"] for r in sent) and len({r["group"] for r in sent}) == (2 if layout == "pp2" else 1), sent
         assert stats["weight_groups"] == [], stats  # the trainer's weight-update group was torn down at its end
     if replay == "none":  # the servers now serve the last checkpoint: in fp32 they route as the trainer does
         _engine_drift_is_zero(sglang_servers[0].url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
@@ -305,13 +308,15 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
 
 
 FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
-LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps] (tests/trainer_layouts_worker.py)
-    1: ["one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
-        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", "one-r3l3:1,1,1,1:r3+l3", *FAMILY_RUNS],
-    # +dyn: micro-batches packed under a token budget (shapes vary; the one-process reference does not pack)
+LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer_layouts_worker.py), in this order
+    # (+dyn: micro-batches packed under a token budget: shapes vary; the one-process reference does not pack)
     2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn", "ep2-mt:1,1,2,1:mt",
-        "pp2-r3l3:1,2,1,1:r3+l3"],  # 3 layers on 2 pipeline stages: 2 + 1
-    4: ["pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
+        "pp2-r3l3:1,2,1,1:r3+l3",  # 3 layers on 2 pipeline stages: 2 + 1
+        # checkpoints resumed under other layouts (pp2 -> one process; ep2 x dp2, distributed optimizer -> tp2 x dp2)
+        "pp2-save:1,2,1,1:none:2:save=one-from-pp2", "ep2-save:1,1,2,1:none:2:save=tp2dp2-from-ep2"],
+    1: ["one-none4:1,1,1,1:none:4", "one-from-pp2:1,1,1,1:none:4", "one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
+        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", "one-r3l3:1,1,1,1:r3+l3", *FAMILY_RUNS],
+    4: ["tp2dp2-from-ep2:2,1,1,2:none:4", "pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
 }
 
 
@@ -354,7 +359,7 @@ def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path)
     assert host["reward/total"] == device["reward/total"]  # the rollout engine got the trained weights, not the reference
 
 
-@pytest.mark.parametrize("run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n]])
+@pytest.mark.parametrize("run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n] if ":save=" not in r and "-from-" not in r])
 def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: str) -> None:
     """Same model, data and seed: rank 0's rollouts are identical, and the first update's
     loss, grad norm and KL agree with the one-process run to float error."""
@@ -382,6 +387,21 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
     # ... each response token counted once, whichever ranks hold it (pipeline stages, TP ranks)
     counted = row["routing/train_vs_rollout/routing_same_tokens/mean"] + row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0)
     assert counted == ref_row["routing/train_vs_rollout/routing_same_tokens/mean"] + ref_row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0) > 0
+
+
+@pytest.mark.parametrize("run", ["one-from-pp2", "tp2dp2-from-ep2"])
+def test_a_checkpoint_resumes_under_another_layout(layout_runs: Path, run: str) -> None:
+    """Checkpoints written after step 2 under pp2 (one-process optimizer) and ep2 x dp2
+    (distributed optimizer) resume in one process and under tp2 x dp2: weights and
+    optimizer state reshard, and steps 3 and 4 (after an update from the loaded Adam state)
+    equal an uninterrupted one-process run's."""
+    ref, resumed = rows(layout_runs / "one-none4"), rows(layout_runs / run)
+    assert sorted(resumed) == [3, 4]  # resumed after step 2
+    for step in (3, 4):
+        got, want = resumed[step], ref[step]
+        assert got["reward/total"] == want["reward/total"] and got["advantage/std"] == want["advantage/std"], step
+        assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-5), step
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-4), step
 
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for r in FAMILY_RUNS])

@@ -295,6 +295,7 @@ def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Pa
 def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     import json
 
+    from moe_rl.trainer.checkpoint import FORMAT
     from moe_rl.trainer.run_dir import check_run_dir
 
     def cfg(*overrides: str):
@@ -303,14 +304,18 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     check_run_dir(cfg())  # new: fine
     step = tmp_path / "run" / "checkpoints" / "step_000004"
     step.mkdir(parents=True)
-    (step / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))
+    (step / "meta.json").write_text(json.dumps({"format": FORMAT, "step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))
     check_run_dir(cfg("train.steps=50", "optim.lr=1e-5"))  # same run, more steps, another learning rate
+    check_run_dir(cfg("parallel.tp=2", "parallel.ep=2"))  # ... or another layout (checkpoints reshard)
     with pytest.raises(ConfigError, match="already holds a run's checkpoints.*nothing was deleted"):
         check_run_dir(cfg("train.resume=false"))
     with pytest.raises(ConfigError, match="another config \\(algorithm.loss: 'grpo' -> 'gspo'; train.seed: 1 -> 2\\)"):
         check_run_dir(cfg("algorithm.loss=gspo", "train.seed=2"))
     check_run_dir(cfg("algorithm.loss=gspo", "train.resume_anyway=true"))
     assert step.is_dir()
+    (step / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))  # format 1
+    with pytest.raises(ConfigError, match=f"checkpoint {step} was written by an earlier moe-rl.*model.hf_dir={step / 'model'}"):
+        check_run_dir(cfg())
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="cannot be created"):
         check_run_dir(load_config(None, [f"train.run_dir={tmp_path / 'file' / 'run'}"]))
@@ -319,26 +324,26 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
 def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> None:
     import json
 
-    from moe_rl.trainer.checkpoint import CheckpointMismatch, select_checkpoint
+    from moe_rl.trainer.checkpoint import FORMAT, CheckpointMismatch, select_checkpoint
 
-    def make(step: int, meta: str | None = None, rank_files: bool = True) -> Path:
+    def make(step: int, meta: str | None = None, files: tuple[str, ...] = ("dist/metadata.json", "dist/.metadata", "dist/common.pt", "rng/rank_00000.pt")) -> Path:
         path = tmp_path / "checkpoints" / f"step_{step:06d}"
-        for sub in ["model/config.json", "model/model.safetensors.index.json"] + (["optim/rank_00000.pt", "rng/rank_00000.pt"] if rank_files else []):
+        for sub in files:
             (path / sub).parent.mkdir(parents=True, exist_ok=True)
             (path / sub).write_text("x")
         path.mkdir(parents=True, exist_ok=True)
-        (path / "meta.json").write_text(meta if meta is not None else json.dumps({"step": step, "world_size": 1}))
+        (path / "meta.json").write_text(meta if meta is not None else json.dumps({"format": FORMAT, "step": step, "world_size": 4}))
         return path
 
-    good = make(2)
-    make(4, rank_files=False)  # optimizer/RNG files lost
+    good = make(2)  # another world size: resharded on load (its first rank's RNG file is the one read)
+    make(4, files=("dist/metadata.json", "rng/rank_00000.pt"))  # sharded state lost
     make(6, meta="")  # torn meta.json
     with caplog.at_level("WARNING", logger="moe_rl.train"):
         path, meta = select_checkpoint(tmp_path)
     assert path == good and meta["step"] == 2
-    assert "meta.json is empty or unreadable" in caplog.text and "optim/rank_00000.pt is missing" in caplog.text
-    make(8, meta=json.dumps({"step": 8, "world_size": 4}))
-    with pytest.raises(CheckpointMismatch, match="written by 4 processes, this run has 1"):
+    assert "meta.json is empty or unreadable" in caplog.text and "dist/.metadata is missing" in caplog.text
+    make(8, meta=json.dumps({"step": 8, "world_size": 1}), files=("optim/rank_00000.pt",))  # an earlier moe-rl's format
+    with pytest.raises(CheckpointMismatch, match="written by an earlier moe-rl .*cannot be resumed.*model.hf_dir="):
         select_checkpoint(tmp_path)
 
 

@@ -1,9 +1,11 @@
 """One training step of the built-in model under several parallel layouts, in one set of
 processes (started N times by ``spawn_local``); rank 0 writes each run's step scalars.
 
-    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT[:STEPS] ...
+    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT[:STEPS[:save=OTHER]] ...
 
-(STEPS: steps to run, default 1; the last step's scalars are written).
+(STEPS: steps to run, default 1; the last step's scalars are written. ``save=OTHER``: then
+checkpoint, and copy the checkpoint into run OTHER's directory, which a later set of
+processes (another layout) resumes from and runs to its STEPS.)
 
 VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
 ``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``), ``+qwen2`` / ``+olmoe``
@@ -17,13 +19,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
-from megatron.core.transformer.moe.router_replay import RouterReplay
-
-from moe_rl.config import load_config
-from moe_rl.trainer.trainer import Trainer
-from parallel.collectives import is_first_rank
-from parallel.distributed import destroy_distributed
 
 TINY = ["rollout.prompts_per_step=4", "rollout.group_size=5", "rollout.max_new_tokens=5", "warm_start.steps=20",
         "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=4",
@@ -62,17 +57,34 @@ def process_group_facts() -> dict:
 
 
 def main() -> None:
+    # imported here: a checkpoint's writer pool is started by spawning, which imports this script again
+    import shutil
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl.config import load_config
+    from moe_rl.trainer.trainer import Trainer
+    from parallel.collectives import is_first_rank
+    from parallel.distributed import destroy_distributed
+
     out, cache = Path(sys.argv[1]), sys.argv[2]
     for spec in sys.argv[3:]:
-        name, layout, variant, *steps = spec.split(":")
+        name, layout, variant, *rest = spec.split(":")
+        steps, save_for = rest[:1], rest[1].removeprefix("save=") if len(rest) > 1 else None
         tp, pp, ep, etp = layout.split(",")
         chosen = [o for part in variant.split("+") for o in VARIANTS[part]]
         overrides = [*TINY, *chosen, f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
                      f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]  # fmt: skip
         RouterReplay.clear_global_router_replay_instances()  # the previous run's model
         with Trainer(load_config(None, overrides)) as trainer:
-            for step in range(int(steps[0]) if steps else 1):
+            last = int(steps[0]) if steps else 1
+            for step in range(trainer.start_step, last):
                 scalars = trainer.train_step(step)
+            if save_for:
+                trainer.save_checkpoint(last, scalars)
+                trainer.checkpointer.wait()
+                if is_first_rank():
+                    shutil.copytree(out / name / "checkpoints", out / save_for / "checkpoints")
         if is_first_rank():
             (out / f"{name}.json").write_text(json.dumps(scalars))
             (out / f"{name}.process_group.json").write_text(json.dumps(process_group_facts()))

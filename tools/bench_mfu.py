@@ -69,7 +69,7 @@ def random_policy(lr: float = 1e-5):
     settings = OptimSettings(lr=lr)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
-    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, settings, 10), hf_config), config
+    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, settings, 10), hf_config, settings), config
 
 
 def random_batches(tokens: int, seq: int = 512, device: torch.device | str = "cpu") -> list:

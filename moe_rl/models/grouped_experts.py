@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
@@ -75,6 +76,7 @@ class GroupedExperts(MegatronModule):
         etp = pg_collection.expt_tp.size()
         ffn = config.moe_ffn_hidden_size // etp
         self.num_local_experts = num_local_experts
+        self.pg_collection = pg_collection
         self.linear_fc1 = StackedLinear(num_local_experts, 2 * ffn, config.hidden_size, config, partition_dim=1)
         self.linear_fc2 = StackedLinear(num_local_experts, config.hidden_size, ffn, config, partition_dim=2)
         if config.perform_initialization:
@@ -95,3 +97,31 @@ class GroupedExperts(MegatronModule):
         hidden = self.config.activation_func(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
         return self.linear_fc2(hidden, offsets, sizes), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> ShardedStateDict:
+        """The stacked weights as global ``[experts, out, in]`` tensors under the keys
+        megatron's ``SequentialMLP`` uses (``{prefix}experts.linear_fc1.weight``, ...):
+        this rank's experts at their expert-parallel offset, its expert-TP slice of the
+        FFN dimension, and ``linear_fc1``'s gate and up rows as the two halves of the global
+        rows (as megatron's GLU factory stores them). A checkpoint therefore loads under
+        any EP / expert-TP (``megatron.core.dist_checkpointing``)."""
+        ep, etp, expt_dp = self.pg_collection.ep, self.pg_collection.expt_tp, self.pg_collection.expt_dp
+        axis = len(sharded_offsets)  # this tensor's expert axis in the global shape (after e.g. a layer axis)
+        experts = (axis, ep.rank(), ep.size())
+        replica_id = (0, 0, expt_dp.rank())
+
+        def sharded(key: str, tensor: Tensor, *offsets: tuple[int, int, int]) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, experts, *offsets, replica_id=replica_id, prepend_axis_num=axis)
+
+        def gate_and_up(key: str, tensor: Tensor, replica, flattened_range) -> list[ShardedTensor]:
+            gate, up = tensor.chunk(2, dim=1)
+            return [sharded(key, gate, (axis + 1, etp.rank(), 2 * etp.size())),
+                    sharded(key, up, (axis + 1, etp.size() + etp.rank(), 2 * etp.size()))]  # fmt: skip
+
+        fc1_key, fc2_key = f"{prefix}experts.linear_fc1.weight", f"{prefix}experts.linear_fc2.weight"
+        return {
+            f"{prefix}linear_fc1.weight": ShardedTensorFactory(
+                fc1_key, self.linear_fc1.weight, gate_and_up, lambda halves: torch.cat(halves, dim=1), replica_id
+            ),
+            f"{prefix}linear_fc2.weight": sharded(fc2_key, self.linear_fc2.weight, (axis + 2, etp.rank(), etp.size())),
+        }

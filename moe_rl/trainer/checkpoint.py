@@ -1,39 +1,59 @@
-"""Checkpoints: saved atomically (a temporary directory, fsynced, renamed once complete),
-the last K kept, resumed exactly (model, optimizer, RNG states, step; the data position
-follows from the step).
+"""Checkpoints on megatron-core's ``dist_checkpointing``: sharded, written in the
+background, atomic, and resumable under another parallel layout.
 
-Layout of ``run_dir/checkpoints/step_000010/``: ``model/`` (HF safetensors in the
-training precision: any parallel layout, ``moe-rl export`` and SGLang can read it),
-``optim/rank_00000.pt`` (each rank's optimizer state), ``rng/rank_00000.pt`` (both
-tensors and plain data only: loaded with ``weights_only=True``, never running pickled
-code) and ``meta.json`` (written last: step, world size, the run's config fingerprint; a
-directory without it is incomplete and ignored). Resuming takes the newest checkpoint
-whose files are all there and readable, warning about any newer one that is not.
+Layout of ``run_dir/checkpoints/step_000010/``:
+
+- ``dist/``: the policy's model and optimizer as megatron sharded state dicts (torch_dist
+  format): every tensor is stored once, as a slice of its global tensor, so a run saved
+  under one TP / PP / EP / DP layout resumes under any other (megatron reshards on load;
+  the distributed optimizer's state is saved ``fully_reshardable``);
+- ``rng/rank_00000.pt``: each rank's RNG states (tensors and plain data only, loaded with
+  ``weights_only=True``); a resume under another layout takes the first rank's CPU
+  generators and leaves the model-parallel RNG tracker as seeded;
+- ``model/`` (the last step's checkpoint, and every ``train.export_every`` steps): the
+  weights as a Hugging Face directory (``moe-rl export`` writes one from any checkpoint);
+- ``meta.json``, written last: format, step, world size, layout, the run's fingerprint.
+  A directory without it is incomplete and ignored.
+
+A save stages the state (device to host) and returns; a forked writer per rank writes the
+files while training goes on. It becomes the checkpoint (``meta.json``, one rename) once
+every rank's writer is done: checked without blocking after each step, and waited for
+before the next save and at the end of the run. A crash before that leaves a temporary
+directory that the next start removes; resuming then takes the checkpoint before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from moe_rl.config import ConfigError
-from moe_rl.models.hf_weights import export_hf_weights, load_hf_weights
+from moe_rl.models.hf_weights import export_hf_weights
 from parallel.collectives import any_rank, barrier, rank, world_size
+from parallel.layout import ParallelLayout
+from parallel.optim import OptimSettings, shards_optimizer_state
 
 log = logging.getLogger("moe_rl.train")
 _STEP = re.compile(r"step_(\d+)$")
+FORMAT = 2  # meta.json "format": megatron dist_checkpointing (format 1: HF weights + per-rank optimizer files)
+# the distributed optimizer's state in model space (each parameter's fp32 copy and Adam moments
+# shaped as the parameter), so it reshards over TP / PP / EP / DP like the weights
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointMismatch(ConfigError):
-    """A checkpoint this run cannot continue from (another world size)."""
+    """A checkpoint this run cannot continue from."""
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -62,23 +82,34 @@ def read_meta(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("world_size"), int) else None
 
 
-def newest_meta(run_dir: str | os.PathLike) -> dict | None:
-    """The ``meta.json`` of the newest checkpoint that has a readable one."""
+def newest_readable(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """The newest checkpoint that has a readable ``meta.json``, and that meta."""
     for _, path in reversed(checkpoint_dirs(run_dir)):
         meta = read_meta(path)
         if meta is not None:
-            return meta
+            return path, meta
     return None
 
 
+def format_problem(path: Path, meta: dict) -> str | None:
+    """Why this version cannot resume from a checkpoint of another format, with the way out."""
+    if meta.get("format") == FORMAT:
+        return None
+    return (
+        f"checkpoint {path} was written by an earlier moe-rl (per-rank optimizer files, one parallel layout) and cannot be "
+        f"resumed by this version: start a new run from its weights (model.hf_dir={path / 'model'}, or "
+        f"`moe-rl export --checkpoint {path} --out DIR` and model.hf_dir=DIR) in another train.run_dir"
+    )
+
+
 def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """Collective. The newest checkpoint every rank can load (its meta, model index and
-    this rank's optimizer and RNG files present and readable), warning about newer ones
-    that are not; ``None`` when there is none. Another world size raises."""
+    """Collective. The newest checkpoint every rank can load (its meta, sharded-state
+    metadata and the first rank's RNG file present), warning about newer ones that are not;
+    ``None`` when there is none. A checkpoint of an earlier format raises."""
     for _, path in reversed(checkpoint_dirs(run_dir)):
         meta = read_meta(path)
-        if meta is not None and meta["world_size"] != world_size():
-            raise CheckpointMismatch(f"checkpoint {path} was written by {meta['world_size']} processes, this run has {world_size()}")
+        if meta is not None and format_problem(path, meta):
+            raise CheckpointMismatch(format_problem(path, meta))
         problem = _unusable(path, meta)
         if not any_rank(problem is not None):
             return path, meta
@@ -90,56 +121,188 @@ def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
 def _unusable(path: Path, meta: dict | None) -> str | None:
     if meta is None:
         return "meta.json is empty or unreadable"
-    for needed in ("model/config.json", "model/model.safetensors.index.json", f"optim/rank_{rank():05d}.pt", f"rng/rank_{rank():05d}.pt"):
+    for needed in ("dist/metadata.json", "dist/.metadata", "dist/common.pt", _rng_file(_rng_rank(meta))):
         file = path / needed
         if not file.is_file() or file.stat().st_size == 0:
             return f"{needed} is missing or empty"
     return None
 
 
-def _optimizer_state(optimizer) -> list:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    out = []
-    for opt in parts:
-        state = {"state_dict": opt.state_dict()}
-        if hasattr(opt, "get_parameter_state_dp_reshardable"):
-            param_state = opt.get_parameter_state_dp_reshardable()
-            # megatron-core 0.16.1's loader filters on a 'padding' flag its getter never sets
-            for key, by_dtype in param_state.items():
-                if isinstance(key, int):
-                    for buckets in by_dtype.values():
-                        for bucket in buckets:
-                            for elem in bucket:
-                                elem.setdefault("padding", False)
-            state["param_state"] = param_state
-        state["adam_steps"] = [_adam_step(opt, p) for p in _inner_params(opt)]
-        out.append(state)
-    return out
+def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dict] | None) -> OptimSettings:
+    """``settings`` with the distributed optimizer on or off as in the checkpoint a run
+    resumes from (megatron-core's two optimizers store their state in different forms),
+    where ``optim.use_distributed_optimizer`` leaves the choice open; set otherwise, it
+    must agree."""
+    saved = resume_from[1].get("distributed_optimizer") if resume_from else None
+    if saved is None or settings.use_distributed_optimizer == saved:
+        return settings
+    if settings.use_distributed_optimizer is None:
+        return dataclasses.replace(settings, use_distributed_optimizer=saved)
+    raise CheckpointMismatch(
+        f"checkpoint {resume_from[0]} holds the {'distributed' if saved else 'plain'} optimizer's state and "
+        f"optim.use_distributed_optimizer={settings.use_distributed_optimizer}: leave it unset (null) to resume"
+    )
 
 
-@torch.no_grad()
-def _load_optimizer_state(optimizer, saved: list) -> None:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(parts) != len(saved):
-        raise ValueError("the checkpoint's optimizer does not match this run's (parallel layout changed?)")
-    for opt, state in zip(parts, saved):
-        opt.load_state_dict(state["state_dict"])
-        if "param_state" in state:
-            opt.load_parameter_state_from_dp_reshardable(state["param_state"])
-        # torch Adam keeps its step count per parameter, outside megatron's parameter state
-        for param, step in zip(_inner_params(opt), state.get("adam_steps", [])):
-            if step is not None:
-                opt.optimizer.state[param]["step"] = step.clone() if torch.is_tensor(step) else step
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds of this rank: its model stage and the optimizer over it."""
+
+    model: torch.nn.Module
+    optimizer: Any  # megatron-core MegatronOptimizer (chained over dense and expert parameters)
+    settings: OptimSettings  # what built the optimizer
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        return shards_optimizer_state(self.settings)
+
+    def sharded_state_dict(self, loading: bool) -> dict:
+        if loading:
+            _give_adam_its_state(self.optimizer)
+        model = self.model.sharded_state_dict()
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA)
+        return {"model": model, "optimizer": optimizer}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
-def _inner_params(opt) -> list:
-    inner = getattr(opt, "optimizer", None)
-    return [p for group in inner.param_groups for p in group["params"]] if inner is not None else []
+def _give_adam_its_state(optimizer) -> None:
+    """megatron-core 0.16.1's distributed optimizer reads Adam's step count from torch
+    Adam's per-parameter state, which exists only after a first step: a fresh one gets
+    megatron's own placeholder state (a step on zero gradients), replaced by the load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer) and not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
 
 
-def _adam_step(opt, param):
-    step = opt.optimizer.state.get(param, {}).get("step")
-    return step.clone() if torch.is_tensor(step) else step
+class Checkpointer:
+    """Writes checkpoints of one run directory (at most one in flight) and keeps the last
+    ``keep_last``. Every method but :meth:`abandon` is collective."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int, layout: ParallelLayout, *, async_save: bool = True) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.layout = layout
+        self.async_save = async_save
+        self._writes = AsyncCallsQueue()
+
+    def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: tuple[Any, str | None] | None = None) -> Path:
+        """Stage this rank's state and start writing ``step_<step>``; returns its final
+        path (complete once :meth:`wait`, or a :meth:`poll` that finds it written, commits
+        it). ``hf_weights``: ``(hf_config, tokenizer_dir)`` to also write ``model/``."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        final, tmp = self.root / f"step_{step:06d}", self.root / f".tmp_step_{step:06d}"
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "dist").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        barrier()
+        if hf_weights is not None:
+            hf_config, tokenizer_dir = hf_weights
+            export_hf_weights(state.model, hf_config, tmp / "model", dtype=next(state.model.parameters()).dtype, copy_files_from=tokenizer_dir)
+        torch.save(_rng_state(), tmp / _rng_file(rank()))
+        meta = {"format": FORMAT, "step": step, "world_size": world_size(), "layout": _layout_meta(self.layout),
+                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights is not None, **extra}  # fmt: skip
+        request = dist_checkpointing.save(state.sharded_state_dict(loading=False), tmp / "dist", sharded_strategy=_save_strategy(),
+                                          async_sharded_save=True)  # fmt: skip
+        request.add_finalize_fn(lambda: self._commit(tmp, final, meta))
+        if self.async_save:
+            self._writes.schedule_async_request(request)
+        else:
+            request.execute_sync()
+            barrier()
+        return final
+
+    def poll(self) -> None:
+        """Commit a checkpoint whose writers have all finished; never waits for them."""
+        self._writes.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written and commit it."""
+        self._writes.maybe_finalize_async_calls(blocking=True)
+        barrier()
+
+    def abandon(self) -> None:
+        """This rank alone (after a failure): let a running writer finish its files, commit
+        nothing (the temporary directory is removed at the next start)."""
+        for call in self._writes.async_calls:
+            call.async_caller.close()
+        self._writes.async_calls.clear()
+
+    def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
+        if rank() == 0:
+            _fsync_tree(tmp)
+            commit_checkpoint(tmp, final, meta)
+            for _, old in checkpoint_dirs(self.root.parent)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: ParallelLayout) -> None:
+    """Collective. Restores model, optimizer and RNG (see :func:`select_checkpoint`),
+    resharded when ``layout`` or the world size differs from the checkpoint's."""
+    from megatron.core import dist_checkpointing
+
+    # (each rank reads what it holds; megatron's fully parallel load gave wrong tensors on data-parallel ranks here)
+    state.load(dist_checkpointing.load(state.sharded_state_dict(loading=True), str(path / "dist")))
+    same_layout = meta.get("layout") == _layout_meta(layout) and meta["world_size"] == world_size()
+    if not same_layout and rank() == 0:
+        log.info("checkpoint %s was written under %s on %d processes: resharded to %s on %d", path, meta.get("layout"), meta["world_size"],
+                 _layout_meta(layout), world_size())  # fmt: skip
+    _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta) if not same_layout else rank()), weights_only=True), tracker=same_layout)
+
+
+def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:
+    """Make the complete temporary directory ``tmp`` the checkpoint ``final``:
+    ``meta.json`` last, then one rename (a crash before it leaves only ``tmp``)."""
+    with open(tmp / "meta.json", "w") as f:
+        f.write(json.dumps(meta, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> None:
+    """Temporary checkpoint directories a killed run left behind (first rank)."""
+    root = Path(run_dir) / "checkpoints"
+    if rank() == 0 and root.is_dir():
+        for tmp in root.glob(".tmp_step_*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_strategy():
+    """torch_dist, each replicated tensor written by one data-parallel rank (fully parallel)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True)
+
+
+
+def _layout_meta(layout: ParallelLayout) -> dict:
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.expert_tp}
+
+
+def _rng_file(r: int) -> str:
+    return f"rng/rank_{r:05d}.pt"
+
+
+def _rng_rank(meta: dict) -> int:
+    """The rank whose RNG file a resume reads: this one under the checkpoint's own world
+    size, else the first."""
+    return rank() if meta.get("world_size") == world_size() else 0
 
 
 def _rng_state() -> dict:
@@ -156,67 +319,19 @@ def _rng_state() -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, tracker: bool) -> None:
+    """Restore the CPU generators, and (``tracker``: same layout) the device and
+    model-parallel ones."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(run_dir, step: int, model, hf_config, optimizer, extra: dict, keep_last: int, tokenizer_dir=None) -> Path:
-    """Collective. Writes ``step_<step>`` atomically and prunes to the last ``keep_last``."""
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "optim").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    barrier()
-    export_hf_weights(model, hf_config, tmp / "model", dtype=next(model.parameters()).dtype, copy_files_from=tokenizer_dir)
-    torch.save(_optimizer_state(optimizer), tmp / "optim" / f"rank_{rank():05d}.pt")
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
-    barrier()
-    if rank() == 0:
-        _fsync_tree(tmp)
-        commit_checkpoint(tmp, final, {"step": step, "world_size": world_size(), **extra})
-        for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:
-    """Make the complete temporary directory ``tmp`` the checkpoint ``final``:
-    ``meta.json`` last, then one rename (a crash before it leaves only ``tmp``)."""
-    with open(tmp / "meta.json", "w") as f:
-        f.write(json.dumps(meta, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def load_checkpoint(path: Path, model, hf_config, optimizer) -> None:
-    """Collective. Restores model, optimizer and RNG (see :func:`select_checkpoint`)."""
-    load_hf_weights(model, hf_config, path / "model")
-    _load_optimizer_state(optimizer, torch.load(path / "optim" / f"rank_{rank():05d}.pt", weights_only=True))
-    _set_rng_state(torch.load(path / "rng" / f"rank_{rank():05d}.pt", weights_only=True))
-
-
-def remove_stale_temporaries(run_dir: str | os.PathLike) -> None:
-    """Temporary checkpoint directories a killed run left behind (first rank)."""
-    root = Path(run_dir) / "checkpoints"
-    if rank() == 0 and root.is_dir():
-        for tmp in root.glob(".tmp_step_*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    if tracker:
+        get_cuda_rng_tracker().set_states(state["tracker"])
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 def _fsync_tree(root: Path) -> None:

@@ -36,6 +36,7 @@ class Policy:
     optimizer: MegatronOptimizer
     lr_schedule: LRSchedule
     hf_config: PretrainedConfig
+    optim_settings: OptimSettings  # what built the optimizer (checkpoints record its kind)
 
     @functools.cached_property
     def weights(self) -> HFWeights:
@@ -80,7 +81,7 @@ def build_policy(
     load_hf_weights(model, hf_config, hf_dir)
     ddp = wrap_ddp(model, config, optim)
     optimizer = build_optimizer([ddp], optim)
-    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, optim, total_steps), hf_config)
+    return Policy(model, ddp, optimizer, build_lr_scheduler(optimizer, optim, total_steps), hf_config, optim)
 
 
 def build_reference(

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from moe_rl.config import Config, ConfigError, fingerprint_differences
-from moe_rl.trainer.checkpoint import checkpoint_dirs, newest_meta
+from moe_rl.trainer.checkpoint import checkpoint_dirs, format_problem, newest_readable
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -26,7 +26,13 @@ def check_run_dir(cfg: Config) -> None:
             f"train.run_dir={str(run_dir)!r} already holds a run's checkpoints: continue it with train.resume=true, "
             "or choose another train.run_dir (nothing was deleted)"
         )
-    saved = (newest_meta(run_dir) or {}).get("fingerprint")
+    newest = newest_readable(run_dir)
+    if newest is None:
+        return
+    problem = format_problem(*newest)
+    if problem:
+        raise ConfigError(problem)
+    saved = newest[1].get("fingerprint")
     if saved is None or cfg.train.resume_anyway:
         return
     differences = fingerprint_differences(saved, cfg.fingerprint())

@@ -35,7 +35,9 @@ from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
-from moe_rl.trainer.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, select_checkpoint
+from moe_rl.trainer.checkpoint import (
+    Checkpointer, TrainingState, load_checkpoint, optimizer_settings_for, remove_stale_temporaries, select_checkpoint,
+)  # fmt: skip
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
@@ -138,8 +140,10 @@ class Trainer:
         make_room_for_the_trainer(cfg, engine)
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
         modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention, transformer_impl=cfg.model.transformer_impl)
+        resume_from = self._checkpoint_to_resume()  # before the optimizer: its kind follows the checkpoint's
         self.policy = build_policy(
-            self.hf_config, self.hf_dir, cfg.parallel, cfg.optim, total_steps=cfg.train.steps, replay=cfg.routing.replay,
+            self.hf_config, self.hf_dir, cfg.parallel, optimizer_settings_for(cfg.optim, resume_from), total_steps=cfg.train.steps,
+            replay=cfg.routing.replay,
             recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
             expert_bias_update_rate=cfg.routing.expert_bias_update_rate, modules=modules,
         )  # fmt: skip
@@ -151,7 +155,9 @@ class Trainer:
             else None
         )  # fmt: skip
         self.monitor = self._build_monitor()
-        self.start_step = self._resume()
+        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, cfg.parallel, async_save=cfg.train.async_save)
+        self._closing.callback(self.checkpointer.abandon)  # after a failure (a finished run has waited for its last save)
+        self.start_step = self._resume(resume_from)
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
         if self.background:
             self._closing.callback(self.background.close)
@@ -201,16 +207,19 @@ class Trainer:
         pattern = arch.moe_layer_pattern(self.hf_config)
         return ExpertBiasTracker(self.policy.model, [l for l, moe in enumerate(pattern) if moe], len(pattern))
 
-    def _resume(self) -> int:
-        """The step to start from: the newest usable checkpoint's (restored), or 0."""
+    def _checkpoint_to_resume(self) -> tuple[Path, dict] | None:
+        """Collective: the newest usable checkpoint of the run directory (with ``train.resume``)."""
         if not self.cfg.train.resume:
-            return 0
+            return None
         remove_stale_temporaries(self.run_dir)
-        found = select_checkpoint(self.run_dir)
+        return select_checkpoint(self.run_dir)
+
+    def _resume(self, found: tuple[Path, dict] | None) -> int:
+        """The step to start from: ``found``'s (restored), or 0."""
         if found is None:
             return 0
         path, meta = found
-        load_checkpoint(path, self.policy.model, self.hf_config, self.policy.optimizer)
+        load_checkpoint(path, meta, self.training_state, self.cfg.parallel)
         if is_first_rank():
             log.info("resumed from %s (step %d)", path, meta["step"])
         return int(meta["step"])
@@ -231,6 +240,7 @@ class Trainer:
                 scalars = self.train_step(step)
                 skipped_in_a_row = skipped_in_a_row + 1 if scalars[tags.TRAIN_UPDATE_SKIPPED] else 0
                 checkpoint = self._end_of_step(step + 1, scalars, skipped_in_a_row, stop.requested()) or checkpoint
+        self.checkpointer.wait()
         self.logger.summary(self.cfg.train.steps - self.start_step, scalars, checkpoint, time.perf_counter() - start)
         return scalars
 
@@ -387,7 +397,12 @@ class Trainer:
         train = self.cfg.train
         too_many_skips = skipped_in_a_row >= train.max_skipped_updates
         due = step == train.steps or bool(train.save_every and step % train.save_every == 0)
-        checkpoint = self.save_checkpoint(step, scalars) if due or too_many_skips or stop_requested else None
+        stopping = too_many_skips or stop_requested
+        checkpoint = self.save_checkpoint(step, scalars) if due or stopping else None
+        if stopping or step == train.steps:
+            self.checkpointer.wait()
+        else:
+            self.checkpointer.poll()  # commits an earlier save whose writers are done
         if too_many_skips:
             raise TrainingStopped(
                 f"{skipped_in_a_row} consecutive steps had NaN/Inf in the loss or gradients (train.max_skipped_updates="
@@ -397,12 +412,19 @@ class Trainer:
             raise KeyboardInterrupt(f"stopped on request after step {step}; checkpoint saved")
         return checkpoint
 
+    @property
+    def training_state(self) -> TrainingState:
+        return TrainingState(self.policy.model, self.policy.optimizer, self.policy.optim_settings)
+
     def save_checkpoint(self, step: int, scalars: dict[str, float]) -> Path:
-        """Collective: weights, optimizer and RNG state after ``step`` steps."""
+        """Collective: start writing weights, optimizer and RNG state after ``step`` steps
+        (complete once the checkpointer commits it); with HF weights at the last step and
+        every ``train.export_every`` steps."""
+        train = self.cfg.train
         extra = {"scalars": scalars, "fingerprint": self.cfg.fingerprint()}
+        export = step == train.steps or bool(train.export_every and step % train.export_every == 0)
         with self.placement.trainer_resident(lambda: self.weight_sync.push(self.policy.weights, str(step))):
-            return save_checkpoint(self.run_dir, step, self.policy.model, self.hf_config, self.policy.optimizer,
-                                   extra, self.cfg.train.keep_last, tokenizer_dir=self.hf_dir)  # fmt: skip
+            return self.checkpointer.save(step, self.training_state, extra, hf_weights=(self.hf_config, self.hf_dir) if export else None)
 
     def close(self) -> None:
         """Stop the engine and any server this run started; close the logs (idempotent)."""
