@@ -89,12 +89,13 @@ class RolloutConfig:
     mem_fraction_static: float = 0.8  # a launched server's --mem-fraction-static
     # a launched server: the Python that runs sglang.launch_server ("": this one; SGLang's own
     # venv, e.g. .venv-sglang/bin/python from tools/setup.sh --sglang), extra launch flags
-    # (after moe-rl's own: a flag given here wins), how long it may take to become healthy,
-    # and --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels)
+    # (after moe-rl's own: a flag given here wins), how long it may take to become healthy
     server_python: str = ""
     server_args: list[str] = field(default_factory=list)  # extra sglang.launch_server flags (after moe-rl's own: they win)
     server_start_timeout_s: float = 600.0  # how long a launched server may take to become healthy
-    server_deterministic: bool = True  # --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels)
+    # --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels): batch-invariant
+    # kernels and the pytorch sampling backend, slower; on to reproduce a rollout exactly
+    server_deterministic: bool = False
     precision: str = "fp32"  # local engine: fp32 | bf16 (round weights to bf16, compute fp32)
     # SGLang: how weights reach the servers after each step: distributed (buckets broadcast
     # over a weight-update group the servers join) | disk (a HF directory each server re-reads)
@@ -103,9 +104,16 @@ class RolloutConfig:
     # SGLang servers on the trainer's GPUs (started with --enable-memory-saver): each side
     # releases its GPU memory while the other works (trainer state offloaded to host memory)
     colocate: bool = False
-    sync_bucket_mb: float = 512.0  # distributed: the most full tensors the first rank holds at once (MiB)
-    sync_address: str = ""  # distributed: the first trainer rank's address as servers reach it ("": found)
-    concurrency_per_server: int = 64  # SGLang: /generate requests in flight per server
+    # distributed | tensor: a bucket's size (MiB), the most full tensors a sending rank holds at
+    # once; one flat tensor each where the servers take that (SGLang >= 0.5.6; else one per
+    # tensor); distributed: sent by the first rank of its pipeline stage
+    sync_bucket_mb: float = 512.0
+    # distributed: the first trainer rank's address as servers reach it ("": found; the other
+    # pipeline stages' senders always find theirs)
+    sync_address: str = ""
+    # SGLang: /generate requests in flight per server (the client's connection pool holds this
+    # many per server; a prompt's samples go to one server, which then reuses their prompt's KV cache)
+    concurrency_per_server: int = 64
     # generate step k+1's samples while step k trains (one version behind; needs
     # algorithm.old_logprobs=rollout so the importance ratio uses the behaviour policy)
     async_rollouts: bool = False

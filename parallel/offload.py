@@ -2,7 +2,9 @@
 
 When SGLang shares the trainer's GPUs (``rollout.colocate``), the trainer's weights,
 gradient buffers and optimizer state must leave the GPU while the engine generates.
-:class:`DeviceOffloader` copies each tensor *storage* to host memory (pinned on CUDA) and
+:class:`DeviceOffloader` copies each tensor *storage* to host memory (pinned on CUDA: host
+memory of exactly the storage's size registered with CUDA, not torch's caching host
+allocator, which rounds every block up to a power of two: ~25-50% more pinned RAM) and
 shrinks the storage to zero bytes; reloading grows it back and copies the bytes in. Every
 view of a storage (megatron-core's parameters and ``main_grad`` are views into DDP's
 contiguous buffers, the distributed optimizer's shards are views too) stays valid, so no
@@ -37,6 +39,7 @@ class DeviceOffloader:
         # per kind: (storage, its size, its host copy or None when discarded)
         self._moved: dict[str, list[tuple[torch.UntypedStorage, int, torch.Tensor | None]]] = {}
         self._spare: dict[int, list[torch.Tensor]] = {}  # free host buffers by size
+        self._pinned: list[PinnedHostBuffer] = []  # every pinned buffer (registered until the offloader goes)
 
     def offloaded(self) -> list[str]:
         return sorted(self._moved)
@@ -88,7 +91,10 @@ class DeviceOffloader:
         spare = self._spare.get(storage.nbytes())
         if spare:
             return spare.pop()
-        return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        if storage.device.type != "cuda":
+            return torch.empty(storage.nbytes(), dtype=torch.uint8)
+        self._pinned.append(PinnedHostBuffer(storage.nbytes()))
+        return self._pinned[-1].tensor
 
     def _tensors(self, kind: str) -> Iterator[torch.Tensor]:
         if kind == "weights":
@@ -108,6 +114,29 @@ class DeviceOffloader:
                     yield from (p for p in group["params"] if p.untyped_storage().data_ptr() not in weights)
                 for state in inner.state.values():
                     yield from (v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+class PinnedHostBuffer:
+    """``nbytes`` of page-locked host memory, exactly: pageable memory registered with CUDA
+    (``cudaHostRegister``; copies to and from it run asynchronously, as from memory torch
+    pins itself), unregistered when this object goes (before the memory is freed)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self._address = self.tensor.data_ptr() if nbytes else 0
+        if self._address:
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(self._address, nbytes, 0), f"pinning {nbytes} bytes of host memory")
+
+    def __del__(self) -> None:
+        if self._address:
+            torch.cuda.cudart().cudaHostUnregister(self._address)
+            self._address = 0
+
+
+def _check_cuda(status, what: str) -> None:
+    code = int(getattr(status, "value", status))
+    if code != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {code}")
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:

@@ -11,11 +11,15 @@ when it exceeds the input); seed 42 for requests without
 SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
 so that its routing and log-probs drift from the trainer's as a real engine's do.
 ``/init_weights_update_group`` joins the weight-update group for real (the request's
-backend: gloo here) as rank ``rank_offset``, blocking until every rank joined;
-``/update_weights_from_distributed`` receives each announced tensor from group rank 0;
+backend: gloo here) as rank ``rank_offset``, blocking until every rank joined (several
+groups at once, by name); ``/update_weights_from_distributed`` receives each announced
+tensor from group rank 0, or with ``load_format="flattened_bucket"`` one flat byte buffer
+of them all, refusing a tensor at a byte offset that is not a multiple of its element
+size (SGLang 0.5.23's ``FlattenedTensorBucket.empty``);
 ``/end_weight_update`` loads them into the LocalEngine, refusing an update that lacks any
 weight (SGLang would load a partial one; a trainer must send them all).
-``/update_weights_from_tensor`` maps SGLang's serialized tensors (shared memory on CPU).
+``/update_weights_from_tensor`` maps SGLang's serialized tensors (shared memory on CPU), a
+list of ``(name, tensor)`` or a ``flattened_bucket`` ``{flattened_tensor, metadata}``.
 ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): while any
 memory is released, or after released weights until a full update, /generate fails.
 
@@ -24,7 +28,11 @@ Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
 /generate), ``die_after`` (exit the process when the Nth next /generate arrives),
 ``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once),
-``old_info_endpoints`` (404 for ``/model_info`` and ``/server_info``, as older servers).
+``old_info_endpoints`` (404 for ``/model_info`` and ``/server_info``, as older servers),
+``server_version`` (report that version; before 0.5.6 ignore ``load_format`` in
+``/update_weights_from_distributed``, as those servers do). ``GET /_test/stats`` counts
+requests: ``/generate`` rids in arrival order and the most in flight at once (since the
+last ``/_test/faults``); per weight update request its group and whether it came flattened.
 ``tests/test_sglang_conformance.py`` checks that it answers as real SGLang 0.5.23 does.
 ``GET /_test/weights_digest``: a hash of the engine's weights.
 
@@ -46,7 +54,8 @@ import torch
 
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.types import SamplingParams
-from moe_rl.rollout.weight_sync import deserialize_named_tensors
+from moe_rl.rollout.sglang import FLATTENED_BUCKETS_SINCE, sglang_version
+from moe_rl.rollout.weight_sync import deserialize_sglang_payload
 from moe_rl.routing.encoding import encode_routed_experts
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 
@@ -79,6 +88,14 @@ class State:
         self.releases_after_updates: list[int] = []  # weight updates done before each release
         self.weight_updates = 0  # completed /update_weights_from_* sequences (and disk loads)
         self.weight_update_requests = 0  # /update_weights_from_distributed requests (buckets)
+        self.update_requests: list[dict] = []  # per such request: {"group": name, "flattened": bool}
+        self.generate_rids: list[str] = []  # /generate request ids in arrival order
+        self.in_flight = self.max_in_flight = 0  # /generate requests being answered (most at once)
+        self.count_lock = threading.Lock()
+
+    @property
+    def version(self) -> str:
+        return str(self.faults.get("server_version") or "0.5.23")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -121,10 +138,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version})
         if path in ("/server_info", "/get_server_info"):
             return self._send(200, {"tp_size": st.args.tp_size, "ep_size": st.args.ep_size, "dp_size": 1, "pp_size": 1,
-                                    "random_seed": st.args.random_seed, "version": "0.5.23", "weight_version": st.args.weight_version,
+                                    "random_seed": st.args.random_seed, "version": st.version, "weight_version": st.args.weight_version,
                                     "enable_return_routed_experts": st.args.enable_return_routed_experts})
         if path == "/generate":
-            return self._generate(body)
+            with st.count_lock:
+                st.in_flight += 1
+                st.max_in_flight = max(st.max_in_flight, st.in_flight)
+                st.generate_rids.append(str(body.get("rid")))
+            try:
+                return self._generate(body)
+            finally:
+                with st.count_lock:
+                    st.in_flight -= 1
         if path == "/update_weights_from_disk":
             return self._send(*_load_from_disk(st, body))
         if path == "/begin_weight_update":
@@ -169,6 +194,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, b"")
         if path == "/_test/faults":
             st.faults = body
+            with st.count_lock:
+                st.max_in_flight = st.in_flight  # a new measurement
             return self._send(200, {"success": True})
         if path == "/_test/weights_digest":
             with st.lock:
@@ -176,6 +203,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/_test/stats":
             return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
                                     "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
+                                    "update_requests": st.update_requests, "generate_rids": st.generate_rids, "max_in_flight": st.max_in_flight,
                                     "memory_events": st.memory_events, "releases_after_updates": st.releases_after_updates, "weight_groups": sorted(st.groups)})
         return self._send(404, {"detail": "Not Found"})
 
@@ -286,14 +314,25 @@ def _join_group(st: State, body: dict) -> tuple[int, dict]:
 
 
 def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
-    """Receive the announced tensors from group rank 0, in order, as SGLang's ranks do."""
+    """Receive the announced tensors from group rank 0, in order, as SGLang's ranks do: one
+    broadcast each, or one of their packed bytes (``load_format="flattened_bucket"``)."""
     group = st.groups.get(body.get("group_name"))
     if group is None:
         return 400, {"success": False, "message": f"unknown group_name {body.get('group_name')!r}"}
     names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
     if not (len(names) == len(dtypes) == len(shapes)):
         return 400, {"success": False, "message": "names, dtypes and shapes differ in length"}
+    flattened = body.get("load_format") == "flattened_bucket" and sglang_version(st.version) >= FLATTENED_BUCKETS_SINCE
     st.weight_update_requests += 1
+    st.update_requests.append({"group": body["group_name"], "flattened": flattened})
+    if flattened:
+        try:
+            named, flat = _flat_bucket(names, [getattr(torch, d) for d in dtypes], shapes)
+        except ValueError as e:
+            return 400, {"success": False, "message": f"Failed to receive weights: {e}"}
+        torch.distributed.broadcast(flat, group=group, group_src=0)
+        st.received.update(named)
+        return 200, {}
     for name, dtype, shape in zip(names, dtypes, shapes):
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
         torch.distributed.broadcast(tensor, group=group, group_src=0)
@@ -301,16 +340,36 @@ def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
     return 200, {}
 
 
+def _flat_bucket(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A receive buffer and the named views into it, packed as SGLang packs them (no padding:
+    a tensor must start at a multiple of its element size, in its words)."""
+    places, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        places.append((name, dtype, shape, offset, offset + size))
+        offset += size
+    flat = torch.empty(offset, dtype=torch.uint8)
+    return {name: flat[start:end].view(dtype).view(shape) for name, dtype, shape, start, end in places}, flat
+
+
 def _receive_tensors(st: State, body: dict) -> tuple[int, dict]:
-    """``/update_weights_from_tensor``: one serialized list of (name, tensor) per TP rank,
-    mapped from the sender's memory (shared memory here, CUDA IPC on GPUs) and copied."""
+    """``/update_weights_from_tensor``: one serialized payload per TP rank, mapped from the
+    sender's memory (shared memory here, CUDA IPC on GPUs) and copied: a list of
+    ``(name, tensor)``, or a ``flattened_bucket`` of bytes and their layout."""
     if "weights" in st.released:
         return 400, {"success": False, "message": "weights memory is released: /resume_memory_occupation first"}
     serialized = body.get("serialized_named_tensors") or []
     if len(serialized) != st.args.tp_size:
         return 400, {"success": False, "message": f"serialized_named_tensors has {len(serialized)} entries for tp_size {st.args.tp_size}"}
     st.weight_update_requests += 1
-    for name, tensor in deserialize_named_tensors(serialized[0]):
+    payload = deserialize_sglang_payload(serialized[0])
+    if body.get("load_format") == "flattened_bucket":  # SGLang reads these fields of each metadata entry
+        flat = payload["flattened_tensor"]
+        payload = [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in payload["metadata"]]
+    st.update_requests.append({"group": None, "flattened": body.get("load_format") == "flattened_bucket"})
+    for name, tensor in payload:
         st.received[name] = tensor.clone()
     return 200, {}
 

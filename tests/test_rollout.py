@@ -19,10 +19,12 @@ import torch
 from conftest import STAND_IN_SERVER
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
+from moe_rl.models.weight_buckets import Bucket, WeightEntry, plan_buckets
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
-from moe_rl.rollout.sglang import SGLangEngine, weight_group_offsets
+from moe_rl.rollout.sglang import SGLangEngine, _HttpTurns, weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
+from moe_rl.rollout.weight_sync import DistributedSync
 from parallel.launch import free_port
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 from sglang_test_server import weights_digest
@@ -139,29 +141,69 @@ def test_a_server_refusing_the_weight_group_is_reported_at_once(servers) -> None
     assert "refused" not in control(servers[0], "/_test/stats")["weight_groups"]
 
 
+class CheckpointWeights:
+    """A one-process :class:`moe_rl.rollout.weight_sync.WeightSource`: a checkpoint's tensors
+    packed into buckets by the trainer's own planner."""
+
+    def __init__(self, path: str) -> None:
+        checkpoint = SafetensorsDir(path)
+        self.tensors = {k: checkpoint.get(k) for k in sorted(checkpoint.keys())}
+        self.entries = [WeightEntry(0, k, ((k, tuple(t.shape)),), t.dtype) for k, t in self.tensors.items()]
+
+    def plan(self, bucket_bytes: int, dtype, *, per_stage: bool = False) -> list[Bucket]:
+        return plan_buckets(self.entries, bucket_bytes, dtype)
+
+    def stream(self, bucket_bytes: int, dtype, consume, *, per_stage: bool = False) -> list[Bucket]:
+        plan = self.plan(bucket_bytes, dtype)
+        for bucket in plan:
+            flat = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            for name, place in bucket.unpack(flat):
+                place.copy_(self.tensors[name])
+            consume(bucket, flat)
+        return plan
+
+
+def test_buckets_are_packed_aligned_and_never_span_two_stages() -> None:
+    """SGLang unpacks a flat bucket without padding: every tensor must start at a multiple of
+    its element size. An odd-sized bf16 tensor before an fp32 one would not; the planner puts
+    wider elements first. A pipeline stage's tensors go in buckets of their own, packed by
+    that stage's sender; unpacking gives back every tensor exactly."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, generator=gen), "b.router.expert_bias": torch.randn(5, generator=gen), "c": torch.randn(2, 3, generator=gen),
+               "d": torch.randn(7, generator=gen), "e.router.expert_bias": torch.randn(1, generator=gen)}  # fmt: skip
+    stages = {"a": 0, "b.router.expert_bias": 0, "c": 0, "d": 1, "e.router.expert_bias": 1}
+    entries = [WeightEntry(stages[k] * 2, k, ((k, tuple(t.shape)),), t.dtype, stages[k]) for k, t in tensors.items()]
+    plan = plan_buckets(entries, 10**6, torch.bfloat16, senders=[0, 2])  # expert biases keep fp32
+    assert [(b.stage, b.sender) for b in plan] == [(0, 0), (1, 2)]
+    assert [[t.name for t in b.tensors] for b in plan] == [["b.router.expert_bias", "a", "c"], ["e.router.expert_bias", "d"]]
+    for bucket in plan:
+        assert all(t.start % t.dtype.itemsize == 0 for t in bucket.tensors)
+        assert bucket.nbytes == sum(tensors[t.name].numel() * t.dtype.itemsize for t in bucket.tensors)
+        flat = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        for name, place in bucket.unpack(flat):
+            place.copy_(tensors[name])
+        for name, got in bucket.unpack(flat.clone()):
+            assert torch.equal(got, tensors[name].to(got.dtype)) and got.dtype == (torch.float32 if "bias" in name else torch.bfloat16)
+    # at most 20 bytes: a (6) | b (20) | c (12), then the stage ends | d (14) + e (4)
+    assert [[t.name[0] for t in b.tensors] for b in plan_buckets(entries, 20, torch.bfloat16)] == [["a"], ["b"], ["c"], ["e", "d"]]
+
+
 def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> None:
-    """Both servers join one gloo group (offsets 1 and 2) and receive v1's weights in two
-    buckets; they then sample exactly what a local engine with v1 samples."""
+    """Both servers join one gloo group (offsets 1 and 2) and receive v1's weights, each
+    bucket one flat broadcast (the stand-in is SGLang 0.5.23); they then sample exactly what
+    a local engine with v1 samples. Servers that report SGLang 0.5.5 (which reads a bucket
+    tensor by tensor) get one broadcast per tensor, and v0's weights arrive as intact."""
     engine = engine_for(servers)
-    v1 = SafetensorsDir(ckpts["v1"])
-    tensors = [(k, v1.get(k)) for k in sorted(v1.keys())]
-    buckets = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
-    port = free_port()
-    group = engine.init_weights_update_group(
-        "127.0.0.1", port, "w", "gloo",
-        join=lambda world_size: join_weight_update_group(backend="gloo", address="127.0.0.1", port=port, world_size=world_size, rank=0, group_name="w"),
-    )  # fmt: skip
-
-    def broadcast(named):
-        for _, tensor in named:
-            torch.distributed.broadcast(tensor, group=group, group_src=0)
-
+    sync = DistributedSync(engine, bucket_bytes=4096, dtype=torch.float32, backend="gloo", timeout_s=60)
+    v1 = CheckpointWeights(ckpts["v1"])
+    before = [control(s, "/_test/stats")["update_requests"] for s in servers]
     try:
-        assert torch.distributed.get_world_size(group) == 3
-        with engine.weight_update("1"):
-            for bucket in buckets:
-                engine.update_weights_from_distributed(bucket, broadcast, group_name="w", weight_version="1")
-        assert all(control(s, "/get_model_info")["weight_version"] == "1" for s in servers)
+        sync.push(v1, "1")
+        buckets = len(v1.plan(4096, torch.float32))
+        assert 1 < buckets == sync.broadcasts < len(v1.tensors)
+        for server, earlier in zip(servers, before):
+            requests = control(server, "/_test/stats")["update_requests"][len(earlier) :]
+            assert requests == [{"group": sync.link.group_names[0], "flattened": True}] * buckets
         reference = LocalEngine(ckpts["v1"])
         assert [control(s, "/_test/weights_digest")["digest"] for s in servers] == [weights_digest(reference.model)] * 2
         got = engine.generate(PROMPTS, 2, PARAMS, seed=3)
@@ -169,13 +211,64 @@ def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> N
             for s, ref in zip(group_got, group_want):
                 assert s.output_ids == ref.output_ids and s.weight_version == "1"
                 assert s.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-6)  # another process's kernels
+        first = v1.plan(4096, torch.float32)[0]  # packed independently: its tensors' bytes one after another
+        flat = torch.cat([v1.tensors[t.name].reshape(-1).view(torch.uint8) for t in first.tensors])
         with pytest.raises(RolloutError, match="weight update failed: weight update lacks"):  # half a model is refused
             with engine.weight_update("2"):
-                engine.update_weights_from_distributed(buckets[0], broadcast, group_name="w", weight_version="2")
+                engine.update_weights_from_distributed([(t.name, t.dtype, t.shape) for t in first.tensors], lambda: sync._send(first, flat),
+                                                       group_name=sync.link.group_names[0], weight_version="2", flattened=True)  # fmt: skip
         engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)  # not left paused
     finally:
-        leave_weight_update_group(group)
+        sync.close()
+    control(servers[1], "/_test/faults", {"server_version": "0.5.5"})
+    older = DistributedSync(engine, bucket_bytes=4096, dtype=torch.float32, backend="gloo", timeout_s=60)
+    try:
+        older.push(CheckpointWeights(ckpts["v0"]), "0")
+        assert older.broadcasts == len(v1.tensors) and not older.link.flattened
+        assert [control(s, "/_test/weights_digest")["digest"] for s in servers] == [weights_digest(LocalEngine(ckpts["v0"]).model)] * 2
+    finally:
+        older.close()
+        control(servers[1], "/_test/faults", {})
         engine.update_weights_from_disk(servers[0].settings.model_path, "default")
+    assert all(control(s, "/_test/stats")["weight_groups"] == [] for s in servers)
+
+
+def test_a_prompts_samples_share_a_server_within_its_request_limit(servers) -> None:
+    """Two servers, at most one request in flight on each: every prompt's samples go to one
+    server (its prefix cache holds their prompt), prompts take the servers in turn."""
+    for server in servers:
+        control(server, "/_test/faults", {"delay_s": 0.05})  # (resets the in-flight count)
+    before = [len(control(s, "/_test/stats")["generate_rids"]) for s in servers]
+    engine = engine_for(servers, max_concurrency=2)
+    engine.generate(PROMPTS * 2, 2, SamplingParams(max_new_tokens=1), seed=9)
+    stats = [control(s, "/_test/stats") for s in servers]
+    prompts_on = [sorted({int(rid.split("-")[3]) for rid in st["generate_rids"][n:]}) for st, n in zip(stats, before)]
+    assert prompts_on == [[0, 2], [1, 3]] and [len(st["generate_rids"]) - n for st, n in zip(stats, before)] == [4, 4]
+    assert [st["max_in_flight"] for st in stats] == [1, 1]
+    for server in servers:
+        control(server, "/_test/faults", {})
+
+
+def test_more_requests_in_flight_than_httpxs_default_pool(servers) -> None:
+    """concurrency_per_server above httpx's default pool of 100 connections: all 120 in
+    flight at once (each held 1 s, then refused: no model runs)."""
+    control(servers[0], "/_test/faults", {"delay_s": 1.0, "fail_status": 400, "fail_count": 1000})
+    try:
+        engine = engine_for(servers[:1], max_concurrency=120)
+        with pytest.raises(RolloutError, match="HTTP 400"):
+            engine.generate([[3, 4]] * 40, 3, SamplingParams(max_new_tokens=1), seed=1)
+        assert control(servers[0], "/_test/stats")["max_in_flight"] == 120
+    finally:
+        control(servers[0], "/_test/faults", {})
+
+
+def test_multi_turn_requests_keep_their_prompts_server() -> None:
+    """A request that continues an earlier one's tokens (its next turn, or another sample of
+    its prompt) goes to that one's server; others take the servers in turn."""
+    turns = _HttpTurns(SGLangEngine(["http://a", "http://b", "http://c"]), None, [], False, "v")
+    assert [turns.server_for(ids) for ids in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3, 9, 8], [4, 5, 6], [7], [1, 2], [1, 2, 3, 9])] == [
+        0, 0, 1, 0, 1, 2, 0, 0
+    ]  # fmt: skip
 
 
 def test_weight_group_offsets_count_every_server_rank() -> None:

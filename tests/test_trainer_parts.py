@@ -272,7 +272,9 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
     assert cpu.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = server_settings(cfg, "model-dir")
-    assert "--enable-deterministic-inference" in gpu.command() and "--device" not in gpu.command()
+    assert "--enable-deterministic-inference" not in gpu.command() and "--device" not in gpu.command()  # off by default: slower
+    cfg.rollout.server_deterministic = True
+    assert "--enable-deterministic-inference" in server_settings(cfg, "model-dir").command()
     assert gpu.environment().get("SGLANG_USE_CPU_ENGINE") == os.environ.get("SGLANG_USE_CPU_ENGINE")  # inherited only
 
 

@@ -1,14 +1,22 @@
-"""A sharded megatron model's weights streamed to one rank in buckets of HF tensors.
+"""A sharded megatron model's weights streamed in buckets of HF tensors.
 
 Every rank computes the same plan: each parameter's full HF tensors (names, shapes) and
 the rank that writes them (one per pipeline stage, one per expert-parallel rank for
-experts: :func:`moe_rl.models.hf_weights.is_writer`), ordered by writer rank, then cut
-into buckets of at most ``bucket_bytes``. Per bucket, the writers' tensor-parallel groups
-gather their shards, each writer converts them to HF tensors and sends them to ``dst``
-point to point; ``dst`` hands the bucket to a consumer (a broadcast to the servers) and
-drops it. So no rank holds more than one bucket of full tensors (plus the parameter it is
-gathering: twice the largest tensor), whatever the model's size; only the writers'
-tensor-parallel groups take part (other data-parallel replicas just wait).
+experts: :func:`moe_rl.models.hf_weights.is_writer`), grouped by pipeline stage, then cut
+into buckets of at most ``bucket_bytes`` that never span two stages. Each bucket is packed
+into one flat byte buffer on its *sender*: the first rank, or (``per_stage``) its stage's
+first rank, so that a pipeline stage's weights leave from the node that holds them instead
+of crossing the network to the first rank first. Per bucket, the writers'
+tensor-parallel groups gather their shards, each writer converts them to HF tensors and
+sends them to the sender point to point, straight into their place in the buffer; the
+sender hands the buffer to a consumer (a broadcast to the servers) and drops it. So no
+rank holds more than one bucket of full tensors (plus the parameter it is gathering:
+twice the largest tensor), whatever the model's size; only the writers' tensor-parallel
+groups take part (other data-parallel replicas just wait).
+
+Within a bucket, tensors are packed largest element size first, so each starts at a byte
+offset that is a multiple of its element size (SGLang's ``FlattenedTensorBucket`` refuses
+anything else; it adds no padding).
 
 Every rank runs the same sequence of collectives in the same order, so it cannot deadlock.
 Tensors travel on each rank's device (``cuda:<local rank>`` under NCCL, CPU under gloo).
@@ -20,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,7 @@ from parallel.collectives import all_gather_objects, rank, rank_device
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 BucketConsumer = Callable[[NamedTensors], None]
+PackedConsumer = Callable[["Bucket", "torch.Tensor | None"], None]
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class WeightEntry:
     param: str  # its name on the writer and on the writer's tensor-parallel peers
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, full shape)
     dtype: torch.dtype  # the parameter's own
+    stage: int = 0  # the writer's pipeline stage
 
     def numel(self) -> int:
         return sum(int(torch.Size(shape).numel()) for _, shape in self.tensors)
@@ -57,25 +67,83 @@ class WeightEntry:
         return self.numel() * torch.empty((), dtype=self.sent_dtype(dtype)).element_size()
 
 
-def plan_buckets(entries: list[WeightEntry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[WeightEntry]]:
-    """``entries`` in order, cut into buckets of at most ``bucket_bytes`` sent in ``dtype``
-    (default: each entry's own; an entry larger than that is a bucket of its own)."""
+@dataclass(frozen=True)
+class PackedTensor:
+    """One HF tensor's place in its bucket's flat byte buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int  # byte offset, a multiple of the element size
+
+    @property
+    def end(self) -> int:
+        return self.start + int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket as every rank knows it: the rank that packs it (``sender``), its pipeline
+    stage, its parameters and their HF tensors in packed order."""
+
+    sender: int
+    stage: int
+    entries: tuple[WeightEntry, ...]
+    tensors: tuple[PackedTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    def bytes_sent_to_sender(self) -> int:
+        """Bytes other ranks send the sender point to point (the writers that are not it)."""
+        sent, first = 0, 0
+        for entry in self.entries:
+            last = first + len(entry.tensors) - 1
+            if entry.writer != self.sender:
+                sent += self.tensors[last].end - self.tensors[first].start
+            first = last + 1
+        return sent
+
+    def unpack(self, flat: torch.Tensor) -> NamedTensors:
+        """``(name, tensor)`` views of ``flat`` (the packed buffer), in packed order."""
+        return [(t.name, flat[t.start : t.end].view(t.dtype).view(t.shape)) for t in self.tensors]
+
+
+def plan_buckets(
+    entries: list[WeightEntry], bucket_bytes: int, dtype: torch.dtype | None, senders: Sequence[int] | None = None
+) -> list[Bucket]:
+    """``entries`` grouped by pipeline stage (in order otherwise), cut into buckets of at most
+    ``bucket_bytes`` sent in ``dtype`` (default: each entry's own; an entry larger than that
+    is a bucket of its own) that never span two stages; ``senders[stage]`` packs a stage's
+    buckets (``None``: rank 0 packs them all). In a bucket, the largest element size first."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket size {bucket_bytes} bytes must be >= 1")
-    buckets: list[list[WeightEntry]] = []
+    cuts: list[list[WeightEntry]] = []
     size = 0
-    for entry in entries:
+    for entry in sorted(entries, key=lambda e: e.stage):  # stable: rank order within a stage
         nbytes = entry.nbytes(dtype)
-        if not buckets or size + nbytes > bucket_bytes:
-            buckets.append([])
+        if not cuts or size + nbytes > bucket_bytes or cuts[-1][0].stage != entry.stage:
+            cuts.append([])
             size = 0
-        buckets[-1].append(entry)
+        cuts[-1].append(entry)
         size += nbytes
-    return buckets
+    return [_packed(cut, dtype, 0 if senders is None else senders[cut[0].stage]) for cut in cuts]
+
+
+def _packed(entries: list[WeightEntry], dtype: torch.dtype | None, sender: int) -> Bucket:
+    ordered = sorted(entries, key=lambda e: -e.sent_dtype(dtype).itemsize)  # stable
+    tensors, offset = [], 0
+    for entry in ordered:
+        sent = entry.sent_dtype(dtype)
+        for name, shape in entry.tensors:
+            tensors.append(PackedTensor(name, shape, sent, offset))
+            offset = tensors[-1].end
+    return Bucket(sender, ordered[0].stage, tuple(ordered), tuple(tensors))
 
 
 class WeightStreamer:
-    """Streams ``model``'s weights as HF tensors to rank ``dst`` (see the module doc)."""
+    """Streams ``model``'s weights as HF tensors in packed buckets (see the module doc)."""
 
     def __init__(self, model: GPTModel, hf_config: PretrainedConfig, *, dst: int = 0) -> None:
         self.model = model
@@ -84,19 +152,26 @@ class WeightStreamer:
         self.weights = self._current_weights()
         self.recipes = {name: self.mapper.recipe(name) for name in self.weights}
         self.writer_of = {name: _writer_rank(recipe, self.mapper) for name, recipe in self.recipes.items()}
-        self.entries = self._global_entries()  # collective, once
+        self.entries, self.stage_senders = self._global_plan()  # collective, once
 
     def _current_weights(self) -> dict[str, torch.Tensor]:
         tied = self.mapper.tied
         return {name: w for name, w in named_weights(self.model) if not (name == "output_layer.weight" and tied)}
 
-    def _global_entries(self) -> list[WeightEntry]:
-        me = rank()
+    def _global_plan(self) -> tuple[list[WeightEntry], list[int]]:
+        """Every rank's entries, and each pipeline stage's first global rank (its sender:
+        data-parallel and tensor-parallel rank 0 of the stage, a writer of every gathered
+        tensor of its stage's first replica)."""
+        me, stage = rank(), ps.get_pipeline_model_parallel_rank()
         mine = [
-            WeightEntry(me, name, self._full_shapes(name), self.weights[name].dtype)
+            WeightEntry(me, name, self._full_shapes(name), self.weights[name].dtype, stage)
             for name in self.weights if self.writer_of[name] == me
         ]  # fmt: skip
-        return [entry for rank_entries in all_gather_objects(mine) for entry in rank_entries]
+        every = all_gather_objects((stage, mine))
+        senders = {}
+        for r, (s, _) in enumerate(every):
+            senders.setdefault(s, r)
+        return [entry for _, rank_entries in every for entry in rank_entries], [senders[s] for s in sorted(senders)]
 
     def _full_shapes(self, name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
         recipe = self.recipes[name]
@@ -107,40 +182,57 @@ class WeightStreamer:
     def total_bytes(self, dtype: torch.dtype) -> int:
         return sum(entry.nbytes(dtype) for entry in self.entries)
 
+    def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:
+        """The buckets :meth:`stream` sends (the same on every rank; no communication)."""
+        return plan_buckets(self.entries, bucket_bytes, dtype, self.stage_senders if per_stage else [self.dst] * len(self.stage_senders))
+
     @torch.no_grad()
+    def stream(
+        self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False
+    ) -> list[Bucket]:
+        """Collective: each bucket packed on its sender (``dst``; ``per_stage``: its stage's
+        first rank), which calls ``consume(bucket, flat)`` with the packed bytes (on its
+        device, tensors in ``dtype`` or the parameters' own) and drops them before packing
+        its next one; ``dst`` also calls ``consume(bucket, None)``, in order, for each bucket
+        another rank sends. Returns the plan. (A callback, not a generator: a suspended
+        generator keeps its last bucket alive while it packs the next, doubling the peak.)"""
+        self.weights = self._current_weights()  # a buffer may have been replaced since
+        plan = self.plan(bucket_bytes, dtype, per_stage=per_stage)
+        for bucket in plan:
+            flat = self._pack(bucket)
+            if consume is not None and (flat is not None or rank() == self.dst):
+                consume(bucket, flat)
+            del flat
+        return plan
+
     def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
         """Collective: ``consume(bucket)`` on ``dst`` for each bucket of ``(HF name, tensor)``
-        pairs (on its device, in ``dtype`` or the parameters' own; dropped before the next
-        one is gathered); returns the number of buckets. Other ranks only send their shards.
-        (A callback, not a generator: a suspended generator keeps its last bucket alive
-        while it gathers the next, doubling the peak.)"""
-        self.weights = self._current_weights()  # a buffer may have been replaced since
-        plan = plan_buckets(self.entries, bucket_bytes, dtype)
-        for entries in plan:
-            bucket = self._move_bucket(entries, dtype)
-            if bucket is not None and consume is not None:
-                consume(bucket)
-            del bucket
-        return len(plan)
+        pairs (views of its packed bytes); returns the number of buckets."""
+        unpack = None if consume is None else (lambda bucket, flat: consume(bucket.unpack(flat)))
+        return len(self.stream(bucket_bytes, dtype, unpack))
 
-    def _move_bucket(self, bucket: list[WeightEntry], sync_dtype: torch.dtype | None) -> NamedTensors | None:
+    def _pack(self, bucket: Bucket) -> torch.Tensor | None:
+        """Collective over the bucket's writers: its packed bytes on its sender, ``None`` elsewhere."""
         me, device = rank(), rank_device()
-        out: NamedTensors = []
-        for entry in bucket:
-            dtype = entry.sent_dtype(sync_dtype)
+        flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if me == bucket.sender else None
+        places = bucket.unpack(flat) if flat is not None else []
+        first = 0
+        for entry in bucket.entries:
+            dtype = bucket.tensors[first].dtype
+            mine = places[first : first + len(entry.tensors)]
+            first += len(entry.tensors)
             if self.writer_of.get(entry.param) == entry.writer:  # this rank holds a shard of it
                 full = self._gather_full(entry.param, dtype, device)
-                if me == self.dst:
-                    out += full
+                if me == bucket.sender:
+                    for (_, place), (_, tensor) in zip(mine, full, strict=True):
+                        place.copy_(tensor)
                 elif me == entry.writer:
                     for _, tensor in full:
-                        dist.send(tensor, dst=self.dst)
-            elif me == self.dst:
-                for key, shape in entry.tensors:
-                    tensor = torch.empty(shape, dtype=dtype, device=device)
-                    dist.recv(tensor, src=entry.writer)
-                    out.append((key, tensor))
-        return out if me == self.dst else None
+                        dist.send(tensor, dst=bucket.sender)
+            elif me == bucket.sender:
+                for _, place in mine:
+                    dist.recv(place, src=entry.writer)
+        return flat
 
     def _gather_full(self, name: str, dtype: torch.dtype, device: torch.device) -> NamedTensors:
         """Collective over ``name``'s tensor-parallel group; the full tensors (writer only)."""
@@ -183,6 +275,12 @@ class HFWeights:
 
     def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
         return self.streamer.send_buckets(bucket_bytes, dtype, consume)
+
+    def stream(self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False) -> list[Bucket]:
+        return self.streamer.stream(bucket_bytes, dtype, consume, per_stage=per_stage)
+
+    def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:
+        return self.streamer.plan(bucket_bytes, dtype, per_stage=per_stage)
 
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Every full tensor on the first rank (the whole model: for an engine in this process)."""

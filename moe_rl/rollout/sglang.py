@@ -3,14 +3,19 @@
 - ``/generate`` per sample with ``input_ids``, ``return_logprob``, a distinct
   ``sampling_seed`` (deterministic servers would otherwise use 42 for every sample of a
   group) and ``return_routed_experts`` when R3 is on;
-- bounded concurrency over one or more servers; timeouts; retries with exponential
-  backoff on connection errors, timeouts, 5xx and malformed replies (the next attempt
-  goes to the next server), then a :class:`RolloutError` naming the server and cause;
-  4xx is not retried (the request is wrong);
+- at most ``ceil(max_concurrency / servers)`` requests in flight per server, over one
+  connection pool of that many connections per server (httpx's default pool holds 100);
+  a prompt's samples (and every turn of a multi-turn sample) go to one server, whose
+  prefix cache then holds their shared prompt; prompts take the servers in turn;
+- timeouts; retries with exponential backoff on connection errors, timeouts, 5xx and
+  malformed replies (the next attempt goes to the next server), then a
+  :class:`RolloutError` naming the server and cause; 4xx is not retried (the request is wrong);
 - weight sync by ``/update_weights_from_disk`` (any setup) or a weight-update group
   (``/init_weights_update_group`` sent to every server at once, cumulative rank offsets;
   ``/update_weights_from_distributed`` per bucket inside ``/begin_weight_update`` ...
-  ``/end_weight_update``, with generation paused, the served version checked after);
+  ``/end_weight_update``, with generation paused, the served version checked after), each
+  bucket one flat broadcast (``load_format="flattened_bucket"``) where every server is
+  SGLang 0.5.6 or later, else one broadcast per tensor;
 - every sample's ``weight_version`` is checked against the version last synced.
 """
 
@@ -22,16 +27,24 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
+import re
 import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import httpx
+import torch
 from torch import Tensor
 
 from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
 from moe_rl.routing.encoding import decode_routed_experts, repeats_an_expert
 
 log = logging.getLogger(__name__)
+
+# the first SGLang that receives a distributed bucket as one flat broadcast (load_format
+# "flattened_bucket" in /update_weights_from_distributed; measured on the 0.5.5.post3 and
+# 0.5.6 wheels). An older server ignores the field and would read the bytes as separate tensors.
+FLATTENED_BUCKETS_SINCE = (0, 5, 6)
 
 
 class _Retryable(Exception):
@@ -61,6 +74,9 @@ class SGLangEngine(RolloutEngine):
         self._unfinished: set[str] = set()  # request ids sent and not answered (aborted by close())
         self._version = weight_version
         self.max_concurrency = max_concurrency
+        # requests in flight per server; the connection pool holds that many per server
+        self.concurrency_per_server = max(1, math.ceil(max_concurrency / len(self.urls)))
+        self._next_server = 0  # the server the next prompt goes to (prompts take them in turn)
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.check_weight_version = check_weight_version
@@ -101,17 +117,35 @@ class SGLangEngine(RolloutEngine):
         return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts, expected))
 
     async def _generate(self, prompts, n, params, seed, routed, expected_version: str) -> list[list[Sample]]:
-        semaphore = asyncio.Semaphore(self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
-            request = functools.partial(self._request, client, semaphore, params=params, routed=routed, expected_version=expected_version)
-            return await run_groups(lambda i, j: request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}"), len(prompts), n)
+        async with self._client() as client:
+            slots = self._server_slots()
+            servers = [self.take_server() for _ in prompts]  # a prompt's samples on one server
+            request = functools.partial(self._request, client, slots, params=params, routed=routed, expected_version=expected_version)
+            return await run_groups(
+                lambda i, j: request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}", server=servers[i]), len(prompts), n
+            )
+
+    def _client(self) -> httpx.AsyncClient:
+        """A client whose pool has a connection for every request that may be in flight."""
+        total = self.concurrency_per_server * len(self.urls)
+        return httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=total, max_keepalive_connections=total))
+
+    def _server_slots(self) -> list[asyncio.Semaphore]:
+        """One limit per server: ``concurrency_per_server`` requests in flight."""
+        return [asyncio.Semaphore(self.concurrency_per_server) for _ in self.urls]
+
+    def take_server(self) -> int:
+        """The index of the server the next prompt goes to (each in turn)."""
+        server, self._next_server = self._next_server, (self._next_server + 1) % len(self.urls)
+        return server
 
     async def _request(
-        self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, prompt: Sequence[int], seed: int, *, params: SamplingParams,
-        routed: bool, expected_version: str, rid: str, routing_from: int = 0,
+        self, client: httpx.AsyncClient, slots: list[asyncio.Semaphore], prompt: Sequence[int], seed: int, *, params: SamplingParams,
+        routed: bool, expected_version: str, rid: str, server: int, routing_from: int = 0,
     ) -> Sample:  # fmt: skip
-        """One ``/generate`` request (``n=1``); its routed experts from position ``routing_from``
-        (SGLang's ``routed_experts_start_len``: earlier positions came with an earlier turn)."""
+        """One ``/generate`` request (``n=1``) to server ``server`` first; its routed experts
+        from position ``routing_from`` (SGLang's ``routed_experts_start_len``: earlier
+        positions came with an earlier turn)."""
         payload = {
             "input_ids": list(prompt),
             "sampling_params": params.to_sglang(seed),
@@ -125,30 +159,36 @@ class SGLangEngine(RolloutEngine):
                 payload["routed_experts_start_len"] = routing_from
         parse = functools.partial(self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from)
         self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
-        async with semaphore:
-            sample = await self._post_with_retries(client, "/generate", payload, parse)
+        sample = await self._post_with_retries(client, "/generate", payload, parse, server=server, slots=slots)
         self._unfinished.discard(rid)
         return sample
 
     @contextlib.asynccontextmanager
     async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
-        """Single requests over one connection pool, at most ``max_concurrency`` in flight."""
+        """Single requests over one connection pool, at most ``concurrency_per_server`` in
+        flight per server."""
         if return_routed_experts and (self.num_layers is None or self.top_k is None):
             raise ValueError("routed experts need num_layers and top_k of the served model")
         expected = self.weight_version
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
-            yield _HttpTurns(self, client, asyncio.Semaphore(self.max_concurrency), return_routed_experts, expected)
+        async with self._client() as client:
+            yield _HttpTurns(self, client, self._server_slots(), return_routed_experts, expected)
 
-    async def _post_with_retries(self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict) -> Any:
-        """``parse(reply)`` of the first good reply; transport errors, 5xx, replies that are
+    async def _post_with_retries(
+        self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict, *,
+        server: int | None = None, slots: Sequence[asyncio.Semaphore] | None = None,
+    ) -> Any:  # fmt: skip
+        """``parse(reply)`` of the first good reply, asking server ``server`` first (default:
+        each in turn) within its slot of ``slots``; transport errors, 5xx, replies that are
         not JSON and replies ``parse`` finds malformed or aborted are retried on the next
         server with exponential backoff; 4xx is final."""
-        start = next(self._rr)
+        start = next(self._rr) if server is None else server
         last = ""
         for attempt in range(self.max_retries + 1):
-            url = self.urls[(start + attempt) % len(self.urls)]
+            index = (start + attempt) % len(self.urls)
+            url = self.urls[index]
             try:
-                response = await client.post(url + path, json=payload)
+                async with slots[index] if slots is not None else contextlib.nullcontext():
+                    response = await client.post(url + path, json=payload)
                 if response.status_code >= 500:
                     raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
                 if response.status_code >= 400:
@@ -232,21 +272,26 @@ class SGLangEngine(RolloutEngine):
         return replies
 
     def _post_all(self, path: str, payload: dict | None = None, *, check_success: bool = True) -> list[dict]:
-        replies = []
+        """``payload`` to every server in turn; the first failure is raised once every server
+        was asked (one server's refusal must not leave the others' weight-update sessions open)."""
+        replies, failures = [], []
         with httpx.Client(timeout=self.timeout) as client:
             for url in self.urls:
                 try:
                     response = client.post(url + path, json=payload or {})
                 except httpx.TransportError as e:
-                    raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
+                    failures.append(f"{url}{path}: {type(e).__name__}: {e}")
+                    continue
                 try:
                     body = response.json()
                 except ValueError:
                     body = None
                 body = body if isinstance(body, dict) else {}  # /flush_cache answers a bare string
                 if response.status_code >= 400 or (check_success and body.get("success") is False):
-                    raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
+                    failures.append(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
                 replies.append(body)
+        if failures:
+            raise RolloutError(failures[0])
         return replies
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
@@ -319,33 +364,47 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights_from_distributed(
         self,
-        named_tensors: Sequence[tuple[str, Tensor]],
-        broadcast: Callable[[Sequence[tuple[str, Tensor]]], None],
+        tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        broadcast: Callable[[], None],
         *,
         group_name: str,
         weight_version: str,
+        flattened: bool = False,
     ) -> None:
-        """Announce ``named_tensors`` to every server, then ``broadcast`` them (the trainer's
-        collective, while the servers wait in their requests). Call inside :meth:`weight_update`."""
+        """Announce ``tensors`` (name, dtype, shape) to every server, then ``broadcast()``
+        them over ``group_name`` from its rank 0 (the trainer's collective, while the servers
+        wait in their requests; a no-op here when another process of the trainer is that
+        rank 0): ``flattened``, as one flat byte buffer of the tensors in this order (each at a
+        byte offset that is a multiple of its element size), else one broadcast per tensor.
+        Call inside :meth:`weight_update`."""
         body = {
-            "names": [n for n, _ in named_tensors],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
-            "shapes": [list(t.shape) for _, t in named_tensors],
+            "names": [name for name, _, _ in tensors],
+            "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in tensors],
+            "shapes": [list(shape) for _, _, shape in tensors],
             "group_name": group_name,
             "weight_version": weight_version,
             "flush_cache": False,
         }
-        self._post_each("/update_weights_from_distributed", [body] * len(self.urls), lambda: broadcast(named_tensors))
+        if flattened:
+            body["load_format"] = "flattened_bucket"
+        self._post_each("/update_weights_from_distributed", [body] * len(self.urls), broadcast)
 
-    def update_weights_from_tensor(self, serialized: str, *, weight_version: str) -> None:
+    def update_weights_from_tensor(self, serialized: str, *, weight_version: str, flattened: bool = False) -> None:
         """Hand every server one bucket by reference (``serialized``: SGLang's
         ``MultiprocessingSerializer`` form, one copy per TP rank, which maps it from this
-        process's device). Servers on this node only; call inside :meth:`weight_update`."""
+        process's device): ``flattened``, a ``{flattened_tensor, metadata}`` bucket, else a
+        list of ``(name, tensor)``. Servers on this node only; call inside :meth:`weight_update`."""
+        load_format = "flattened_bucket" if flattened else None
         payloads = [
-            {"serialized_named_tensors": [serialized] * size, "load_format": None, "flush_cache": False, "weight_version": weight_version}
+            {"serialized_named_tensors": [serialized] * size, "load_format": load_format, "flush_cache": False, "weight_version": weight_version}
             for size in self.server_ranks()
         ]  # fmt: skip
         self._post_each("/update_weights_from_tensor", payloads)
+
+    def supports_flattened_buckets(self) -> bool:
+        """Every server takes a bucket as one flat buffer (SGLang 0.5.6 on; an older or
+        unknown version gets one broadcast per tensor)."""
+        return all(sglang_version(info.get("version")) >= FLATTENED_BUCKETS_SINCE for info in self._get_info("server"))
 
     def release_memory_occupation(self, tags: Sequence[str]) -> None:
         """Servers free the GPU memory ``tags`` name (``weights``, ``kv_cache``,
@@ -437,6 +496,12 @@ class SGLangEngine(RolloutEngine):
 _INFO_PATHS = {"model": ("/model_info", "/get_model_info"), "server": ("/server_info", "/get_server_info")}
 
 
+def sglang_version(text: object) -> tuple[int, ...]:
+    """``"0.5.23"`` / ``"0.5.6.post1"`` -> ``(0, 5, 23)`` / ``(0, 5, 6)``; ``()`` when unknown."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", str(text or ""))
+    return tuple(int(part) for part in found.groups()) if found else ()
+
+
 def weight_group_offsets(server_ranks: Sequence[int]) -> tuple[list[int], int]:
     """Each server's ``rank_offset`` in a weight-update group whose rank 0 is the trainer's
     sender, and the group's size: ``[1, 1 + n0, 1 + n0 + n1, ...]``, ``1 + sum(n)``."""
@@ -487,16 +552,32 @@ def _leave_group_if_made(join: concurrent.futures.Future) -> None:
 
 
 class _HttpTurns:
-    """:class:`TurnSource` of an :class:`SGLangEngine`: one request per turn."""
+    """:class:`TurnSource` of an :class:`SGLangEngine`: one request per turn, each on the
+    server of the first request whose tokens it starts with (a sample's first turn, or
+    its prompt's first sample), so a prompt's samples and turns share that server's prefix
+    cache; a request that continues none takes the next server."""
 
-    def __init__(self, engine: SGLangEngine, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, routed: bool, expected: str) -> None:
-        self.engine, self.client, self.semaphore, self.routed, self.expected = engine, client, semaphore, routed, expected
+    def __init__(self, engine: SGLangEngine, client: httpx.AsyncClient, slots: list[asyncio.Semaphore], routed: bool, expected: str) -> None:
+        self.engine, self.client, self.slots, self.routed, self.expected = engine, client, slots, routed, expected
         self._ids = itertools.count()
+        self._server_of: dict[tuple[int, ...], int] = {}  # a first request's tokens -> its server
+        self._lengths: list[int] = []  # their lengths, longest first
 
     async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
         params.validate()
         rid = f"moe-rl-turn-{seed}-{next(self._ids)}"
         return await self.engine._request(
-            self.client, self.semaphore, token_ids, seed, params=params, routed=self.routed, expected_version=self.expected,
-            rid=rid, routing_from=routing_from,
+            self.client, self.slots, token_ids, seed, params=params, routed=self.routed, expected_version=self.expected,
+            rid=rid, server=self.server_for(token_ids), routing_from=routing_from,
         )  # fmt: skip
+
+    def server_for(self, token_ids: Sequence[int]) -> int:
+        """The server of the longest first request that ``token_ids`` start with; else the
+        next server, remembered for the requests that will continue these tokens."""
+        tokens = tuple(int(t) for t in token_ids)
+        for length in self._lengths:
+            if length <= len(tokens) and (server := self._server_of.get(tokens[:length])) is not None:
+                return server
+        server = self._server_of[tokens] = self.engine.take_server()
+        self._lengths = sorted({*self._lengths, len(tokens)}, reverse=True)
+        return server

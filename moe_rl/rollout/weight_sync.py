@@ -8,18 +8,24 @@ calls :meth:`WeightSync.push` after each step and never asks which engine it has
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 import time
+import types
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 from urllib.parse import urlparse
 
 import torch
 from torch import Tensor
 
 from moe_rl.rollout.types import RolloutEngine
+
+if TYPE_CHECKING:
+    from moe_rl.models.weight_buckets import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,15 @@ class WeightSource(Protocol):
         """``consume(bucket)`` on the first rank for each bucket of at most ``bucket_bytes``
         of full tensors (on its device); no rank holds more than a bucket at a time.
         Returns the number of buckets."""
+
+    def stream(self, bucket_bytes: int, dtype: torch.dtype | None, consume: Callable[[Bucket, Tensor | None], None] | None, *,
+               per_stage: bool = False) -> list[Bucket]:  # fmt: skip
+        """Each bucket packed into one flat byte tensor on its sender (the first rank; with
+        ``per_stage`` its pipeline stage's first rank), which calls ``consume(bucket, flat)``;
+        the first rank also calls ``consume(bucket, None)`` for the buckets others send."""
+
+    def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:
+        """The buckets :meth:`stream` sends, the same on every rank (not collective)."""
 
     def export(self, path: Path) -> Path:
         """Write a HF directory at ``path`` (each rank writes what it owns)."""
@@ -74,11 +89,25 @@ class DiskSync(WeightSync):
             self.engine.update_weights_from_disk(str(self.path.resolve()), version)
 
 
+@dataclass
+class _SenderLink:
+    """The weight-update groups of one :class:`DistributedSync`: one per sending rank (a
+    pipeline stage's first rank), each with that rank as its rank 0 and every server rank."""
+
+    group_names: dict[int, str]  # sending global rank -> its group's name
+    flattened: bool  # a bucket travels as one flat broadcast (every server takes that)
+    group: Any = None  # this rank's own group, when it sends
+
+
 class DistributedSync(WeightSync):
-    """Buckets of full tensors broadcast from the first rank to every server rank over a
-    weight-update group (NCCL on GPUs, gloo on CPU) that the servers join once. Every
-    trainer rank takes part in moving the buckets to the first rank (its shards); only
-    the first rank talks to the servers. ``engine`` is an
+    """Buckets of full tensors broadcast to every server rank over weight-update groups
+    (NCCL on GPUs, gloo on CPU) that the servers join once. SGLang receives every broadcast
+    from its group's rank 0, so each sending rank (each pipeline stage's first rank: a
+    stage's weights leave from where they are, not through the first rank) has a group of
+    its own; the first rank alone talks to the servers and announces every bucket, whichever
+    rank sends it. A bucket is one flat broadcast where every server takes that (SGLang 0.5.6
+    on: ``load_format="flattened_bucket"``; ``flattened=False`` forces one per tensor), and
+    every trainer rank takes part in packing the buckets (its shards). ``engine`` is an
     :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
 
     GROUP_PREFIX = "moe-rl-weights"  # + a suffix of its own per connection (see _connect)
@@ -92,74 +121,130 @@ class DistributedSync(WeightSync):
         address: str = "",
         backend: str | None = None,
         timeout_s: float = 600.0,
+        flattened: bool | None = None,
+        per_stage: bool = True,
     ) -> None:
         super().__init__(engine)
         self.bucket_bytes, self.dtype, self.address = bucket_bytes, dtype, address
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
-        self.group = None
-        self.group_name = ""
+        self.flattened, self.per_stage = flattened, per_stage  # flattened None: where every server supports it
+        self.link: _SenderLink | None = None
+        self.broadcasts = 0  # broadcasts this rank sent (a count for benchmarks)
 
     def push(self, weights: WeightSource, version: str) -> None:
-        if self.engine is None:  # this rank's shards travel to the first rank
-            weights.send_buckets(self.bucket_bytes, self.dtype, None)
+        if self.link is None:
+            self.link = self._connect(weights)
+        if self.engine is None:  # a stage's sender, or a rank whose shards travel to one
+            weights.stream(self.bucket_bytes, self.dtype, self._send, per_stage=self.per_stage)
             return
         start = time.perf_counter()
-        if self.group is None:
-            self.group = self._connect()
 
-        def send(bucket) -> None:
-            self.engine.update_weights_from_distributed(bucket, self._broadcast, group_name=self.group_name, weight_version=version)
-
-        with self.engine.weight_update(version):
-            count = weights.send_buckets(self.bucket_bytes, self.dtype, send)
-        log.info("weights %s sent to %d server(s) in %d bucket(s) in %.2fs", version, len(self.engine.urls), count, time.perf_counter() - start)
-
-    def _connect(self):
-        from parallel.launch import free_port
-        from parallel.weight_update_group import join_weight_update_group
-
-        address = self.address or reachable_address(self.engine.urls)
-        port = free_port()
-        # a name of its own: servers keep a group by name, and one that an earlier trainer
-        # left (a restarted or resumed run against long-lived servers) refuses the name
-        self.group_name = f"{self.GROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-        def join(world_size: int):  # on a thread of its own, whose current device must be this rank's
-            if device is not None:
-                torch.cuda.set_device(device)
-            return join_weight_update_group(
-                backend=self.backend, address=address, port=port, world_size=world_size, rank=0,
-                group_name=self.group_name, timeout_s=self.timeout_s,
+        def announce_and_send(bucket: Bucket, flat: Tensor | None) -> None:
+            self.engine.update_weights_from_distributed(
+                [(t.name, t.dtype, t.shape) for t in bucket.tensors], lambda: self._send(bucket, flat),
+                group_name=self.link.group_names[bucket.sender], weight_version=version, flattened=self.link.flattened,
             )  # fmt: skip
 
-        return self.engine.init_weights_update_group(address, port, self.group_name, self.backend, join)
+        with self.engine.weight_update(version):
+            plan = weights.stream(self.bucket_bytes, self.dtype, announce_and_send, per_stage=self.per_stage)
+        log.info(
+            "weights %s sent to %d server(s) in %d %s bucket(s) from %d sender(s) in %.2fs", version, len(self.engine.urls), len(plan),
+            "flattened" if self.link.flattened else "per-tensor", len(self.link.group_names), time.perf_counter() - start,
+        )  # fmt: skip
 
-    def _broadcast(self, named_tensors) -> None:
-        for _, tensor in named_tensors:
-            torch.distributed.broadcast(tensor, group=self.group, group_src=0)
+    def _send(self, bucket: Bucket, flat: Tensor | None) -> None:
+        """Broadcast a bucket this rank packed (nothing for one another rank sends), and wait
+        until it has left: the next bucket is packed only then (bounded memory)."""
+        if flat is None:
+            return
+        for tensor in [flat] if self.link.flattened else [t for _, t in bucket.unpack(flat)]:
+            torch.distributed.broadcast(tensor, group=self.link.group, group_src=0)
+            self.broadcasts += 1
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+
+    def _connect(self, weights: WeightSource) -> _SenderLink:
+        """Collective: each sending rank (each pipeline stage's first rank with ``per_stage``,
+        else the first rank) hosts a weight-update group that every server rank joins; the
+        first rank asks the servers to join them one at a time (each request blocks until
+        all of that group's ranks have joined)."""
+        from moe_rl.rollout.sglang import weight_group_offsets
+        from parallel.collectives import all_gather_objects, broadcast_object, rank
+        from parallel.launch import free_port
+
+        senders = sorted({bucket.sender for bucket in weights.plan(self.bucket_bytes, self.dtype, per_stage=self.per_stage)})
+        setup = None
+        if self.engine is not None:
+            flattened = self.engine.supports_flattened_buckets() if self.flattened is None else self.flattened
+            # a name of its own: servers keep a group by name, and one that an earlier trainer
+            # left (a restarted or resumed run against long-lived servers) refuses the name
+            setup = (self.engine.urls, uuid.uuid4().hex[:12], flattened, weight_group_offsets(self.engine.server_ranks())[1])
+        urls, token, flattened, world_size = broadcast_object(setup)
+        me = rank()
+        endpoint = (self.address if me == 0 and self.address else reachable_address(urls), free_port()) if me in senders else None
+        endpoints = all_gather_objects(endpoint)
+        link = _SenderLink({sender: f"{self.GROUP_PREFIX}-{token}-r{sender}" for sender in senders}, flattened)
+        if self.engine is not None:
+            for sender in senders:
+                address, port = endpoints[sender]
+                join = self._joiner(address, port, link.group_names[sender], hosted_here=sender == me)
+                group = self.engine.init_weights_update_group(address, port, link.group_names[sender], self.backend, join)
+                link.group = group if sender == me else link.group
+        elif me in senders:
+            address, port = endpoints[me]
+            link.group = self._join(address, port, link.group_names[me], world_size)
+        return link
+
+    def _joiner(self, address: str, port: int, name: str, *, hosted_here: bool) -> Callable[[int], Any]:
+        """What the first rank runs while the servers join group ``name``: join it as its rank
+        0 when it is the first rank's own (on a thread whose current device must be this
+        rank's), else nothing (another rank hosts it)."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def join(world_size: int):
+            if not hosted_here:
+                return None
+            if device is not None:
+                torch.cuda.set_device(device)
+            return self._join(address, port, name, world_size)
+
+        return join
+
+    def _join(self, address: str, port: int, name: str, world_size: int):
+        from parallel.weight_update_group import join_weight_update_group
+
+        return join_weight_update_group(
+            backend=self.backend, address=address, port=port, world_size=world_size, rank=0, group_name=name, timeout_s=self.timeout_s
+        )
 
     def close(self) -> None:
         from parallel.weight_update_group import leave_weight_update_group
 
-        if self.group is not None and self.engine is not None:
-            self.engine.destroy_weights_update_group(self.group_name)
-        leave_weight_update_group(self.group)
-        self.group = None
+        if self.link is None:
+            return
+        if self.engine is not None:
+            for name in self.link.group_names.values():
+                self.engine.destroy_weights_update_group(name)
+        leave_weight_update_group(self.link.group)
+        self.link = None
 
 
 class TensorSync(WeightSync):
     """Buckets handed to servers on the first rank's node by reference
-    (``/update_weights_from_tensor``): CUDA IPC handles of the first rank's GPU tensors,
-    which every server rank copies from (over NVLink); on CPU (tests), named shared-memory
-    files through torch's shared-memory manager process, which lives on while a server
-    keeps its connection (and with it any pipe it inherited). Each bucket is a copy that
-    stays alive until every server has replied."""
+    (``/update_weights_from_tensor``): CUDA IPC handles of the first rank's packed bucket,
+    which every server rank copies from (over NVLink), the device named by its UUID as
+    SGLang's own serializer names it (a server rank sees other device numbers); on CPU
+    (tests), named shared-memory files through torch's shared-memory manager process, which
+    lives on while a server keeps its connection (and with it any pipe it inherited). A
+    bucket is one flat tensor with its layout (``load_format="flattened_bucket"``) where
+    every server takes that (SGLang 0.5.6 on), else a list of its tensors; it stays alive
+    until every server has replied."""
 
-    def __init__(self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype) -> None:
+    def __init__(self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype, flattened: bool | None = None) -> None:
         super().__init__(engine)
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        self.flattened = flattened  # None: where every server supports it (asked at the first push)
         if engine is not None and not torch.cuda.is_available():
             from torch import multiprocessing as torch_mp
 
@@ -168,38 +253,94 @@ class TensorSync(WeightSync):
 
     def push(self, weights: WeightSource, version: str) -> None:
         if self.engine is None:
-            weights.send_buckets(self.bucket_bytes, self.dtype, None)
+            weights.stream(self.bucket_bytes, self.dtype, None)
             return
+        if self.flattened is None:
+            self.flattened = self.engine.supports_flattened_buckets()
 
-        def send(bucket) -> None:
-            # a copy: a bucket tensor may be the parameter itself, whose storage sharing
-            # would move (CPU: into shared memory) and a colocated trainer then offloads
-            shared = [(name, tensor.clone()) for name, tensor in bucket]
-            self.engine.update_weights_from_tensor(serialize_named_tensors(shared), weight_version=version)
+        def send(bucket: Bucket, flat: Tensor | None) -> None:
+            # the packed bytes are a buffer of their own (never a parameter, whose storage
+            # sharing would move: on CPU into shared memory)
+            payload = flattened_bucket(bucket, flat) if self.flattened else bucket.unpack(flat)
+            self.engine.update_weights_from_tensor(serialize_for_sglang(payload), weight_version=version, flattened=self.flattened)
 
         with self.engine.weight_update(version):
-            weights.send_buckets(self.bucket_bytes, self.dtype, send)
+            weights.stream(self.bucket_bytes, self.dtype, send)
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)``: base64 of
-    torch's multiprocessing pickle, which carries CUDA tensors as IPC handles."""
+def flattened_bucket(bucket: Bucket, flat: Tensor) -> dict:
+    """A bucket as SGLang's ``load_format="flattened_bucket"`` takes it by reference:
+    ``{"flattened_tensor": bytes, "metadata": [...]}``, each entry with the fields of its
+    ``FlattenedTensorMetadata`` (as a ``SimpleNamespace``, which its unpickler allows; byte
+    offsets, ``numel`` in bytes)."""
+    metadata = [
+        types.SimpleNamespace(name=t.name, shape=torch.Size(t.shape), dtype=t.dtype, start_idx=t.start, end_idx=t.end, numel=t.end - t.start)
+        for t in bucket.tensors
+    ]  # fmt: skip
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+_DEVICE_ARG = 6  # where torch's CUDA tensor reduction puts the device index (what SGLang's patch replaces)
+
+
+def _reduce_tensor_by_uuid(tensor: Tensor):
+    """torch's multiprocessing reduction of ``tensor``, a CUDA tensor's device named by its
+    UUID (SGLang's patched reductions do the same: a server rank that sees other device
+    numbers still maps the right GPU; its ``rebuild_cuda_tensor`` takes a UUID or an index)."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid), *args[_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def serialize_for_sglang(obj: object) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` with its patched
+    torch reductions: base64 of torch's multiprocessing pickle (CUDA tensors as IPC handles
+    whose device is named by UUID, CPU tensors as shared memory), without SGLang installed
+    and without changing torch's reductions for the rest of this process."""
     import base64
+    import io
     from multiprocessing.reduction import ForkingPickler
 
     from torch import multiprocessing as _registers_tensor_reductions  # noqa: F401
 
-    return base64.b64encode(ForkingPickler.dumps(named_tensors)).decode("utf-8")
+    class UuidPickler(ForkingPickler):
+        _extra_reducers = {**ForkingPickler._extra_reducers, torch.Tensor: _reduce_tensor_by_uuid, torch.nn.Parameter: _reduce_tensor_by_uuid}
+
+    buffer = io.BytesIO()
+    UuidPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("utf-8")
 
 
-def deserialize_named_tensors(text: str) -> list[tuple[str, Tensor]]:
-    """The inverse of :func:`serialize_named_tensors` (what a server rank does)."""
+def deserialize_sglang_payload(text: str) -> Any:
+    """The inverse of :func:`serialize_for_sglang` (what a server rank does): a CUDA
+    tensor's device UUID mapped to this process's index for that GPU."""
     import base64
-    from multiprocessing.reduction import ForkingPickler
+    import io
 
     from torch import multiprocessing as _registers_tensor_reductions  # noqa: F401
 
-    return ForkingPickler.loads(base64.b64decode(text))
+    class UuidUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return _rebuild_cuda_tensor_by_uuid
+            return super().find_class(module, name)
+
+    return UuidUnpickler(io.BytesIO(base64.b64decode(text))).load()
+
+
+def _rebuild_cuda_tensor_by_uuid(*args):
+    from torch.multiprocessing import reductions
+
+    device = args[_DEVICE_ARG]
+    if isinstance(device, str):
+        matches = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device]
+        if not matches:
+            raise RuntimeError(f"no GPU with UUID {device} is visible to this process")
+        args = (*args[:_DEVICE_ARG], matches[0], *args[_DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
 
 
 def reachable_address(urls: list[str]) -> str:
