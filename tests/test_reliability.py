@@ -86,11 +86,11 @@ def same_weights(a: Path, b: Path) -> bool:
 def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, straight_run, uninterrupted, tmp_path: Path) -> None:
     args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    metrics = tmp_path / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    metrics, saved = tmp_path / "metrics.jsonl", tmp_path / "checkpoints" / "step_000002" / "meta.json"
+    # step 2's checkpoint is written in the background and committed after a later step
+    wait_for(lambda: saved.is_file() and len(metrics.read_text().splitlines()) >= 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file()
     out = run("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
     assert out.returncode == 0 and "resumed from" in out.stderr, out.stderr[-2000:]
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -112,7 +112,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     partial = tmp_path / "checkpoints" / ".tmp_step_000004"
-    wait_for(lambda: (partial / "optim").is_dir() and any((partial / "optim").iterdir()))
+    wait_for(lambda: (partial / "dist" / ".metadata").is_file())  # written by every rank's writer, not yet committed
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "checkpoints" / "step_000004").exists()
@@ -139,6 +139,22 @@ def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_exits(base, tmp_path
     assert len(saved) == 1 and saved[0].startswith("step_") and int(saved[0][5:]) < 50
     meta = json.loads((tmp_path / "checkpoints" / saved[0] / "meta.json").read_text())
     assert meta["world_size"] == 2
+
+
+def test_export_reads_any_checkpoint_under_any_layout(straight_run, tmp_path: Path) -> None:
+    """A checkpoint's sharded weights, read under another layout, make the same HF
+    directory as the HF weights it was saved with; one without HF weights says how."""
+    from moe_rl.commands.export import model_dir_of
+
+    final = straight_run / "checkpoints" / "step_000005"
+    out = run("export", "--checkpoint", str(final), "--out", str(tmp_path / "hf"), "--nproc", "2", "--ep", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert same_weights(tmp_path / "hf", final / "model")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    middle = straight_run / "checkpoints" / "step_000004"
+    assert not (middle / "model").exists()  # HF weights only at the last step (train.export_every=0)
+    with pytest.raises(FileNotFoundError, match="no Hugging Face weights.*moe-rl export --checkpoint"):
+        model_dir_of(str(middle))
 
 
 DEAD_RANK = """

@@ -1,12 +1,14 @@
 """``moe-rl export``: a checkpoint's weights, through the megatron model, to a Hugging
-Face directory (safetensors shards, index, config, tokenizer files)."""
+Face directory (safetensors shards, index, config, tokenizer files). The checkpoint is a
+training checkpoint (its sharded weights in ``dist/``, read under this command's layout
+whatever layout wrote them) or a Hugging Face directory."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-HELP = "export a checkpoint (HF-layout model weights) to a Hugging Face directory"
+HELP = "export a training checkpoint (or a HF directory) to a Hugging Face directory"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,13 +23,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def model_dir_of(checkpoint: str) -> Path:
-    """A training checkpoint keeps its weights in ``model/``; a HF directory is itself."""
+    """The HF directory of a checkpoint: a training checkpoint's ``model/`` (the last
+    step's, and every ``train.export_every`` steps'), or a HF directory itself."""
     path = Path(checkpoint)
     if (path / "model" / "config.json").exists():
         return path / "model"
     if (path / "config.json").exists():
         return path
+    if (path / "dist").is_dir():
+        raise FileNotFoundError(f"{checkpoint} holds no Hugging Face weights (model/): write them with "
+                                f"`moe-rl export --checkpoint {checkpoint} --out DIR` and pass DIR")  # fmt: skip
     raise FileNotFoundError(f"{checkpoint} is not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)")
+
+
+def _source(checkpoint: str) -> tuple[Path, Path | None]:
+    """Where the config and tokenizer files are, and the sharded checkpoint to read the
+    weights from (``None``: the HF weights beside the config)."""
+    path = Path(checkpoint)
+    if (path / "dist").is_dir() and (path / "hf" / "config.json").is_file():
+        return path / "hf", path
+    return model_dir_of(checkpoint), None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,22 +69,26 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.hf_weights import SafetensorsDir, export_hf_weights, load_hf_weights
+    from moe_rl.trainer.checkpoint import load_weights, sharded_weights_dtype
     from parallel.distributed import destroy_distributed, init_distributed
 
-    src = model_dir_of(args.checkpoint)
+    src, sharded = _source(args.checkpoint)
     hf_config = load_hf_config(str(src))
     layout = layout_from(args)
-    source_dtype = SafetensorsDir(src).dtype()
+    source_dtype = sharded_weights_dtype(sharded) if sharded else SafetensorsDir(src).dtype()
     init_distributed(layout, model_dims(hf_config))
     try:
         # hold the weights in the checkpoint's own precision so the export is exact
-        config = make_transformer_config(hf_config, layout, params_dtype=torch.float32 if source_dtype == torch.float32 else source_dtype)
+        config = make_transformer_config(hf_config, layout, params_dtype=source_dtype)
         model = build_model(hf_config, config)
-        load_hf_weights(model, hf_config, src)
+        if sharded:
+            load_weights(sharded, model)
+        else:
+            load_hf_weights(model, hf_config, src)
         dtype = getattr(torch, args.dtype) if args.dtype else source_dtype
         out = export_hf_weights(model, hf_config, args.out, dtype=dtype, copy_files_from=src)
         if dist.get_rank() == 0:
-            print(f"exported {src} -> {out} ({str(dtype).removeprefix('torch.')})")
+            print(f"exported {args.checkpoint} -> {out} ({str(dtype).removeprefix('torch.')})")
         return 0
     finally:
         destroy_distributed()

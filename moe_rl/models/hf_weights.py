@@ -378,18 +378,23 @@ def export_hf_weights(
         index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         hf_config.dtype = dtype
-        hf_config.save_pretrained(tmp)
-        if copy_files_from is not None:
-            for name in _TOKENIZER_FILES:
-                src = Path(copy_files_from) / name
-                if src.exists():
-                    shutil.copy2(src, tmp / name)
+        write_config_files(hf_config, tmp, copy_files_from)
     barrier()
     if rank == 0:
         _readable_as_umask_allows(tmp)
         _replace_dir(tmp, out)
     barrier()
     return out
+
+
+def write_config_files(hf_config: PretrainedConfig, out: Path, copy_files_from: str | os.PathLike | None) -> None:
+    """``config.json`` into ``out``, and the tokenizer's files found in ``copy_files_from``."""
+    hf_config.save_pretrained(out)
+    if copy_files_from is not None:
+        for name in _TOKENIZER_FILES:
+            src = Path(copy_files_from) / name
+            if src.exists():
+                shutil.copy2(src, out / name)
 
 
 def _readable_as_umask_allows(directory: Path) -> None:

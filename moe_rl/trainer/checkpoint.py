@@ -10,8 +10,10 @@ Layout of ``run_dir/checkpoints/step_000010/``:
 - ``rng/rank_00000.pt``: each rank's RNG states (tensors and plain data only, loaded with
   ``weights_only=True``); a resume under another layout takes the first rank's CPU
   generators and leaves the model-parallel RNG tracker as seeded;
+- ``hf/``: the model's ``config.json`` and tokenizer files (what ``moe-rl export`` needs
+  besides the weights to write a Hugging Face directory from any checkpoint);
 - ``model/`` (the last step's checkpoint, and every ``train.export_every`` steps): the
-  weights as a Hugging Face directory (``moe-rl export`` writes one from any checkpoint);
+  weights as a Hugging Face directory, ready for ``moe-rl eval``, transformers and SGLang;
 - ``meta.json``, written last: format, step, world size, layout, the run's fingerprint.
   A directory without it is incomplete and ignored.
 
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ConfigError
-from moe_rl.models.hf_weights import export_hf_weights
+from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import any_rank, barrier, rank, world_size
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, shards_optimizer_state
@@ -183,19 +185,24 @@ class Checkpointer:
     """Writes checkpoints of one run directory (at most one in flight) and keeps the last
     ``keep_last``. Every method but :meth:`abandon` is collective."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep_last: int, layout: ParallelLayout, *, async_save: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike, keep_last: int, layout: ParallelLayout, model_files: tuple[Any, str], *, async_save: bool = True
+    ) -> None:
+        """``model_files``: the HF config and the directory of the tokenizer files each
+        checkpoint carries in ``hf/``."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.root = Path(run_dir) / "checkpoints"
+        self.hf_config, self.tokenizer_dir = model_files
         self.keep_last = keep_last
         self.layout = layout
         self.async_save = async_save
         self._writes = AsyncCallsQueue()
 
-    def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: tuple[Any, str | None] | None = None) -> Path:
+    def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: bool = False) -> Path:
         """Stage this rank's state and start writing ``step_<step>``; returns its final
         path (complete once :meth:`wait`, or a :meth:`poll` that finds it written, commits
-        it). ``hf_weights``: ``(hf_config, tokenizer_dir)`` to also write ``model/``."""
+        it). ``hf_weights``: also write the weights as a HF directory, ``model/``."""
         from megatron.core import dist_checkpointing
 
         self.wait()
@@ -204,13 +211,14 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
+            (tmp / "hf").mkdir()
+            write_config_files(self.hf_config, tmp / "hf", self.tokenizer_dir)
         barrier()
-        if hf_weights is not None:
-            hf_config, tokenizer_dir = hf_weights
-            export_hf_weights(state.model, hf_config, tmp / "model", dtype=next(state.model.parameters()).dtype, copy_files_from=tokenizer_dir)
+        if hf_weights:
+            export_hf_weights(state.model, self.hf_config, tmp / "model", dtype=next(state.model.parameters()).dtype, copy_files_from=self.tokenizer_dir)
         torch.save(_rng_state(), tmp / _rng_file(rank()))
         meta = {"format": FORMAT, "step": step, "world_size": world_size(), "layout": _layout_meta(self.layout),
-                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights is not None, **extra}  # fmt: skip
+                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights, **extra}  # fmt: skip
         request = dist_checkpointing.save(state.sharded_state_dict(loading=False), tmp / "dist", sharded_strategy=_save_strategy(),
                                           async_sharded_save=True)  # fmt: skip
         request.add_finalize_fn(lambda: self._commit(tmp, final, meta))
@@ -257,6 +265,22 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
         log.info("checkpoint %s was written under %s on %d processes: resharded to %s on %d", path, meta.get("layout"), meta["world_size"],
                  _layout_meta(layout), world_size())  # fmt: skip
     _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta) if not same_layout else rank()), weights_only=True), tracker=same_layout)
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Collective: the weights of checkpoint ``path`` (written under any layout) into this
+    rank's ``model``; the optimizer state is not read."""
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path / "dist"))["model"])
+
+
+def sharded_weights_dtype(path: Path) -> torch.dtype:
+    """The precision checkpoint ``path`` holds its weights in (the training precision)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(path / "dist"))
+    return next(t.dtype for key, t in metadata.items() if not key.startswith(("optimizer.", "chained_")))
 
 
 def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:

@@ -155,7 +155,7 @@ class Trainer:
             else None
         )  # fmt: skip
         self.monitor = self._build_monitor()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, cfg.parallel, async_save=cfg.train.async_save)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, cfg.parallel, (self.hf_config, self.hf_dir), async_save=cfg.train.async_save)
         self._closing.callback(self.checkpointer.abandon)  # after a failure (a finished run has waited for its last save)
         self.start_step = self._resume(resume_from)
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
@@ -424,7 +424,7 @@ class Trainer:
         extra = {"scalars": scalars, "fingerprint": self.cfg.fingerprint()}
         export = step == train.steps or bool(train.export_every and step % train.export_every == 0)
         with self.placement.trainer_resident(lambda: self.weight_sync.push(self.policy.weights, str(step))):
-            return self.checkpointer.save(step, self.training_state, extra, hf_weights=(self.hf_config, self.hf_dir) if export else None)
+            return self.checkpointer.save(step, self.training_state, extra, hf_weights=export)
 
     def close(self) -> None:
         """Stop the engine and any server this run started; close the logs (idempotent)."""
