@@ -81,3 +81,21 @@ def test_later_cycles_reuse_the_host_buffers() -> None:
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown state kind"):
         DeviceOffloader([Stage(0)], None).offload(["activations"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_pinned_host_buffers_are_exactly_the_storages_size() -> None:
+    """Not torch's caching host allocator (which rounds a block up to a power of two): a
+    storage of 3 MiB + 1 byte gets exactly that much pinned memory, copies round-trip."""
+    stage = torch.nn.Linear(1, 1).cuda()
+    with torch.no_grad():
+        stage.weight.data = torch.randn(3 * 2**18 + 1, device="cuda").view(-1)[:1].view(1, 1)  # a storage of 3 MiB + 4 bytes
+    stats = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    before = stage.weight.detach().clone()
+    offloader = DeviceOffloader([stage], None)
+    offloader.offload(["weights"])
+    host = offloader._moved["weights"][0][2]
+    assert host.numel() == (3 * 2**18 + 1) * 4 and host.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == stats  # none from the caching allocator
+    offloader.onload(["weights"])
+    assert torch.equal(stage.weight, before)

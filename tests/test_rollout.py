@@ -491,3 +491,24 @@ def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
         assert other.poll() is None and not pid_file.exists()
     finally:
         other.kill()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -> None:
+    """The tensor sync's payload names a CUDA tensor's device by UUID (as SGLang's patched
+    reductions do: a server rank numbers the GPUs its own way), and another process maps the
+    same memory from it."""
+    import base64
+
+    from moe_rl.rollout.weight_sync import serialize_for_sglang
+
+    flat = torch.arange(1000, dtype=torch.float32, device="cuda").view(torch.uint8)
+    payload = serialize_for_sglang({"flattened_tensor": flat, "metadata": []})
+    uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
+    assert uuid.encode() in base64.b64decode(payload)
+    (tmp_path / "payload").write_text(payload)
+    child = ("import sys, torch; from moe_rl.rollout.weight_sync import deserialize_sglang_payload; "
+             "t = deserialize_sglang_payload(open(sys.argv[1]).read())['flattened_tensor']; print(t.view(torch.float32).sum().item())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == float(sum(range(1000)))

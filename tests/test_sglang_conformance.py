@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import demo_weights_on
+from conftest import demo_model_dir, demo_weights_on
 from moe_rl.routing.encoding import decode_routed_experts
 
 PROMPT = [3, 7, 5, 12]
@@ -116,3 +116,61 @@ def test_update_from_disk_sets_the_version_and_refuses_a_bad_path(server, demo_c
     assert httpx.get(server.url + "/model_info", timeout=30).json()["weight_version"] == "v-disk"
     reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
     assert reply["meta_info"]["weight_version"] == "v-disk"
+
+
+def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, demo_cache, tmp_path):
+    """``load_format="flattened_bucket"``: a bucket's tensors arrive as one broadcast of their
+    bytes, one after another, from rank 0 of either of two weight-update groups the server
+    joined (a pipeline stage's sender each); the server then serves what it serves after
+    loading those weights from disk. A tensor at a byte offset that is not a multiple of its
+    element size is refused before anything is received."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_rl.rollout.sglang import SGLangEngine
+    from parallel.launch import free_port
+    from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
+
+    changed = tmp_path / "changed"
+    shutil.copytree(demo_model_dir(demo_cache), changed)
+    (weights_file,) = changed.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(v.shape, generator=gen) if k.endswith(("lm_head.weight", "embed_tokens.weight")) else v for k, v in tensors.items()}
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    prompts = {"input_ids": [PROMPT, [9, 4, 2], [1, 5, 7, 3, 8]], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    before = [r["output_ids"] for r in post(server, "/generate", prompts).json()]
+    assert post(server, "/update_weights_from_disk", {"model_path": str(changed), "weight_version": "from-disk"}).status_code == 200
+    from_disk = [r["output_ids"] for r in post(server, "/generate", prompts).json()]
+    assert from_disk != before  # the new weights show
+    demo_weights_on(server, demo_cache)
+
+    engine, groups, names = SGLangEngine([server.url]), [], sorted(tensors)
+    try:
+        for name in ("flat-a", "flat-b"):
+            port = free_port()
+            join = lambda world_size, port=port, name=name: join_weight_update_group(  # noqa: E731
+                backend="gloo", address="127.0.0.1", port=port, world_size=world_size, rank=0, group_name=name, timeout_s=120)
+            groups.append(engine.init_weights_update_group("127.0.0.1", port, name, "gloo", join))
+        with engine.weight_update("flat"):
+            for group, name, part in zip(groups, ("flat-a", "flat-b"), (names[::2], names[1::2])):
+                flat = torch.cat([tensors[k].reshape(-1).view(torch.uint8) for k in part])
+                engine.update_weights_from_distributed(
+                    [(k, tensors[k].dtype, tensors[k].shape) for k in part],
+                    lambda flat=flat, group=group: torch.distributed.broadcast(flat, group=group, group_src=0),
+                    group_name=name, weight_version="flat", flattened=True,
+                )  # fmt: skip
+            unaligned = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [1]], "group_name": "flat-a",
+                         "load_format": "flattened_bucket", "flush_cache": False}  # fmt: skip
+            refused = post(server, "/update_weights_from_distributed", unaligned)
+            assert refused.status_code == 400 and refused.json()["success"] is False
+            assert "Unaligned received tensor b: byte offset 6, dtype torch.float32" in refused.json()["message"]
+        assert [r["output_ids"] for r in post(server, "/generate", prompts).json()] == from_disk
+        assert post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"]["weight_version"] == "flat"
+    finally:
+        for name in ("flat-a", "flat-b"):
+            engine.destroy_weights_update_group(name)
+        for group in groups:
+            leave_weight_update_group(group)
+        demo_weights_on(server, demo_cache)

@@ -2,6 +2,7 @@
 bytes moved, seconds.
 
     .venv/bin/python tools/bench_weight_sync.py [--layers 4] [--bucket-mb 16] [--syncs 2] [--json FILE]
+    .venv/bin/python tools/bench_weight_sync.py --memory 16,64,256   # rank 0's peak extra memory per bucket size
 
 - previous: one broadcast per HF tensor, every bucket packed on (and sent from) the first rank;
 - current: one flat broadcast per bucket (``load_format="flattened_bucket"``, SGLang >= 0.5.6),
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import tempfile
 import time
 import warnings
@@ -42,7 +45,7 @@ SIZE = dict(hidden_size=256, moe_intermediate_size=256, num_attention_heads=8, n
 
 def qwen3_moe_hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     """(HF checkpoint name, shape, pipeline stage of 2) of every tensor a Qwen3-MoE sync sends."""
-    hidden, layers, experts = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_experts"]
+    hidden, layers, experts = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["num_local_experts"]
     heads, kv, head = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     inter = cfg["moe_intermediate_size"]
     out = [("model.embed_tokens.weight", (cfg["vocab_size"], hidden), 0)]
@@ -88,6 +91,86 @@ def _plan_figures(plan: list, tensors: int, *, flattened: bool) -> dict:
         "gb_to_first_rank_from_other_stages": sum(b.nbytes for b in first if b.stage > 0) / 1e9,
         "gb_first_rank_broadcasts": sum(b.nbytes for b in first) / 1e9,
     }
+
+
+class PeakSampler:
+    """Peak memory above the level at start: CUDA allocated bytes, or RSS sampled in a thread."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        self.peak = self.start = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakSampler":
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            self.start = self.peak = self._rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra_mb(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+def memory_worker(hf_dir: str, bucket_mb: float, out: str) -> None:
+    """Rank 0's extra peak while it receives the whole model in buckets of ``bucket_mb`` (0: one)."""
+    import torch
+
+    from moe_rl.models.architectures import load_hf_config, model_dims
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.weight_buckets import HFWeights
+    from parallel.collectives import barrier, rank
+    from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.layout import ParallelLayout
+
+    hf_config = load_hf_config(hf_dir)
+    layout = ParallelLayout(ep=2)
+    init_distributed(layout, model_dims(hf_config))
+    model = build_model(hf_config, make_transformer_config(hf_config, layout))  # random weights: only sizes matter
+    weights = HFWeights(model, hf_config)
+    _ = weights.streamer  # the plan, made once per run (not part of a sync)
+    barrier()
+    start = time.perf_counter()
+    with PeakSampler() as sampler:
+        held: list = []  # "whole": the one bucket is kept, as gather() keeps everything
+        keep = held.append if bucket_mb <= 0 else None
+        buckets = weights.send_buckets(int(bucket_mb * 2**20) if bucket_mb > 0 else sys.maxsize, torch.bfloat16, keep)
+    seconds = time.perf_counter() - start
+    if rank() == 0:
+        total = weights.streamer.total_bytes(torch.bfloat16) / 2**20
+        result = {"bucket_mb": bucket_mb or "whole", "buckets": buckets, "extra_mb": round(sampler.extra_mb, 1),
+                  "model_mb_bf16": round(total, 1), "seconds": round(seconds, 2)}  # fmt: skip
+        Path(out).write_text(json.dumps(result))
+    destroy_distributed()
 
 
 def worker(hf_dir: str, url: str, bucket_mb: float, syncs: int, out: str) -> None:
@@ -156,10 +239,39 @@ def measure(args: argparse.Namespace) -> dict:
         requests = httpx.get(server.url + "/_test/stats", timeout=30).json()["update_requests"]
     results = json.loads(out.read_text())
     for mode, r in results.items():  # a mode's requests came through its own groups
-        got = [request for request in requests if request["group"] in r.pop("groups")]
+        groups = set(r.pop("groups"))
+        got = [request for request in requests if request["group"] in groups]
         r["server_update_requests"] = len(got) // (args.syncs + 1)
         r["server_flat_requests"] = sum(request["flattened"] for request in got) // (args.syncs + 1)
     return results
+
+
+def measure_memory(layers: int, buckets: str) -> list[dict]:
+    """Rank 0's extra peak memory per bucket size (and for the whole model in one bucket, what
+    the in-process sync holds): a random Qwen3-MoE (hidden 1024, 32 experts of 512, vocab 32k)
+    on 2 processes with EP=2, so rank 1's experts travel to rank 0 point to point; one fresh
+    pair of processes per size (CUDA: allocated bytes; CPU: resident set sampled every 2 ms)."""
+    from moe_rl.models.tiny import tiny_config
+    from parallel.launch import spawn_local
+
+    tmp = Path(tempfile.mkdtemp())
+    size = dict(hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=layers, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4, vocab_size=32000)  # fmt: skip
+    hf_dir = str(tmp / "hf")
+    tiny_config("qwen3_moe", **size).save_pretrained(hf_dir)  # the config is all the workers need
+    rows = []
+    for bucket_mb in [float(b) for b in buckets.split(",")] + [0.0]:
+        out = tmp / f"r{bucket_mb}.json"
+        # glibc returns large frees to the OS at once (else its moving mmap threshold keeps them in RSS)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+        code = spawn_local(2, [str(Path(__file__).resolve()), "--memory-worker", hf_dir, str(bucket_mb), str(out)], timeout_s=900, env=env)
+        if code != 0:
+            raise SystemExit(f"worker for bucket {bucket_mb} MiB failed with exit code {code}")
+        rows.append(json.loads(out.read_text()))
+        r = rows[-1]
+        print(f"bucket {str(r['bucket_mb']):>6} MiB: {r['buckets']:3d} bucket(s), rank 0 extra peak {r['extra_mb']:8.1f} MiB "
+              f"of a {r['model_mb_bf16']:.0f} MiB model (bf16), {r['seconds']:.2f} s", flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -168,11 +280,20 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the measured model (MiB)")
     parser.add_argument("--syncs", type=int, default=2, help="timed syncs per mode (after one that connects)")
     parser.add_argument("--json")
+    parser.add_argument("--memory", metavar="MIB,MIB", help="instead: rank 0's peak extra memory for these bucket sizes (EP=2)")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         hf_dir, url, bucket_mb, syncs, out = args.worker
         worker(hf_dir, url, float(bucket_mb), int(syncs), out)
+        return
+    if args.memory_worker:
+        memory_worker(args.memory_worker[0], float(args.memory_worker[1]), args.memory_worker[2])
+        return
+    if args.memory:
+        rows = measure_memory(args.layers, args.memory)
+        print("BENCH_JSON " + json.dumps({"memory": rows}, sort_keys=True))
         return
     measured = measure(args)
     config = json.loads((ROOT / "configs" / "examples" / "qwen3_30b_a3b.config.json").read_text())

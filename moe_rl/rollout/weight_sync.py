@@ -264,8 +264,11 @@ class TensorSync(WeightSync):
             payload = flattened_bucket(bucket, flat) if self.flattened else bucket.unpack(flat)
             self.engine.update_weights_from_tensor(serialize_for_sglang(payload), weight_version=version, flattened=self.flattened)
 
+        start = time.perf_counter()
         with self.engine.weight_update(version):
-            weights.stream(self.bucket_bytes, self.dtype, send)
+            plan = weights.stream(self.bucket_bytes, self.dtype, send)
+        log.info("weights %s handed to %d server(s) in %d %s bucket(s) in %.2fs", version, len(self.engine.urls), len(plan),
+                 "flattened" if self.flattened else "per-tensor", time.perf_counter() - start)  # fmt: skip
 
 
 def flattened_bucket(bucket: Bucket, flat: Tensor) -> dict:
