@@ -10,9 +10,10 @@ of crossing the network to the first rank first. Per bucket, the writers'
 tensor-parallel groups gather their shards, each writer converts them to HF tensors and
 sends them to the sender point to point, straight into their place in the buffer; the
 sender hands the buffer to a consumer (a broadcast to the servers) and drops it. So no
-rank holds more than one bucket of full tensors (plus the parameter it is gathering:
-twice the largest tensor), whatever the model's size; only the writers' tensor-parallel
-groups take part (other data-parallel replicas just wait).
+rank holds more than one bucket of full tensors (plus, for a parameter split over
+tensor-parallel ranks, its gathered copy; one that is not is cast as it is copied in),
+whatever the model's size; only the writers' tensor-parallel groups take part (other
+data-parallel replicas just wait).
 
 Within a bucket, tensors are packed largest element size first, so each starts at a byte
 offset that is a multiple of its element size (SGLang's ``FlattenedTensorBucket`` refuses
@@ -222,7 +223,7 @@ class WeightStreamer:
             mine = places[first : first + len(entry.tensors)]
             first += len(entry.tensors)
             if self.writer_of.get(entry.param) == entry.writer:  # this rank holds a shard of it
-                full = self._gather_full(entry.param, dtype, device)
+                full = self._gather_full(entry.param, dtype, device, into_place=me == bucket.sender)
                 if me == bucket.sender:
                     for (_, place), (_, tensor) in zip(mine, full, strict=True):
                         place.copy_(tensor)
@@ -234,14 +235,19 @@ class WeightStreamer:
                     dist.recv(place, src=entry.writer)
         return flat
 
-    def _gather_full(self, name: str, dtype: torch.dtype, device: torch.device) -> NamedTensors:
-        """Collective over ``name``'s tensor-parallel group; the full tensors (writer only)."""
+    def _gather_full(self, name: str, dtype: torch.dtype, device: torch.device, *, into_place: bool) -> NamedTensors:
+        """Collective over ``name``'s tensor-parallel group; the full tensors (writer only), in
+        ``dtype`` and contiguous to be sent, or (``into_place``: copied into the bucket, which
+        casts) views of the parameter itself where it needs no gathering."""
         recipe = self.recipes[name]
-        shards = gather_shards(self.weights[name].detach().to(device=device, dtype=dtype), recipe, self.mapper)  # cast first: less to move
+        weight = self.weights[name].detach()
+        if not into_place or self.mapper._tp(recipe)[1] > 1:
+            weight = weight.to(device=device, dtype=dtype)  # cast first: less to move
+        shards = gather_shards(weight, recipe, self.mapper)
         if self.writer_of[name] != rank():
             return []
         fulls = self.mapper.to_full(recipe, shards)
-        return [(key, full.contiguous()) for key, full in zip(recipe.hf_keys, fulls)]
+        return [(key, full if into_place else full.contiguous()) for key, full in zip(recipe.hf_keys, fulls)]
 
 
 def _writer_rank(recipe: Recipe, mapper: ParamMapper) -> int | None:
