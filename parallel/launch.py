@@ -42,6 +42,18 @@ def dies_with_this_process(command: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
+def die_with_parent() -> None:
+    """Called in a just-started child process (e.g. a ``multiprocessing`` initializer): it
+    gets SIGTERM when the process that started it dies, even by ``kill -9`` (Linux only;
+    start it from the main thread: the signal follows the thread that started the child)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() == 1:  # the parent died before the signal was set
+            os._exit(1)
+
+
 def spawn_local(
     nproc: int,
     argv: Sequence[str],

@@ -119,9 +119,14 @@ class GroupedExperts(MegatronModule):
                     sharded(key, up, (axis + 1, etp.size() + etp.rank(), 2 * etp.size()))]  # fmt: skip
 
         fc1_key, fc2_key = f"{prefix}experts.linear_fc1.weight", f"{prefix}experts.linear_fc2.weight"
+        fc1 = (
+            # one expert-TP rank holds all gate rows, then all up rows: the global order already
+            # (stored whole: the halves would be strided views, copied before every background save)
+            sharded(fc1_key, self.linear_fc1.weight)
+            if etp.size() == 1
+            else ShardedTensorFactory(fc1_key, self.linear_fc1.weight, gate_and_up, lambda halves: torch.cat(halves, dim=1), replica_id)
+        )  # fmt: skip
         return {
-            f"{prefix}linear_fc1.weight": ShardedTensorFactory(
-                fc1_key, self.linear_fc1.weight, gate_and_up, lambda halves: torch.cat(halves, dim=1), replica_id
-            ),
+            f"{prefix}linear_fc1.weight": fc1,
             f"{prefix}linear_fc2.weight": sharded(fc2_key, self.linear_fc2.weight, (axis + 2, etp.rank(), etp.size())),
         }

@@ -44,7 +44,7 @@ from moe_rl.config import ConfigError
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import any_rank, barrier, rank, world_size
 from parallel.layout import ParallelLayout
-from parallel.optim import OptimSettings, shards_optimizer_state
+from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_state
 
 log = logging.getLogger("moe_rl.train")
 _STEP = re.compile(r"step_(\d+)$")
@@ -168,6 +168,7 @@ class TrainingState:
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        choose_adam_kernel(self.optimizer, self.settings.fused_adam)  # the loaded parameter groups carry the saving run's
 
 
 def _give_adam_its_state(optimizer) -> None:
@@ -206,6 +207,7 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         self.wait()
+        _writer_reports_die_with_this_process()
         final, tmp = self.root / f"step_{step:06d}", self.root / f".tmp_step_{step:06d}"
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -228,6 +230,10 @@ class Checkpointer:
             request.execute_sync()
             barrier()
         return final
+
+    def writing(self) -> bool:
+        """Whether this rank's writer is still writing a checkpoint (no collective)."""
+        return any(call.async_caller.process is not None and call.async_caller.process.is_alive() for call in self._writes.async_calls)
 
     def poll(self) -> None:
         """Commit a checkpoint whose writers have all finished; never waits for them."""
@@ -265,6 +271,27 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
         log.info("checkpoint %s was written under %s on %d processes: resharded to %s on %d", path, meta.get("layout"), meta["world_size"],
                  _layout_meta(layout), world_size())  # fmt: skip
     _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta) if not same_layout else rank()), weights_only=True), tracker=same_layout)
+
+
+_WRITER_REPORTS: list = []  # the manager serving megatron's writer-results queue (kept alive here)
+
+
+def _writer_reports_die_with_this_process() -> None:
+    """megatron's background writers report through a queue served by a manager process it
+    spawns at the first save, which outlives a trainer killed with ``kill -9``: serve that
+    queue from a manager started here instead, set to die with this process."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from parallel.launch import die_with_parent
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        _WRITER_REPORTS.append(manager)
+        filesystem_async._results_queue = manager.Queue()
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
