@@ -5,7 +5,9 @@
 Sections: the machine's fp32 matmul peak; an RL training step of a small MoE under
 megatron-core (tokens/s, MFU against that peak) and of a 188M-parameter one; routing-replay
 and drift-metric overhead and the routing the drift metrics keep per number of micro-batches;
-the KL reference's device memory and pass time (second model vs host swap); padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
+the KL reference's device memory and pass time (second model vs host swap); an 8k-token
+response's routing (rank-0 decode time, bytes kept per token); the time a checkpoint save
+blocks training; broadcasts per weight sync; padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
 local-engine throughput and the SGLang client's overhead per request; TRL's
 GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE; the policy losses;
 and a GPU section when a GPU is present. ``--quick`` keeps it under 5 minutes on 2 cores.
@@ -157,6 +159,7 @@ def main() -> None:
     }  # fmt: skip
     results["routing_overhead"] = {k: v["ratio"] for k, v in routing["variants"].items()}
     results["probe_memory"] = routing["probe_memory"]
+    results["routing_data"] = routing["routing_data"]  # an 8k-token Qwen3-30B-A3B response's routing: decode, bytes kept
 
     print("== RL step MFU on a 188M-parameter MoE (compute-bound), and where its time goes", flush=True)
     mfu_json = tempfile.mktemp(suffix=".json")
@@ -169,6 +172,12 @@ def main() -> None:
     subprocess.run([PY, "-W", "ignore", str(TOOLS / "bench_reference.py"), "--repeats", "2" if q else "3", "--json", ref_json],
                    check=True, capture_output=True, timeout=1800)  # fmt: skip
     results["reference"] = json.loads(Path(ref_json).read_text())
+
+    print("== checkpoints: training blocked by a save of the 188M model (format 1, sync, background)", flush=True)
+    results["checkpoint"] = sub_json([str(TOOLS / "bench_checkpoint.py"), "--repeats", "2" if q else "3"])
+
+    print("== weight sync: broadcasts per sync (per tensor from one sender vs flat buckets from a sender per stage)", flush=True)
+    results["weight_sync"] = sub_json([str(TOOLS / "bench_weight_sync.py"), "--syncs", "1" if q else "2"])
 
     print("== padding: fixed micro-batches vs packed under a token budget", flush=True)
     results["padding"] = padding_fractions()
@@ -276,6 +285,37 @@ def _padding_rows(p: dict) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def _routing_data_rows(d: dict) -> list[tuple[str, str]]:
+    shape, ms, kept = d["shape"], d["decode_ms"], d["bytes_per_token"]
+    sample, replay = kept["sample: rank 0, and each rank's share (host)"], kept["R3 replay indices, kept for the step (device)"]
+    return [
+        (f"routing of one {shape['tokens']}-token response ({shape['layers']} layers x top-{shape['top_k']} of {shape['experts']}): rank-0 decode",
+         f"{ms['now']:.1f} ms vs {ms['before']:.1f} ms before (json.loads of the reply {ms['json.loads of the reply (unchanged, for scale)']:.1f} ms)"),
+        ("  bytes per token kept: sample / R3 replay indices", f"{sample[0]:.0f} / {replay[0]:.0f} vs {sample[1]:.0f} / {replay[1]:.0f} before"),
+    ]  # fmt: skip
+
+
+def _checkpoint_rows(c: dict) -> list[tuple[str, str]]:
+    sec, size = c["seconds"], c["bytes"]
+    return [
+        (f"checkpoint, {c['params'] / 1e6:.0f}M-parameter policy: training blocked by a save",
+         f"background {sec['async blocked']:.2f}s = {100 * c['blocked_over_sync']:.0f}% of a synchronous save ({sec['sync']:.2f}s), "
+         f"{100 * c['blocked_over_format1']:.0f}% of format 1's ({sec['format 1']:.2f}s); written after {sec['async written']:.2f}s"),
+        ("  size", f"{size['dist'] / 1e9:.2f} GB (format 1: {size['format 1'] / 1e9:.2f} GB)"),
+    ]  # fmt: skip
+
+
+def _weight_sync_rows(w: dict) -> list[tuple[str, str]]:
+    m, p = w["measured"], w["qwen3_30b_a3b_planned"]
+    return [
+        ("weight sync, broadcasts per sync: measured (4-layer model, pp=2, stand-in server)",
+         f"{m['current']['measured_broadcasts']} (flat buckets) vs {m['previous']['measured_broadcasts']} (per tensor)"),
+        ("  Qwen3-30B-A3B on pp=2, 512 MiB buckets (planned)",
+         f"{p['current']['broadcasts']} vs {p['previous']['broadcasts']}; rank 0 sends {p['current']['gb_first_rank_broadcasts']:.1f} GB "
+         f"vs {p['previous']['gb_first_rank_broadcasts']:.1f} GB"),
+    ]  # fmt: skip
+
+
 def _print_table(r: dict) -> None:
     t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
     rows = [
@@ -284,6 +324,9 @@ def _print_table(r: dict) -> None:
         ("RL step, 188M-parameter MoE (59M active)", _large_row(r["train_step_large"])),
         *_reference_rows(r["reference"]),
         ("routing kept by the drift metrics per step", _probe_row(r["probe_memory"])),
+        *_routing_data_rows(r["routing_data"]),
+        *_checkpoint_rows(r["checkpoint"]),
+        *_weight_sync_rows(r["weight_sync"]),
         ("replay r2 / r3 step time vs none", f"{r['routing_overhead']['r2']:.3f}x / {r['routing_overhead']['r3']:.3f}x"),
         *_padding_rows(r["padding"]),
         ("drift metrics on / + after-update pass", f"{r['routing_overhead']['drift metrics']:.3f}x / {r['routing_overhead']['drift + after-update pass']:.3f}x"),

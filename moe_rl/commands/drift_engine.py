@@ -64,7 +64,7 @@ def _generate_on_first_rank(args: argparse.Namespace, hf_dir: str, hf_config: Pr
 
 def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig) -> tuple[list[Sample], str]:
     """The first rank: the engine's samples with routed experts, and its weight version."""
-    from moe_rl.commands.drift import read_prompts
+    from moe_rl.commands.prompt_file import read_prompts
     from moe_rl.models.architectures import architecture_of
     from moe_rl.rollout.sglang import SGLangEngine
     from moe_rl.rollout.types import SamplingParams
@@ -116,7 +116,7 @@ def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: li
     batch = build_train_batch(exp, 0, plan, seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True)
     mbs = batch.micro_batches
     num_experts = architecture_of(hf_config).num_experts(hf_config)
-    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts)
+    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts, router_kl=False)  # SGLang returns no router scores
     with monitor.old_pass(mbs, [mb.routed_experts for mb in mbs]) as hooks:
         outputs = run_microbatches(model, mbs, hooks=hooks)
     monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
