@@ -42,15 +42,16 @@ def dies_with_this_process(command: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
-def die_with_parent() -> None:
-    """Called in a just-started child process (e.g. a ``multiprocessing`` initializer): it
-    gets SIGTERM when the process that started it dies, even by ``kill -9`` (Linux only;
-    start it from the main thread: the signal follows the thread that started the child)."""
+def die_with_parent(parent: int) -> None:
+    """Called in a just-started child process of ``parent`` (a ``multiprocessing``
+    initializer, ``initargs=(os.getpid(),)``): it gets SIGTERM when the parent dies, even by
+    ``kill -9`` (Linux only; start it from the main thread: the signal follows the thread
+    that started the child). As :func:`dies_with_this_process` does for commands."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() == 1:  # the parent died before the signal was set
+        if os.getppid() != parent:  # the parent died before the signal was set
             os._exit(1)
 
 

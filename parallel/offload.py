@@ -15,6 +15,7 @@ useful (host to host); it is what the tests check (bit-equal round trip, storage
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Iterator
 
 import torch
@@ -61,7 +62,7 @@ class DeviceOffloader:
             for storage in _unique(self._tensors(kind)):
                 host = None if kind in DISCARDED else self._host_buffer(storage)
                 if host is not None:
-                    host.untyped_storage().copy_(storage, non_blocking=True)
+                    host.copy_(_bytes_of(storage), non_blocking=True)
                 saved.append((storage, storage.nbytes(), host))
             _synchronize([storage for storage, _, _ in saved])
             for storage, nbytes, _ in saved:
@@ -80,9 +81,9 @@ class DeviceOffloader:
             for storage, nbytes, host in self._moved.pop(kind, []):
                 storage.resize_(nbytes)
                 if host is None:
-                    torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+                    _bytes_of(storage).zero_()
                 else:
-                    storage.copy_(host.untyped_storage(), non_blocking=True)
+                    _bytes_of(storage).copy_(host, non_blocking=True)
                     self._spare.setdefault(nbytes, []).append(host)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -117,20 +118,32 @@ class DeviceOffloader:
 
 
 class PinnedHostBuffer:
-    """``nbytes`` of page-locked host memory, exactly: pageable memory registered with CUDA
-    (``cudaHostRegister``; copies to and from it run asynchronously, as from memory torch
-    pins itself), unregistered when this object goes (before the memory is freed)."""
+    """``nbytes`` of page-locked host memory, to the page: pageable memory registered with
+    CUDA (``cudaHostRegister``; copies to and from it run asynchronously, as from memory
+    torch pins itself), unregistered when this object goes (before the memory is freed).
+    CUDA pins whole pages and refuses a page registered twice, so the registered window is
+    the page-aligned span inside an allocation of ``nbytes`` plus two pages: it shares no
+    page with another allocation (small ones come from the heap, side by side)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        self._address = self.tensor.data_ptr() if nbytes else 0
+        page = os.sysconf("SC_PAGE_SIZE")
+        span = -(-nbytes // page) * page
+        self._memory = torch.empty(span + 2 * page, dtype=torch.uint8)
+        start = -self._memory.data_ptr() % page  # the first page boundary inside the allocation
+        self.tensor = self._memory[start : start + nbytes]
+        self._address = self._memory.data_ptr() + start if nbytes else 0
         if self._address:
-            _check_cuda(torch.cuda.cudart().cudaHostRegister(self._address, nbytes, 0), f"pinning {nbytes} bytes of host memory")
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(self._address, span, 0), f"pinning {nbytes} bytes of host memory")
 
     def __del__(self) -> None:
         if self._address:
             torch.cuda.cudart().cudaHostUnregister(self._address)
             self._address = 0
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A byte tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _check_cuda(status, what: str) -> None:

@@ -146,6 +146,11 @@ def choose_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
             continue
         for group in inner.param_groups:
             group["fused"], group["foreach"] = fused, not fused
+            if fused:  # the fused kernel reads each step count on its parameter's device (a loaded one may be on the host)
+                for param in group["params"]:
+                    state = inner.state.get(param, {})
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
 def build_lr_scheduler(optimizer: MegatronOptimizer, settings: OptimSettings, total_steps: int) -> LRSchedule:

@@ -99,3 +99,33 @@ def test_pinned_host_buffers_are_exactly_the_storages_size() -> None:
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == stats  # none from the caching allocator
     offloader.onload(["weights"])
     assert torch.equal(stage.weight, before)
+
+
+def test_pinned_buffers_register_whole_pages_of_their_own(monkeypatch) -> None:
+    """CUDA pins whole pages and refuses one registered twice: each buffer registers a
+    page-aligned window inside its own allocation, so small buffers allocated side by side
+    never share a registered page (checked with a recording stand-in for cudart)."""
+    import os
+
+    from parallel import offload
+
+    registered: list[tuple[int, int]] = []
+
+    class Cudart:
+        def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+            registered.append((address, size))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    page = os.sysconf("SC_PAGE_SIZE")
+    buffers = [offload.PinnedHostBuffer(n) for n in (4, 100, page, page + 1, 3 * 2**20 + 1, 16)]
+    for buffer, (address, size), n in zip(buffers, registered, (4, 100, page, page + 1, 3 * 2**20 + 1, 16)):
+        memory = buffer._memory
+        assert buffer.tensor.numel() == n and buffer.tensor.data_ptr() == address
+        assert address % page == 0 and size % page == 0 and size >= n
+        assert memory.data_ptr() <= address and address + size <= memory.data_ptr() + memory.numel()
+    windows = sorted(registered)
+    assert all(a + s <= b for (a, s), (b, _) in zip(windows, windows[1:]))  # no page registered twice

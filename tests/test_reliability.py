@@ -111,8 +111,8 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight
     args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2", faults=("--checkpoint-delay-s", "60"))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    partial = tmp_path / "checkpoints" / ".tmp_step_000004"
-    wait_for(lambda: (partial / "dist" / ".metadata").is_file())  # written by every rank's writer, not yet committed
+    # written by every rank's writer, not yet committed
+    wait_for(lambda: any((tmp / "dist" / ".metadata").is_file() for tmp in (tmp_path / "checkpoints").glob(".tmp_step_000004.*")))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "checkpoints" / "step_000004").exists()

@@ -141,6 +141,19 @@ def test_a_server_refusing_the_weight_group_is_reported_at_once(servers) -> None
     assert "refused" not in control(servers[0], "/_test/stats")["weight_groups"]
 
 
+def test_a_refused_weight_update_leaves_no_server_paused_or_in_a_session(servers) -> None:
+    """One server refuses /begin_weight_update (a session was left open on it): the others'
+    sessions are closed again and every server generates."""
+    engine = engine_for(servers)
+    assert control(servers[1], "/begin_weight_update")["success"]  # left open by someone else
+    with pytest.raises(RolloutError, match=re.escape(f"{servers[1].url}/begin_weight_update failed") + ".*already open"):
+        with engine.weight_update("never"):
+            raise AssertionError("the update body must not run")
+    for server in servers:  # no session open anywhere, nobody paused
+        assert control(server, "/begin_weight_update")["success"] and control(server, "/end_weight_update")["success"]
+    assert len(engine.generate(PROMPTS[:1], 1, PARAMS, seed=1)) == 1
+
+
 class CheckpointWeights:
     """A one-process :class:`moe_rl.rollout.weight_sync.WeightSource`: a checkpoint's tensors
     packed into buckets by the trainer's own planner."""
@@ -269,6 +282,18 @@ def test_multi_turn_requests_keep_their_prompts_server() -> None:
     assert [turns.server_for(ids) for ids in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3, 9, 8], [4, 5, 6], [7], [1, 2], [1, 2, 3, 9])] == [
         0, 0, 1, 0, 1, 2, 0, 0
     ]  # fmt: skip
+
+
+def test_prefix_hashes_follow_the_polynomial_recurrence() -> None:
+    """The vectorised prefix hashes equal h_i = h_(i-1) * B + t_i (mod 2**64), token by token."""
+    from moe_rl.rollout.sglang import _HASH_BASE, _prefix_hashes
+
+    tokens = torch.randint(0, 151_936, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected, h = [], 0
+    for t in tokens:
+        h = (h * _HASH_BASE + t) % 2**64
+        expected.append(h)
+    assert _prefix_hashes(tokens) == expected and _prefix_hashes([]) == []
 
 
 def test_weight_group_offsets_count_every_server_rank() -> None:

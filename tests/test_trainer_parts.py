@@ -459,3 +459,15 @@ def test_tensorboard_scalars_of_a_step_are_one_event_and_read_back_by_tag(tmp_pa
     (path,) = tmp_path.glob("events.out.tfevents.*")
     scalar_events = [e for e in LegacyEventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value[0].HasField("simple_value")]
     assert [(e.step, len(e.summary.value)) for e in scalar_events] == [(1, 5), (1, 1), (2, 5), (2, 1)]
+
+
+def test_routing_of_more_than_256_experts_travels_as_bytes() -> None:
+    """int16 expert ids (Kimi-K2's 384 experts) go to other ranks as bytes (NCCL has no
+    int16) and come back as the same int16 tensor."""
+    from moe_rl.routing.encoding import expert_index_dtype
+    from moe_rl.trainer.experience_transport import _as_bytes
+
+    routing = torch.randint(0, 384, (7, 3, 8)).to(expert_index_dtype(384))
+    wire = _as_bytes(routing)
+    assert routing.dtype == torch.int16 and wire.dtype == torch.uint8 and wire.numel() == routing.numel() * 2
+    assert torch.equal(wire.view(torch.int16).reshape(routing.shape), routing)

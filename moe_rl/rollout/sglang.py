@@ -33,6 +33,7 @@ import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import httpx
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -347,13 +348,15 @@ class SGLangEngine(RolloutEngine):
     def weight_update(self, weight_version: str) -> Iterator[None]:
         """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``;
         afterwards every server must report ``weight_version``."""
-        self._post_all("/pause_generation", check_success=False)
-        self._post_all("/begin_weight_update")
+        began = False
         try:
+            self._post_all("/pause_generation", check_success=False)
+            self._post_all("/begin_weight_update")
+            began = True
             yield
         finally:
             try:
-                self._post_all("/end_weight_update")
+                self._end_weight_update(began)
             finally:  # never leave the servers paused
                 self._post_all("/flush_cache", check_success=False)
                 self._post_all("/continue_generation", check_success=False)
@@ -361,6 +364,16 @@ class SGLangEngine(RolloutEngine):
         served = self.read_weight_version()
         if served != weight_version:
             raise RolloutError(f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}")
+
+    def _end_weight_update(self, began: bool) -> None:
+        """``/end_weight_update`` on every server; after a refused begin, the sessions the
+        other servers did open are closed and the refusals of those without one ignored."""
+        try:
+            self._post_all("/end_weight_update")
+        except RolloutError as e:
+            if began:
+                raise
+            log.info("closing the weight-update sessions after a refused begin: %s", e)
 
     def update_weights_from_distributed(
         self,
@@ -560,7 +573,7 @@ class _HttpTurns:
     def __init__(self, engine: SGLangEngine, client: httpx.AsyncClient, slots: list[asyncio.Semaphore], routed: bool, expected: str) -> None:
         self.engine, self.client, self.slots, self.routed, self.expected = engine, client, slots, routed, expected
         self._ids = itertools.count()
-        self._server_of: dict[tuple[int, ...], int] = {}  # a first request's tokens -> its server
+        self._server_of: dict[tuple[int, int], int] = {}  # a first request's (length, tokens' hash) -> its server
         self._lengths: list[int] = []  # their lengths, longest first
 
     async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
@@ -573,11 +586,30 @@ class _HttpTurns:
 
     def server_for(self, token_ids: Sequence[int]) -> int:
         """The server of the longest first request that ``token_ids`` start with; else the
-        next server, remembered for the requests that will continue these tokens."""
-        tokens = tuple(int(t) for t in token_ids)
+        next server, remembered for the requests that will continue these tokens. Each
+        request's prefixes are hashed once, in one pass (not a slice per remembered length)."""
+        prefix = _prefix_hashes(token_ids)
         for length in self._lengths:
-            if length <= len(tokens) and (server := self._server_of.get(tokens[:length])) is not None:
+            if length <= len(prefix) and (server := self._server_of.get((length, prefix[length - 1]))) is not None:
                 return server
-        server = self._server_of[tokens] = self.engine.take_server()
-        self._lengths = sorted({*self._lengths, len(tokens)}, reverse=True)
+        server = self._server_of[(len(prefix), prefix[-1] if prefix else 0)] = self.engine.take_server()
+        if len(prefix) not in self._lengths:
+            self._lengths = sorted([*self._lengths, len(prefix)], reverse=True)
         return server
+
+
+_HASH_BASE = 0x100000001B3  # odd: invertible modulo 2**64
+_HASH_BASE_INVERSE = pow(_HASH_BASE, -1, 2**64)
+
+
+def _prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+    """``h[i]``: a 64-bit polynomial hash of ``token_ids[: i + 1]`` (sum of ``t_j B^(i-j)``
+    modulo 2**64), all prefixes in one vectorised pass: ``B^i`` times the running sum of
+    ``t_j B^-j`` (numpy's unsigned arithmetic wraps modulo 2**64)."""
+    tokens = np.asarray(token_ids, dtype=np.uint64)
+    if tokens.size == 0:
+        return []
+    powers = np.cumprod(np.full(tokens.size, _HASH_BASE, dtype=np.uint64))  # B^1 .. B^n
+    inverse = np.cumprod(np.full(tokens.size, _HASH_BASE_INVERSE, dtype=np.uint64))  # B^-1 .. B^-n
+    scaled = tokens * np.concatenate([np.ones(1, dtype=np.uint64), inverse[:-1]])  # t_j B^-j
+    return (np.cumsum(scaled, dtype=np.uint64) * np.concatenate([np.ones(1, dtype=np.uint64), powers[:-1]])).tolist()

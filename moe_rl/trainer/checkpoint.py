@@ -33,6 +33,8 @@ import os
 import random
 import re
 import shutil
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ import torch
 
 from moe_rl.config import ConfigError
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
-from parallel.collectives import any_rank, barrier, rank, world_size
+from parallel.collectives import any_rank, barrier, broadcast_object, rank, world_size
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_state
 
@@ -139,6 +141,10 @@ def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dic
     if saved is None or settings.use_distributed_optimizer == saved:
         return settings
     if settings.use_distributed_optimizer is None:
+        if not saved and shards_optimizer_state(settings) and rank() == 0:
+            log.warning("resuming %s with the plain optimizer it was saved with, although this layout's data-parallel ranks "
+                        "would shard its state (the distributed optimizer): each rank holds the whole optimizer state of its "
+                        "model shard", resume_from[0])  # fmt: skip
         return dataclasses.replace(settings, use_distributed_optimizer=saved)
     raise CheckpointMismatch(
         f"checkpoint {resume_from[0]} holds the {'distributed' if saved else 'plain'} optimizer's state and "
@@ -199,6 +205,8 @@ class Checkpointer:
         self.layout = layout
         self.async_save = async_save
         self._writes = AsyncCallsQueue()
+        self._strategy = None  # megatron's save strategy, made at the first save (it caches which rank writes what)
+        self._pruning: threading.Thread | None = None  # deleting checkpoints beyond keep_last (first rank)
 
     def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: bool = False) -> Path:
         """Stage this rank's state and start writing ``step_<step>``; returns its final
@@ -208,9 +216,10 @@ class Checkpointer:
 
         self.wait()
         _writer_reports_die_with_this_process()
-        final, tmp = self.root / f"step_{step:06d}", self.root / f".tmp_step_{step:06d}"
+        # a name of its own: a writer a killed run left behind may still be writing an earlier one
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / broadcast_object(f".tmp_step_{step:06d}.{uuid.uuid4().hex[:8]}" if rank() == 0 else None)
         if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
             (tmp / "hf").mkdir()
@@ -220,8 +229,10 @@ class Checkpointer:
             export_hf_weights(state.model, self.hf_config, tmp / "model", dtype=next(state.model.parameters()).dtype, copy_files_from=self.tokenizer_dir)
         torch.save(_rng_state(), tmp / _rng_file(rank()))
         meta = {"format": FORMAT, "step": step, "world_size": world_size(), "layout": _layout_meta(self.layout),
-                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights, **extra}  # fmt: skip
-        request = dist_checkpointing.save(state.sharded_state_dict(loading=False), tmp / "dist", sharded_strategy=_save_strategy(),
+                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights,
+                "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."), **extra}  # fmt: skip
+        self._strategy = self._strategy or _save_strategy()
+        request = dist_checkpointing.save(state.sharded_state_dict(loading=False), tmp / "dist", sharded_strategy=self._strategy,
                                           async_sharded_save=True)  # fmt: skip
         request.add_finalize_fn(lambda: self._commit(tmp, final, meta))
         if self.async_save:
@@ -240,8 +251,11 @@ class Checkpointer:
         self._writes.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
-        """Wait for the checkpoint being written and commit it."""
+        """Wait for the checkpoint being written and commit it (and for old ones to be gone)."""
         self._writes.maybe_finalize_async_calls(blocking=True)
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
         barrier()
 
     def abandon(self) -> None:
@@ -252,11 +266,18 @@ class Checkpointer:
         self._writes.async_calls.clear()
 
     def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
-        if rank() == 0:
-            _fsync_tree(tmp)
-            commit_checkpoint(tmp, final, meta)
-            for _, old in checkpoint_dirs(self.root.parent)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        """First rank: make ``tmp`` the checkpoint, then drop the oldest beyond
+        ``keep_last`` (renamed aside at once, deleted on a thread: deleting terabytes on a
+        parallel file system must not hold up the other ranks, which wait here)."""
+        if rank() != 0:
+            return
+        _fsync_tree(tmp, skip_suffix=".distcp")  # megatron's writers fsync their own files
+        commit_checkpoint(tmp, final, meta)
+        old = [path for _, path in checkpoint_dirs(self.root.parent)[: -self.keep_last]]
+        aside = [path.rename(path.with_name(f".old_{path.name}")) for path in old]
+        if aside:
+            self._pruning = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in aside], name="checkpoint-prune", daemon=True)
+            self._pruning.start()
 
 
 def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: ParallelLayout) -> None:
@@ -270,7 +291,7 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
     if not same_layout and rank() == 0:
         log.info("checkpoint %s was written under %s on %d processes: resharded to %s on %d", path, meta.get("layout"), meta["world_size"],
                  _layout_meta(layout), world_size())  # fmt: skip
-    _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta) if not same_layout else rank()), weights_only=True), tracker=same_layout)
+    _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta)), weights_only=True), tracker=same_layout)
 
 
 _WRITER_REPORTS: list = []  # the manager serving megatron's writer-results queue (kept alive here)
@@ -289,7 +310,7 @@ def _writer_reports_die_with_this_process() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=die_with_parent)
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
         _WRITER_REPORTS.append(manager)
         filesystem_async._results_queue = manager.Queue()
 
@@ -304,10 +325,10 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
 
 def sharded_weights_dtype(path: Path) -> torch.dtype:
     """The precision checkpoint ``path`` holds its weights in (the training precision)."""
-    from megatron.core import dist_checkpointing
-
-    metadata = dist_checkpointing.load_tensors_metadata(str(path / "dist"))
-    return next(t.dtype for key, t in metadata.items() if not key.startswith(("optimizer.", "chained_")))
+    meta = read_meta(path)
+    if meta is None or "weights_dtype" not in meta:
+        raise ValueError(f"{path} is not a complete moe-rl checkpoint (meta.json with weights_dtype)")
+    return getattr(torch, meta["weights_dtype"])
 
 
 def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:
@@ -327,7 +348,7 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> None:
     """Temporary checkpoint directories a killed run left behind (first rank)."""
     root = Path(run_dir) / "checkpoints"
     if rank() == 0 and root.is_dir():
-        for tmp in root.glob(".tmp_step_*"):
+        for tmp in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:  # (and old ones a prune left half deleted)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -385,12 +406,14 @@ def _set_rng_state(state: dict, tracker: bool) -> None:
             torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` (and the directories) to disk before the rename."""
+def _fsync_tree(root: Path, skip_suffix: str | None = None) -> None:
+    """Flush every file under ``root`` (but those ending in ``skip_suffix``, flushed by
+    whoever wrote them) and the directories to disk before the rename."""
     for folder, _, files in os.walk(root):
         for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
+            if skip_suffix is None or not name.endswith(skip_suffix):
+                with open(os.path.join(folder, name), "rb") as f:
+                    os.fsync(f.fileno())
         _fsync_dir(Path(folder))
 
 

@@ -11,6 +11,7 @@ pipeline-parallel peers of one replica each receive the same share).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -56,8 +57,13 @@ def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int)
     ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
     logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
     loss_mask = torch.tensor([m for s in samples for m in s.output_mask()], dtype=torch.uint8)
-    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), routing):
+    # routing travels as its bytes: NCCL has no int16 (the type of > 256 experts)
+    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), _as_bytes(routing)):
         dist.send(tensor.contiguous().to(device), dst=dst)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
@@ -74,7 +80,8 @@ def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
     logprobs = recv((int(sizes[:, 1].sum()),), torch.float32).tolist()
     loss_mask = recv((int(sizes[:, 1].sum()),), torch.uint8).tolist()
     advantages = recv((count,), torch.float32)
-    routing = recv(tuple(header[:3]), _ROUTING_DTYPES[header[3]])
+    shape, routing_dtype = tuple(header[:3]), _ROUTING_DTYPES[header[3]]
+    routing = recv((math.prod(shape) * routing_dtype.itemsize,), torch.uint8).view(routing_dtype).reshape(shape)
     samples, at_id, at_lp, at_route = [], 0, 0, 0
     for p, o, r in sizes.tolist():
         samples.append(Sample(
