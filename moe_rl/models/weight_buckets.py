@@ -96,16 +96,6 @@ class Bucket:
     def nbytes(self) -> int:
         return self.tensors[-1].end if self.tensors else 0
 
-    def bytes_sent_to_sender(self) -> int:
-        """Bytes other ranks send the sender point to point (the writers that are not it)."""
-        sent, first = 0, 0
-        for entry in self.entries:
-            last = first + len(entry.tensors) - 1
-            if entry.writer != self.sender:
-                sent += self.tensors[last].end - self.tensors[first].start
-            first = last + 1
-        return sent
-
     def unpack(self, flat: torch.Tensor) -> NamedTensors:
         """``(name, tensor)`` views of ``flat`` (the packed buffer), in packed order."""
         return [(t.name, flat[t.start : t.end].view(t.dtype).view(t.shape)) for t in self.tensors]
