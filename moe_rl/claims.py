@@ -103,60 +103,117 @@ CLAIMS = (
     Claim(
         "Tokens whose routing changed since the old policy carry larger importance ratios (GRPO, no replay)",
         "the mechanism behind GSPO, R2 and R3: routing changes make token ratios volatile",
-        (Comparison(Side("grpo", tag(tags.train_by_routing("log_ratio_abs", True)), "mean abs log-ratio, routing changed"),
-                    Side("grpo", tag(tags.train_by_routing("log_ratio_abs", False)), "mean abs log-ratio, routing same")),),
+        (
+            Comparison(
+                Side("grpo", tag(tags.train_by_routing("log_ratio_abs", True)), "mean abs log-ratio, routing changed"),
+                Side("grpo", tag(tags.train_by_routing("log_ratio_abs", False)), "mean abs log-ratio, routing same"),
+            ),
+        ),
     ),
     Claim(
         "R2 removes the routing change inside the update",
         "R3 paper: replaying the old policy's experts keeps the update on the routing that generated the ratios",
-        (Comparison(Side("grpo", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
-                    Side("grpo_r2", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED)),
-         Comparison(Side("grpo", tag(tags.train_by_routing("tokens", True)), "tokens with changed routing per update"),
-                    Side("grpo_r2", tag(tags.train_by_routing("tokens", True)), "the same under R2"))),
+        (
+            Comparison(
+                Side("grpo", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
+                Side("grpo_r2", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
+            ),
+            Comparison(
+                Side("grpo", tag(tags.train_by_routing("tokens", True)), "tokens with changed routing per update"),
+                Side("grpo_r2", tag(tags.train_by_routing("tokens", True)), "the same under R2"),
+            ),
+        ),
     ),
     Claim(
         "GSPO clips a far larger share of tokens than GRPO, yet learns as well",
         "GSPO paper: ~15% of tokens clipped vs ~0.13% for GRPO, with better training efficiency",
-        (Comparison(Side("gspo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC), Side("grpo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC)),
-         Comparison(Side("gspo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo", HELD_OUT, tags.eval_pass_at(1)), at_least=True)),
+        (
+            Comparison(
+                Side("gspo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC),
+                Side("grpo", tag(tags.TRAIN_CLIP_FRAC), tags.TRAIN_CLIP_FRAC),
+            ),
+            Comparison(
+                Side("gspo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+        ),
     ),
     Claim(
         "GMPO keeps token log-ratios in a narrower range than GRPO",
         "GMPO paper: a more stable importance-sampling range (and +4.1% Pass@1 on math at 7B, not measurable here)",
-        (Comparison(Side("grpo", ratio_spread, "log-ratio p99 - p01"), Side("gmpo", ratio_spread, "log-ratio p99 - p01")),),
+        (
+            Comparison(
+                Side("grpo", ratio_spread, "log-ratio p99 - p01"), Side("gmpo", ratio_spread, "log-ratio p99 - p01")
+            ),
+        ),
     ),
     Claim(
         "The engine's numerics change routing; R3 removes that disagreement and lowers the log-prob mismatch",
         "R3 paper, Qwen3-30B-A3B: ~10% of router choices differ between inference and training",
-        (Comparison(Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
-                    Side("grpo_r3", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED)),
-         Comparison(Side("grpo", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN),
-                    Side("grpo_r3", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN))),
+        (
+            Comparison(
+                Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                Side("grpo_r3", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+            ),
+            Comparison(
+                Side("grpo", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN),
+                Side("grpo_r3", tag(tags.TRAIN_LOGP_MISMATCH_MEAN), tags.TRAIN_LOGP_MISMATCH_MEAN),
+            ),
+        ),
         caveat="the rollout engine rounds its weights to bf16 (rollout.precision=bf16) in both runs; the trainer computes in fp32",
     ),
     Claim(
         "GDPO keeps reward combinations apart that GRPO's weighted sum collapses",
         "GDPO paper: with several binary rewards, group-normalising their sum maps distinct combinations to one advantage",
-        (Comparison(Side("gdpo", tag(tags.ADVANTAGE_DISTINCT_PER_GROUP), tags.ADVANTAGE_DISTINCT_PER_GROUP),
-                    Side("gdpo", tag(tags.REWARD_DISTINCT_TOTALS_PER_GROUP), f"{tags.REWARD_DISTINCT_TOTALS_PER_GROUP} (what GRPO separates)")),),
+        (
+            Comparison(
+                Side("gdpo", tag(tags.ADVANTAGE_DISTINCT_PER_GROUP), tags.ADVANTAGE_DISTINCT_PER_GROUP),
+                Side(
+                    "gdpo",
+                    tag(tags.REWARD_DISTINCT_TOTALS_PER_GROUP),
+                    f"{tags.REWARD_DISTINCT_TOTALS_PER_GROUP} (what GRPO separates)",
+                ),
+            ),
+        ),
         caveat="compared on the same samples (GRPO's advantage is a function of the weighted total); needs rewards whose "
         "weighted sum collides, e.g. equal weights on two binary rewards",
     ),
     Claim(
         "GSPO and GMPO without replay learn as well as GRPO with R2",
         "GSPO and GMPO papers: sequence-level (geometric) ratios make routing replay unnecessary",
-        (Comparison(Side("gspo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo_r2", HELD_OUT, tags.eval_pass_at(1)), at_least=True),
-         Comparison(Side("gmpo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo_r2", HELD_OUT, tags.eval_pass_at(1)), at_least=True)),
+        (
+            Comparison(
+                Side("gspo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo_r2", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+            Comparison(
+                Side("gmpo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo_r2", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+        ),
         caveat="the contrast the papers draw (GRPO collapsing without replay) needs a model large enough to collapse",
     ),
     Claim(
         "R3 lowers the train-inference KL more than TIS does; TIS changes no routing",
         "R3 paper: replay removes the routing part of the mismatch, importance weights only reweigh its tokens",
-        (Comparison(Side("grpo_tis", tag(OFFPOLICY_KL), OFFPOLICY_KL), Side("grpo_r3", tag(OFFPOLICY_KL), OFFPOLICY_KL)),
-         Comparison(Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
-                    Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), at_least=True),
-         Comparison(Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
-                    Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), at_least=True)),
+        (
+            Comparison(
+                Side("grpo_tis", tag(OFFPOLICY_KL), OFFPOLICY_KL), Side("grpo_r3", tag(OFFPOLICY_KL), OFFPOLICY_KL)
+            ),
+            Comparison(
+                Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                at_least=True,
+            ),
+            Comparison(
+                Side("grpo", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                Side("grpo_tis", tag(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED), tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED),
+                at_least=True,
+            ),
+        ),
         caveat="k3 estimate of KL(rollout || trainer) on the old pass. Here the mismatch is the engine's bf16 rounding of "
         "every weight (KL ~3e-6 per token) and the engine routes only ~0.1-0.2% of tokens differently, so removing the "
         "routing part cannot lower the KL measurably; at 30B scale the R3 paper measures ~10% of router choices differing",
@@ -164,26 +221,44 @@ CLAIMS = (
     Claim(
         "Truncation bounds the importance weights; a masked correction drops the tokens outside its band",
         "TIS / MIS (IcePop) papers: the correction caps the weights' variance at the cost of some tokens' signal",
-        (Comparison(Side("grpo", tag(IS_WEIGHT_MAX), f"{IS_WEIGHT_MAX} (uncorrected ratio)"), Side("grpo_tis", tag(IS_WEIGHT_MAX), IS_WEIGHT_MAX),
-                    at_least=True),
-         Comparison(Side("grpo_icepop", tag(DROPPED), DROPPED), Side("grpo", tag(DROPPED), DROPPED), at_least=True)),
+        (
+            Comparison(
+                Side("grpo", tag(IS_WEIGHT_MAX), f"{IS_WEIGHT_MAX} (uncorrected ratio)"),
+                Side("grpo_tis", tag(IS_WEIGHT_MAX), IS_WEIGHT_MAX),
+                at_least=True,
+            ),
+            Comparison(Side("grpo_icepop", tag(DROPPED), DROPPED), Side("grpo", tag(DROPPED), DROPPED), at_least=True),
+        ),
         caveat="at the default band [0.5, 2] a token ratio must be off by 2x to be cut: at this scale the mismatch is ~1e-3, "
         "so the bound holds trivially and few tokens, if any, are dropped",
     ),
     Claim(
         "GSPO trains on the engine's own log-probs (no recompute pass) as well as on recomputed ones; token-level GRPO loses accuracy there",
         "GSPO review §4: a sequence-level ratio tolerates the engine/trainer precision gap that token-level GRPO does not",
-        (Comparison(Side("gspo_rollout_logp", HELD_OUT, tags.eval_pass_at(1)),
-                    Side("gspo", HELD_OUT, tags.eval_pass_at(1)), at_least=True),
-         Comparison(Side("grpo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo_rollout_logp", HELD_OUT, tags.eval_pass_at(1)))),
+        (
+            Comparison(
+                Side("gspo_rollout_logp", HELD_OUT, tags.eval_pass_at(1)),
+                Side("gspo", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+            Comparison(
+                Side("grpo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo_rollout_logp", HELD_OUT, tags.eval_pass_at(1))
+            ),
+        ),
         caveat="held-out pass@1 of the evaluations after step 0; the engine rounds its weights to bf16",
     ),
     Claim(
         "SAPO learns as well as GRPO on held-out problems",
         "SAPO paper: a soft gate instead of a hard clip, stable on MoE models",
-        (Comparison(Side("sapo", HELD_OUT, tags.eval_pass_at(1)), Side("grpo", HELD_OUT, tags.eval_pass_at(1)), at_least=True),),
+        (
+            Comparison(
+                Side("sapo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+        ),
     ),
-)  # fmt: skip
+)
 
 
 def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | None:
@@ -228,14 +303,20 @@ class ClaimResult:
         return self.checkable and all(o.agrees for o in self.outcomes)
 
 
-def evaluate_claims(runs: dict[str, Scalars], seeds: list[int] | None = None, compared: set[str] | None = None) -> list[ClaimResult]:
+def evaluate_claims(
+    runs: dict[str, Scalars], seeds: list[int] | None = None, compared: set[str] | None = None
+) -> list[ClaimResult]:
     """The comparisons of every claim whose runs are all among ``compared`` (the base run
     names the comparison configured; default: those in ``runs``), on the runs' scalars
     (:func:`moe_rl.report.read_scalars`; run names ``<base>_s<seed>`` with seeds). A run
     that failed leaves its claims "cannot be checked"."""
     data = group_by_run(runs, seeds)
     names = set(data) if compared is None else compared
-    return [ClaimResult(claim, [compare(c, data) for c in claim.comparisons]) for claim in CLAIMS if _runs_of(claim) <= names]
+    return [
+        ClaimResult(claim, [compare(c, data) for c in claim.comparisons])
+        for claim in CLAIMS
+        if _runs_of(claim) <= names
+    ]
 
 
 def _runs_of(claim: Claim) -> set[str]:
@@ -252,7 +333,7 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
         f"Each row compares a figure of run A with run B, paired by {paired_by}: A and B as mean ± std over the "
         f"{'seeds' if seeds and len(seeds) > 1 else 'steps'}, the effect as "
         f"the mean paired difference A − B ± its standard error. A row agrees when the effect is in the claimed direction "
-        f"by more than {Z:g} standard errors (\"≥\" rows: when A is not below B by more than that). A claim agrees when "
+        f'by more than {Z:g} standard errors ("≥" rows: when A is not below B by more than that). A claim agrees when '
         "all its rows do.",
         "",
         "| claim | figure (tag) | A | B | A − B ± SE | verdict |",
@@ -261,9 +342,11 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
     for i, result in enumerate(results, 1):
         lines += [_row(i, c, o) for c, o in zip(result.claim.comparisons, result.outcomes)]
     lines += ["", f"**{summary_line(results)}**", ""]
-    lines += [f"{i}. {r.claim.statement}: **{'agrees' if r.agrees else 'does not agree' if r.checkable else 'cannot be checked'}**. "
-              f"Paper: {r.claim.paper}." + (f" Caveat: {r.claim.caveat}." if r.claim.caveat else "")
-              for i, r in enumerate(results, 1)]  # fmt: skip
+    lines += [
+        f"{i}. {r.claim.statement}: **{'agrees' if r.agrees else 'does not agree' if r.checkable else 'cannot be checked'}**. "
+        f"Paper: {r.claim.paper}." + (f" Caveat: {r.claim.caveat}." if r.claim.caveat else "")
+        for i, r in enumerate(results, 1)
+    ]
     return "\n".join(lines)
 
 
@@ -275,14 +358,19 @@ def claims_lead(results: list[ClaimResult]) -> list[str]:
     lines = [f"The papers' claims: {summary_line(results)} (table below)."]
     for i, r in enumerate(results, 1):
         if r.checkable and not r.agrees:
-            lines.append(f"Claim {i} does not agree here ({r.claim.statement})" + (f": {r.claim.caveat}." if r.claim.caveat else "."))
+            lines.append(
+                f"Claim {i} does not agree here ({r.claim.statement})"
+                + (f": {r.claim.caveat}." if r.claim.caveat else ".")
+            )
     return lines
 
 
 def summary_line(results: list[ClaimResult]) -> str:
     checkable = [r for r in results if r.checkable]
     missing = len(results) - len(checkable)
-    return f"{sum(r.agrees for r in checkable)} of {len(checkable)} checkable claims agree" + (f" ({missing} lack a run or figure)" if missing else "")
+    return f"{sum(r.agrees for r in checkable)} of {len(checkable)} checkable claims agree" + (
+        f" ({missing} lack a run or figure)" if missing else ""
+    )
 
 
 def _row(i: int, c: Comparison, o: Outcome | None) -> str:
@@ -299,4 +387,3 @@ def _row(i: int, c: Comparison, o: Outcome | None) -> str:
     verdict = "agrees" if o.agrees else "does not agree"
     se = "n/a" if math.isinf(o.stderr) else sig(o.stderr, 2)
     return f"| {head} | {figure} | {sig(o.mean_a)} ± {sig(o.spread_a, 2)} | {sig(o.mean_b)} ± {sig(o.spread_b, 2)} | {sig(o.effect, sign=True)} ± {se} | {verdict} |"
-

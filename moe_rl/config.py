@@ -56,7 +56,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # a built-in task (arithmetic | arithmetic_chain), or a dataset: .jsonl/.json/.parquet file, datasets dir (DIR[:split])
+    # a built-in task (arithmetic | arithmetic_chain), or a dataset: .jsonl/.json/.parquet file, datasets dir (DIR[:split])
+    task: str = "arithmetic"
     prompt_key: str = "prompt"  # a dataset's prompt field (dots reach nested fields); text or chat messages
     answer_key: str = "answer"  # its reference-answer field, e.g. reward_model.ground_truth
     prompt_template: str = "{prompt}"  # wraps the question, e.g. "{prompt} Put the answer in \\boxed{}."
@@ -91,7 +92,8 @@ class RolloutConfig:
     # venv, e.g. .venv-sglang/bin/python from tools/setup.sh --sglang), extra launch flags
     # (after moe-rl's own: a flag given here wins), how long it may take to become healthy
     server_python: str = ""
-    server_args: list[str] = field(default_factory=list)  # extra sglang.launch_server flags (after moe-rl's own: they win)
+    # extra sglang.launch_server flags (after moe-rl's own: they win)
+    server_args: list[str] = field(default_factory=list)
     server_start_timeout_s: float = 600.0  # how long a launched server may take to become healthy
     # --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels): batch-invariant
     # kernels and the pytorch sampling backend, slower; on to reproduce a rollout exactly
@@ -155,7 +157,8 @@ class RewardConfig:
             RewardItem("short", "length", 0.25, {"budget": 4}),
         ]
     )
-    conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])  # target pays only where condition >= threshold
+    # target pays only where condition >= threshold
+    conditionals: list[ConditionalItem] = field(default_factory=lambda: [ConditionalItem("short", "correct", 1.0)])
     timeout_s: float = 5.0  # a reward call past this scores 0 (counted in reward/failures/<name>)
     # 0: each call in a thread of the first rank, one at a time; N: N worker processes in
     # parallel, a call past timeout_s has its worker killed (nothing left running)
@@ -193,10 +196,13 @@ class AlgorithmConfig:
 @dataclass
 class RoutingConfig:
     replay: str = "none"  # none | r2 | r3
-    expert_bias_update_rate: float = 1e-3  # routers with an expert bias (GLM-4.5, DeepSeek-V3): aux-loss-free balancing step; 0 freezes it
+    # routers with an expert bias (GLM-4.5, DeepSeek-V3): aux-loss-free balancing step; 0 freezes it
+    expert_bias_update_rate: float = 1e-3
     metrics: bool = True  # drift metrics; also asks the rollout engine for routed experts (train-inference drift)
-    after_update_pass: bool = True  # one extra forward to measure the routing an update changes (and router_kl, the only metric that keeps router distributions)
-    metrics_sample_frac: float = 1.0  # share of each micro-batch's tokens the drift metrics observe (a seeded draw; counts scaled to all tokens): < 1 for huge batches
+    # one extra forward to measure the routing an update changes (and router_kl, the only metric that keeps router distributions)
+    after_update_pass: bool = True
+    # share of each micro-batch's tokens the drift metrics observe (a seeded draw; counts scaled to all tokens): < 1 for huge batches
+    metrics_sample_frac: float = 1.0
     recompute_activations: bool = False  # recompute MoE layers in the backward (R2/R3 replay the same routing there)
 
 
@@ -226,8 +232,10 @@ class TrainConfig:
     # how long a rank may wait in a collective: the other ranks wait in one while the first
     # rank collects a step's rollouts (DAPO rounds of long samples) or evaluates
     collective_timeout_min: float = 180.0
-    eval_every: int = 0  # with data.eval_task: evaluate before training, every N steps and at the end (0: only at the end)
-    log_samples: int = 4  # prompts per step whose first sample (prompt, response, rewards, advantage) goes to samples.jsonl and TensorBoard's text tab
+    # with data.eval_task: evaluate before training, every N steps and at the end (0: only at the end)
+    eval_every: int = 0
+    # prompts per step whose first sample (prompt, response, rewards, advantage) goes to samples.jsonl and TensorBoard's text tab
+    log_samples: int = 4
     flat_reward_steps: int = 3  # warn when every sample got the same rewards this many steps in a row (0: never)
 
 
@@ -256,12 +264,41 @@ class Config:
         return {k: v for k, v in flat.items() if k.startswith(_FINGERPRINTED) and k not in _NOT_FINGERPRINTED}
 
 
-_FINGERPRINTED = ("model.", "data.", "reward.", "algorithm.", "routing.replay", "routing.expert_bias_update_rate", "warm_start.", "train.seed",
-                  "rollout.engine", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
-                  "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.precision",
-                  "rollout.filter_zero_std_groups", "rollout.max_sampling_rounds", "rollout.generate_fn", "rollout.generate_kwargs")  # fmt: skip
-_NOT_FINGERPRINTED = {"algorithm.micro_batch_size", "algorithm.reference", "algorithm.max_tokens_per_micro_batch", "warm_start.cache_dir", "reward.timeout_s", "reward.workers", "data.eval_task",
-                      "data.eval_max_prompts", "data.eval_samples", "data.eval_temperature", "data.eval_solved_reward"}  # fmt: skip
+_FINGERPRINTED = (
+    "model.",
+    "data.",
+    "reward.",
+    "algorithm.",
+    "routing.replay",
+    "routing.expert_bias_update_rate",
+    "warm_start.",
+    "train.seed",
+    "rollout.engine",
+    "rollout.group_size",
+    "rollout.prompts_per_step",
+    "rollout.max_new_tokens",
+    "rollout.temperature",
+    "rollout.top_p",
+    "rollout.top_k",
+    "rollout.precision",
+    "rollout.filter_zero_std_groups",
+    "rollout.max_sampling_rounds",
+    "rollout.generate_fn",
+    "rollout.generate_kwargs",
+)
+_NOT_FINGERPRINTED = {
+    "algorithm.micro_batch_size",
+    "algorithm.reference",
+    "algorithm.max_tokens_per_micro_batch",
+    "warm_start.cache_dir",
+    "reward.timeout_s",
+    "reward.workers",
+    "data.eval_task",
+    "data.eval_max_prompts",
+    "data.eval_samples",
+    "data.eval_temperature",
+    "data.eval_solved_reward",
+}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -272,7 +309,11 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for every fingerprint entry that differs."""
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
 
 
 # ------------------------------------------------------------------ loading
@@ -358,7 +399,9 @@ def _plain(value: Any) -> Any:
 def _coerce(tp, value: Any, key: str):
     origin = typing.get_origin(tp)
     if isinstance(value, _Override):
-        wants_text = tp is str or (origin in (typing.Union, types.UnionType) and str in typing.get_args(tp) and value.parsed is not None)
+        wants_text = tp is str or (
+            origin in (typing.Union, types.UnionType) and str in typing.get_args(tp) and value.parsed is not None
+        )
         value = value.parsed if isinstance(value.parsed, str) or not wants_text else value.text
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
@@ -449,7 +492,9 @@ def _validate_algorithm(a: AlgorithmConfig, group_size: int) -> None:
     _positive("algorithm.updates_per_batch", a.updates_per_batch)
     _positive("algorithm.micro_batch_size", a.micro_batch_size)
     if a.max_tokens_per_micro_batch < -1:
-        raise ConfigError(f"algorithm.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} must be -1 (derived), 0 (by rows) or a token budget > 0")
+        raise ConfigError(
+            f"algorithm.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} must be -1 (derived), 0 (by rows) or a token budget > 0"
+        )
     if a.advantage != "dr_grpo" and group_size < 2:
         raise ConfigError(f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={a.advantage!r}")
 
@@ -463,9 +508,11 @@ def _validate_rollout_correction(a: AlgorithmConfig) -> None:
             raise ConfigError("algorithm.rollout_correction_params are set but algorithm.rollout_correction is none")
         return
     if a.old_logprobs == "rollout":
-        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction!r} weighs the trainer's recomputed old log-probs "
-                          "against the engine's; with algorithm.old_logprobs=rollout the ratio is already taken against the "
-                          "engine's (the correction is folded in): use one or the other")  # fmt: skip
+        raise ConfigError(
+            f"algorithm.rollout_correction={a.rollout_correction!r} weighs the trainer's recomputed old log-probs "
+            "against the engine's; with algorithm.old_logprobs=rollout the ratio is already taken against the "
+            "engine's (the correction is folded in): use one or the other"
+        )
     try:
         check_correction_params(a.rollout_correction, a.rollout_correction_params)
     except ValueError as e:
@@ -492,15 +539,31 @@ def _validate_rollout(r: RolloutConfig, routing: RoutingConfig) -> None:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} must be distinct GPU ids >= 0")
     _choice("rollout.weight_sync", r.weight_sync, ("distributed", "tensor", "disk"))
     if r.colocate and r.engine != "sglang":
-        raise ConfigError("rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang")
+        raise ConfigError(
+            "rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang"
+        )
     if r.colocate and r.async_rollouts:
-        raise ConfigError("rollout.colocate=true and rollout.async_rollouts=true exclude each other: colocated rollouts and training take turns on the same GPUs")
-    for key in ("sync_bucket_mb", "concurrency_per_server", "server_tp", "server_ep", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
+        raise ConfigError(
+            "rollout.colocate=true and rollout.async_rollouts=true exclude each other: colocated rollouts and training take turns on the same GPUs"
+        )
+    for key in (
+        "sync_bucket_mb",
+        "concurrency_per_server",
+        "server_tp",
+        "server_ep",
+        "group_size",
+        "prompts_per_step",
+        "max_new_tokens",
+        "temperature",
+        "max_sampling_rounds",
+    ):
         _positive(f"rollout.{key}", getattr(r, key))
     if r.server_gpus and len(r.server_gpus) < r.server_tp:
         raise ConfigError(f"rollout.server_gpus={r.server_gpus} has fewer GPUs than rollout.server_tp={r.server_tp}")
     if r.launch_server and r.server_python and not os.access(os.path.expanduser(r.server_python), os.X_OK):
-        raise ConfigError(f"rollout.server_python={r.server_python!r} is not an executable (SGLang's Python: bash tools/setup.sh --sglang makes .venv-sglang/bin/python)")
+        raise ConfigError(
+            f"rollout.server_python={r.server_python!r} is not an executable (SGLang's Python: bash tools/setup.sh --sglang makes .venv-sglang/bin/python)"
+        )
     _positive("rollout.server_start_timeout_s", r.server_start_timeout_s)
     if not 1 <= r.server_port <= 65535:
         raise ConfigError(f"rollout.server_port={r.server_port} must be in [1, 65535]")
@@ -540,7 +603,9 @@ def _validate_rewards(reward: RewardConfig) -> None:
     for i, cond in enumerate(reward.conditionals):
         for attr in ("target", "condition"):
             if getattr(cond, attr) not in names:
-                raise ConfigError(f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}")
+                raise ConfigError(
+                    f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}"
+                )
     _positive("reward.timeout_s", reward.timeout_s)
     _positive("reward.workers", reward.workers, allow_zero=True)
 
@@ -551,7 +616,9 @@ def _validate_model_and_data(c: Config) -> None:
     _choice("model.attention", m.attention, ATTENTION_MODULES)
     _choice("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
     if m.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("model.transformer_impl=transformer_engine, but Transformer Engine is not installed (model.transformer_impl=auto or local)")
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine, but Transformer Engine is not installed (model.transformer_impl=auto or local)"
+        )
     if m.hf_dir is not None:
         _check_hf_dir(m.hf_dir)
     else:
@@ -559,7 +626,9 @@ def _validate_model_and_data(c: Config) -> None:
         for key in ("hidden_size", "num_layers", "num_experts", "top_k"):
             _positive(f"model.{key}", getattr(m, key))
         if m.hidden_size % 4:
-            raise ConfigError(f"model.hidden_size={m.hidden_size} must be a multiple of 4 (the built-in model has 4 heads)")
+            raise ConfigError(
+                f"model.hidden_size={m.hidden_size} must be a multiple of 4 (the built-in model has 4 heads)"
+            )
         if m.top_k > m.num_experts:
             raise ConfigError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
     _validate_data(c.data, [r.name for r in c.reward.rewards])
@@ -590,7 +659,9 @@ def _validate_data(d: DataConfig, reward_names: list[str]) -> None:
     _positive("data.eval_samples", d.eval_samples)
     _positive("data.eval_temperature", d.eval_temperature)
     if d.eval_task is not None and d.eval_solved_reward not in reward_names:
-        raise ConfigError(f"data.eval_solved_reward={d.eval_solved_reward!r} is not a reward; rewards: {', '.join(reward_names)}")
+        raise ConfigError(
+            f"data.eval_solved_reward={d.eval_solved_reward!r} is not a reward; rewards: {', '.join(reward_names)}"
+        )
 
 
 def _check_hf_dir(hf_dir: str) -> None:
@@ -598,13 +669,17 @@ def _check_hf_dir(hf_dir: str) -> None:
 
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"model.hf_dir={hf_dir!r} has no config.json (a local Hugging Face model directory is needed)")
+        raise ConfigError(
+            f"model.hf_dir={hf_dir!r} has no config.json (a local Hugging Face model directory is needed)"
+        )
     try:
         model_type = json.loads(path.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"model.hf_dir={hf_dir!r}: config.json is not readable JSON ({type(e).__name__})") from None
     if model_type not in ARCHITECTURES:
-        raise ConfigError(f"model.hf_dir={hf_dir!r} has model_type={model_type!r}; supported: {', '.join(ARCHITECTURES.names())}")
+        raise ConfigError(
+            f"model.hf_dir={hf_dir!r} has model_type={model_type!r}; supported: {', '.join(ARCHITECTURES.names())}"
+        )
     from moe_rl.models.architectures import load_hf_config, unsupported_setting
 
     try:

@@ -51,7 +51,13 @@ class Evaluator:
             for start in range(0, len(self.problems), self.prompts_per_request):
                 chunk = self.problems[start : start + self.prompts_per_request]
                 sampled = generate_and_score(
-                    chunk, self.formatter, self.sampler, self.scorer, self.sampling, self.samples, seed=EVAL_SEED + start
+                    chunk,
+                    self.formatter,
+                    self.sampler,
+                    self.scorer,
+                    self.sampling,
+                    self.samples,
+                    seed=EVAL_SEED + start,
                 )
                 rewards.append(sampled.rewards)
                 lengths += [s.policy_token_count for s in sampled.samples]
@@ -80,5 +86,13 @@ def build_evaluator(
 
     d = cfg.data
     sampling = sampling_params(cfg, formatter.tokenizer.eos_token_id, evaluation=True)
-    return Evaluator(task.eval_problems(d.eval_max_prompts), formatter, sampler, scorer, sampling, d.eval_samples,
-                     d.eval_solved_reward, progress=progress)  # fmt: skip
+    return Evaluator(
+        task.eval_problems(d.eval_max_prompts),
+        formatter,
+        sampler,
+        scorer,
+        sampling,
+        d.eval_samples,
+        d.eval_solved_reward,
+        progress=progress,
+    )

@@ -53,7 +53,16 @@ def summarize_run(scalars: dict[str, dict[int, float]], window: int = 5) -> dict
     if steps:
         out["first"] = _mean(reward, steps[:window])
         out["final"] = _mean(reward, steps[-window:])
-    for key in ("expert_change", "any_layer", "replayed", "train_vs_rollout", "mismatch", "clip_frac", "step_time", "correct"):
+    for key in (
+        "expert_change",
+        "any_layer",
+        "replayed",
+        "train_vs_rollout",
+        "mismatch",
+        "clip_frac",
+        "step_time",
+        "correct",
+    ):
         series = scalars.get(TAGS[key], {})
         out[key] = _mean(series, sorted(series)) if series else None
     return out
@@ -63,11 +72,23 @@ def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
     """Mean and spread (min..max) over seeds of each run's headline figures."""
     import statistics
 
-    base_names = sorted({name.rsplit("_s", 1)[0] for name in summary}, key=lambda n: list(summary).index(f"{n}_s{seeds[0]}") if f"{n}_s{seeds[0]}" in summary else 0)
-    keys = [("final", "final reward"), ("expert_change", "experts changed per update"), ("train_vs_rollout", "train-vs-rollout routing"),
-            ("mismatch", "log-prob mismatch"), ("clip_frac", "clip frac")]  # fmt: skip
-    lines = [f"### Over seeds {', '.join(map(str, seeds))}: mean ± std (min..max)", "",
-             "| run | " + " | ".join(label for _, label in keys) + " |", "|" + "---|" * (len(keys) + 1)]  # fmt: skip
+    base_names = sorted(
+        {name.rsplit("_s", 1)[0] for name in summary},
+        key=lambda n: list(summary).index(f"{n}_s{seeds[0]}") if f"{n}_s{seeds[0]}" in summary else 0,
+    )
+    keys = [
+        ("final", "final reward"),
+        ("expert_change", "experts changed per update"),
+        ("train_vs_rollout", "train-vs-rollout routing"),
+        ("mismatch", "log-prob mismatch"),
+        ("clip_frac", "clip frac"),
+    ]
+    lines = [
+        f"### Over seeds {', '.join(map(str, seeds))}: mean ± std (min..max)",
+        "",
+        "| run | " + " | ".join(label for _, label in keys) + " |",
+        "|" + "---|" * (len(keys) + 1),
+    ]
     for base in base_names:
         cells = []
         for key, _ in keys:
@@ -88,10 +109,18 @@ def eval_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
     evaluated = {name: s for name, s in data.items() if s.get(tags.eval_pass_at(1))}
     if not evaluated:
         return []
-    pass_k = sorted({tag for s in evaluated.values() for tag in s if tag.startswith("eval/pass@") and tag != tags.eval_pass_at(1)})
+    pass_k = sorted(
+        {tag for s in evaluated.values() for tag in s if tag.startswith("eval/pass@") and tag != tags.eval_pass_at(1)}
+    )
     columns = [tags.eval_pass_at(1), *pass_k, tags.EVAL_REWARD_MEAN]
-    lines = ["## Held-out evaluation", "", "At the first evaluation (step 0: before training) -> the last (its step).", "",
-             "| run | " + " | ".join(f"`{c}`" for c in columns) + " | step |", "|" + "---|" * (len(columns) + 2)]  # fmt: skip
+    lines = [
+        "## Held-out evaluation",
+        "",
+        "At the first evaluation (step 0: before training) -> the last (its step).",
+        "",
+        "| run | " + " | ".join(f"`{c}`" for c in columns) + " | step |",
+        "|" + "---|" * (len(columns) + 2),
+    ]
     for name, s in evaluated.items():
         steps = sorted(s[tags.eval_pass_at(1)])
         cells = [f"{_fmt(s.get(c, {}).get(steps[0]))} -> {_fmt(s.get(c, {}).get(steps[-1]))}" for c in columns]
@@ -109,11 +138,16 @@ def expert_bias_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]
     if not biased:
         return []
     mean = lambda series: _mean(series, sorted(series)) if series else None  # noqa: E731
-    lines = ["## Expert bias (aux-loss-free balancing)", "",
-             f"| run | bias moved per step (`{delta}`) | routing changed by the bias alone (`{effect}`) | all routing change (`{changed}`) |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "## Expert bias (aux-loss-free balancing)",
+        "",
+        f"| run | bias moved per step (`{delta}`) | routing changed by the bias alone (`{effect}`) | all routing change (`{changed}`) |",
+        "|---|---|---|---|",
+    ]
     for name, s in biased.items():
-        lines.append(f"| {name} | {_fmt(mean(s[delta]), 5)} | {_fmt(mean(s.get(effect)), 4)} | {_fmt(mean(s.get(changed)), 4)} |")
+        lines.append(
+            f"| {name} | {_fmt(mean(s[delta]), 5)} | {_fmt(mean(s.get(effect)), 4)} | {_fmt(mean(s.get(changed)), 4)} |"
+        )
     return lines + [""]
 
 
@@ -135,32 +169,62 @@ def ema(values: list[float], alpha: float = 0.3) -> list[float]:
     return out
 
 
-STYLES = [dict(marker=m, linestyle=ls) for ls, m in zip(["-", "--", "-.", ":"] * 3, ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"])]
+STYLES = [
+    dict(marker=m, linestyle=ls)
+    for ls, m in zip(["-", "--", "-.", ":"] * 3, ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"])
+]
 
 
-def _banded(ax, name: str, seed_series: list[dict[int, float]], smooth: bool, style: dict, points: bool = False) -> None:
+def _banded(
+    ax, name: str, seed_series: list[dict[int, float]], smooth: bool, style: dict, points: bool = False
+) -> None:
     """Mean over seeds (smoothed when asked) with a min..max band over seeds when there
     are several; ``points``: markers at the measured steps (evaluations), joined faintly."""
     steps = sorted(set().union(*seed_series))
     per_step = [[s[st] for s in seed_series if st in s] for st in steps]
     mean = [sum(v) / len(v) for v in per_step]
     every = max(1, len(steps) // 10)
-    kwargs = dict(style, markevery=1 if points else every, markersize=6 if points else 4, linewidth=0.8 if points else 1.4)
+    kwargs = dict(
+        style, markevery=1 if points else every, markersize=6 if points else 4, linewidth=0.8 if points else 1.4
+    )
     line = ax.plot(steps, ema(mean) if smooth else mean, label=name, **kwargs)[0]
     if len(seed_series) > 1:
-        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15)
+        ax.fill_between(
+            steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15
+        )
     if smooth:
         ax.plot(steps, mean, color=line.get_color(), alpha=0.3, linewidth=0.8)
 
 
 FIGURES = [  # file, tag, title, y-axis label, smoothed, evaluation points
     ("reward", TAGS["reward"], "training reward", "mean total reward", True, False),
-    ("eval_reward", tags.EVAL_REWARD_MEAN, "held-out reward (fixed prompts and sampling seeds)", "mean total reward", False, True),
+    (
+        "eval_reward",
+        tags.EVAL_REWARD_MEAN,
+        "held-out reward (fixed prompts and sampling seeds)",
+        "mean total reward",
+        False,
+        True,
+    ),
     ("eval_pass1", tags.eval_pass_at(1), "held-out pass@1", "pass@1", False, True),
-    ("expert_change", TAGS["expert_change"], "activated experts changed per update", "share of (token, layer) top-k choices", False, False),
-    ("mismatch", TAGS["mismatch"], "train-vs-rollout log-prob mismatch", "mean |trainer - engine| log-prob", False, False),
+    (
+        "expert_change",
+        TAGS["expert_change"],
+        "activated experts changed per update",
+        "share of (token, layer) top-k choices",
+        False,
+        False,
+    ),
+    (
+        "mismatch",
+        TAGS["mismatch"],
+        "train-vs-rollout log-prob mismatch",
+        "mean |trainer - engine| log-prob",
+        False,
+        False,
+    ),
     ("clip_frac", TAGS["clip_frac"], "clip fraction", "share of response tokens clipped", False, False),
-]  # fmt: skip
+]
 
 
 def plot_curves(plots: Path, by_run: dict[str, list[dict]]) -> None:
@@ -186,7 +250,9 @@ def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
     mean over steps and seeds (``routing/expert_change_frac/layer_<l>``)."""
     per_run = {}
     for name, seeds in by_run.items():
-        layers = sorted({int(t.rsplit("_", 1)[1]) for s in seeds for t in s if t.startswith("routing/expert_change_frac/layer_")})
+        layers = sorted(
+            {int(t.rsplit("_", 1)[1]) for s in seeds for t in s if t.startswith("routing/expert_change_frac/layer_")}
+        )
         values = []
         for layer in layers:
             series = [v for s in seeds for v in s.get(tags.routing("expert_change_frac", layer=layer), {}).values()]
@@ -199,13 +265,25 @@ def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
     width = 0.8 / len(per_run)
     hatches = ["", "//", "..", "xx", "\\\\", "--", "++", "oo"]
     for i, (name, (layers, values)) in enumerate(per_run.items()):
-        ax.bar([l + (i - (len(per_run) - 1) / 2) * width for l in layers], values, width, label=name, hatch=hatches[i % len(hatches)])
+        ax.bar(
+            [l + (i - (len(per_run) - 1) / 2) * width for l in layers],
+            values,
+            width,
+            label=name,
+            hatch=hatches[i % len(hatches)],
+        )
     all_layers = sorted({l for layers, _ in per_run.values() for l in layers})
     ax.set_xticks(all_layers)
     tallest = max((v for _, values in per_run.values() for v in values if v == v), default=0.0)
     ax.set_ylim(0, tallest * 1.35 or 1.0)  # room for the legend above the bars
-    _finish(fig, ax, "experts changed per update, per MoE layer (routing/expert_change_frac/layer_<l>)", "MoE layer",
-            "share of top-k choices changed", plots / "layer_drift.png")
+    _finish(
+        fig,
+        ax,
+        "experts changed per update, per MoE layer (routing/expert_change_frac/layer_<l>)",
+        "MoE layer",
+        "share of top-k choices changed",
+        plots / "layer_drift.png",
+    )
 
 
 def _finish(fig, ax, title: str, xlabel: str, ylabel: str, path: Path) -> None:
@@ -230,8 +308,14 @@ def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[st
             values = [v for s in seeds for v in s.get(tag, {}).values()]
             means[name][tag] = sum(values) / len(values) if values else None
     base = means.get(baseline, {})
-    lines = ["## Cost", "", f"Means over steps and seeds; in brackets the ratio to `{baseline}` (same machine, same runs).", "",
-             "| run | " + " | ".join(f"{label} (`{tag}`)" for tag, label in keys) + " |", "|" + "---|" * (len(keys) + 1)]  # fmt: skip
+    lines = [
+        "## Cost",
+        "",
+        f"Means over steps and seeds; in brackets the ratio to `{baseline}` (same machine, same runs).",
+        "",
+        "| run | " + " | ".join(f"{label} (`{tag}`)" for tag, label in keys) + " |",
+        "|" + "---|" * (len(keys) + 1),
+    ]
     for name, m in means.items():
         cells = []
         for tag, _ in keys:
@@ -278,26 +362,46 @@ def _held_out(series: dict[str, dict[int, float]]) -> tuple[float, float, int] |
 def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) -> list[str]:
     """The runs side by side (3 significant figures), then the details."""
     summary = {name: summarize_run(s, window) for name, s in data.items()}
-    lines = ["## Runs", "",
-             f"Training reward: mean of the first and last {window} steps; held-out pass@1: first evaluation (step 0, "
-             "before training) -> last; the routing columns are shares of the (token, MoE layer) top-k choices, means over "
-             "all steps. Tags: " + ", ".join(f"`{TAGS[k]}`" for k in ("reward", "expert_change", "train_vs_rollout", "mismatch", "clip_frac", "step_time"))
-             + f", `{tags.eval_pass_at(1)}`.", "",
-             "| run | training reward | held-out pass@1 | experts changed per update (%) | train-vs-rollout routing changed (%) "
-             "| log-prob mismatch (nats) | clip fraction (%) | step (s) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "## Runs",
+        "",
+        f"Training reward: mean of the first and last {window} steps; held-out pass@1: first evaluation (step 0, "
+        "before training) -> last; the routing columns are shares of the (token, MoE layer) top-k choices, means over "
+        "all steps. Tags: "
+        + ", ".join(
+            f"`{TAGS[k]}`"
+            for k in ("reward", "expert_change", "train_vs_rollout", "mismatch", "clip_frac", "step_time")
+        )
+        + f", `{tags.eval_pass_at(1)}`.",
+        "",
+        "| run | training reward | held-out pass@1 | experts changed per update (%) | train-vs-rollout routing changed (%) "
+        "| log-prob mismatch (nats) | clip fraction (%) | step (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in summary.items():
         held = _held_out(data[name])
         lines.append(
-            f"| {name} | {_f3(s.get('first'))} -> {_f3(s.get('final'))} | " + (f"{_f3(held[0])} -> {_f3(held[1])}" if held else "—")
+            f"| {name} | {_f3(s.get('first'))} -> {_f3(s.get('final'))} | "
+            + (f"{_f3(held[0])} -> {_f3(held[1])}" if held else "—")
             + f" | {_pct(s['expert_change'])} | {_pct(s['train_vs_rollout'])} | {_e(s['mismatch'])} | {_pct(s['clip_frac'])} | {_f3(s['step_time'])} |"
-        )  # fmt: skip
-    lines += ["", "Details: training reward at fixed steps; tokens whose experts changed in any layer "
-              f"(`{TAGS['any_layer']}`); routing change between the old pass and the update passes (`{TAGS['replayed']}`: 0 under R2/R3).", "",
-              "| run | " + " | ".join(f"reward at step {st}" for st in fixed_steps) + " | tokens changed in any layer (%) | replayed-pass routing change (%) |",
-              "|" + "---|" * (3 + len(fixed_steps))]  # fmt: skip
+        )
+    lines += [
+        "",
+        "Details: training reward at fixed steps; tokens whose experts changed in any layer "
+        f"(`{TAGS['any_layer']}`); routing change between the old pass and the update passes (`{TAGS['replayed']}`: 0 under R2/R3).",
+        "",
+        "| run | "
+        + " | ".join(f"reward at step {st}" for st in fixed_steps)
+        + " | tokens changed in any layer (%) | replayed-pass routing change (%) |",
+        "|" + "---|" * (3 + len(fixed_steps)),
+    ]
     for name, s in summary.items():
         reward = data[name].get(TAGS["reward"], {})
-        lines.append(f"| {name} | " + "".join(f"{_f3(reward.get(st))} | " for st in fixed_steps) + f"{_pct(s['any_layer'])} | {_pct(s['replayed'])} |")
+        lines.append(
+            f"| {name} | "
+            + "".join(f"{_f3(reward.get(st))} | " for st in fixed_steps)
+            + f"{_pct(s['any_layer'])} | {_pct(s['replayed'])} |"
+        )
     return lines
 
 
@@ -310,21 +414,34 @@ def conclusions(data: dict[str, dict[str, dict[int, float]]], window: int) -> li
     if held:
         up = [f"{n} ({_f3(a)} -> {_f3(b)})" for n, (a, b, _) in held.items() if b > a]
         down = [f"{n} ({_f3(a)} -> {_f3(b)})" for n, (a, b, _) in held.items() if b <= a]
-        out.append("Held-out pass@1 rose for " + (", ".join(up) if up else "no run") + (f"; it did not for {', '.join(down)}" if down else "") + ".")
+        out.append(
+            "Held-out pass@1 rose for "
+            + (", ".join(up) if up else "no run")
+            + (f"; it did not for {', '.join(down)}" if down else "")
+            + "."
+        )
         finals = {n: s["final"] for n, s in summary.items() if s.get("final") is not None}
         best = max(finals, key=finals.get) if finals else None
         if best in held and held[best][1] <= held[best][0]:
-            out.append(f"{best} has the highest final training reward ({_f3(finals[best])}) but its held-out pass@1 did not rise: "
-                       "it learned what the training rewards pay for (e.g. the answer's form) more than the task.")
+            out.append(
+                f"{best} has the highest final training reward ({_f3(finals[best])}) but its held-out pass@1 did not rise: "
+                "it learned what the training rewards pay for (e.g. the answer's form) more than the task."
+            )
     replayed = {n: s["replayed"] for n, s in summary.items() if s.get("replayed") is not None}
     zero, moving = [n for n, v in replayed.items() if v == 0], {n: v for n, v in replayed.items() if v > 0}
     if zero and moving:
-        out.append(f"Replay: the update passes of {', '.join(zero)} used exactly the old pass's routing; without replay "
-                   + ", ".join(f"{n} {_pct(v)}%" for n, v in moving.items()) + " of router choices changed between the old pass and its updates.")
+        out.append(
+            f"Replay: the update passes of {', '.join(zero)} used exactly the old pass's routing; without replay "
+            + ", ".join(f"{n} {_pct(v)}%" for n, v in moving.items())
+            + " of router choices changed between the old pass and its updates."
+        )
     engine = {n: s["train_vs_rollout"] for n, s in summary.items() if s.get("train_vs_rollout") is not None}
     if any(v == 0 for v in engine.values()) and any(v > 0 for v in engine.values()):
-        out.append("Train-inference routing: " + ", ".join(f"{n} {_pct(v)}%" for n, v in engine.items())
-                   + " of the trainer's router choices differed from the engine's (0 where the trainer replays the engine's routing, R3).")
+        out.append(
+            "Train-inference routing: "
+            + ", ".join(f"{n} {_pct(v)}%" for n, v in engine.items())
+            + " of the trainer's router choices differed from the engine's (0 where the trainer replays the engine's routing, R3)."
+        )
     out += _coinciding(data, summary)
     return out
 
@@ -341,16 +458,25 @@ def _coinciding(data: dict[str, dict[str, dict[int, float]]], summary: dict[str,
                 continue
             why = "their settings made the same samples and updates"
             if summary[a].get("replayed") == 0 == summary[b].get("replayed"):
-                why = ("both replay routing, and what they replay (R2: the old policy's experts, R3: the engine's) differs only "
-                       "on the few router choices where the engine and the trainer disagree (the train-vs-rollout column of "
-                       "the run that replays the old policy's): the samples, rewards and updates are the same until one of "
-                       "those choices changes a sampled token")
+                why = (
+                    "both replay routing, and what they replay (R2: the old policy's experts, R3: the engine's) differs only "
+                    "on the few router choices where the engine and the trainer disagree (the train-vs-rollout column of "
+                    "the run that replays the old policy's): the samples, rewards and updates are the same until one of "
+                    "those choices changes a sampled token"
+                )
             out.append(f"{a} and {b} have the same training reward at {same} of {len(steps)} steps: {why}.")
     return out
 
 
-def write_report(out_dir: Path, data: dict[str, dict[str, dict[int, float]]], fixed_steps: list[int], window: int = 5,
-                 extra_sections: str = "", seeds: list[int] | None = None, lead: list[str] = ()) -> Path:  # fmt: skip
+def write_report(
+    out_dir: Path,
+    data: dict[str, dict[str, dict[int, float]]],
+    fixed_steps: list[int],
+    window: int = 5,
+    extra_sections: str = "",
+    seeds: list[int] | None = None,
+    lead: list[str] = (),
+) -> Path:
     """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' scalars
     (:func:`read_scalars`); ``lead``: more conclusions (the claims' verdict) for the top."""
     by_run = {name: list(per_seed.values()) for name, per_seed in group_by_run(data, seeds).items()}

@@ -8,7 +8,8 @@ REWARD_TOTAL = "reward/total"
 ADVANTAGE_MEAN = "advantage/mean"
 ADVANTAGE_STD = "advantage/std"
 ADVANTAGE_DISTINCT_PER_GROUP = "advantage/distinct_per_group"
-REWARD_DISTINCT_TOTALS_PER_GROUP = "reward/distinct_totals_per_group"  # what a sum-based advantage (GRPO) can tell apart
+# what a sum-based advantage (GRPO) can tell apart
+REWARD_DISTINCT_TOTALS_PER_GROUP = "reward/distinct_totals_per_group"
 RESPONSE_LENGTH_MEAN = "response/length_mean"
 RESPONSE_LENGTH_MAX = "response/length_max"
 RESPONSE_FINISHED_FRAC = "response/finished_frac"
@@ -126,11 +127,20 @@ ROUTING_TRAIN_VS_ROLLOUT_MISMATCH_SAME = routing("logp_mismatch_routing_same", "
 # (regexes over the tags above), next to the rewards and the train-inference mismatch
 CUSTOM_SCALARS_LAYOUT = {
     "routing drift per layer": {
-        "old -> updated policy: experts changed (routing/changed_frac/layer_*)": ["Multiline", [r"^routing/changed_frac/layer_\d+$"]],
-        "rollout engine -> trainer (routing/train_vs_rollout/changed_frac/layer_*)": ["Multiline", [r"^routing/train_vs_rollout/changed_frac/layer_\d+$"]],
+        "old -> updated policy: experts changed (routing/changed_frac/layer_*)": [
+            "Multiline",
+            [r"^routing/changed_frac/layer_\d+$"],
+        ],
+        "rollout engine -> trainer (routing/train_vs_rollout/changed_frac/layer_*)": [
+            "Multiline",
+            [r"^routing/train_vs_rollout/changed_frac/layer_\d+$"],
+        ],
         "replayed update passes (0 under R2/R3)": ["Multiline", [r"^routing/replayed/changed_frac/layer_\d+$"]],
         "router KL, old -> updated (routing/router_kl/layer_*)": ["Multiline", [r"^routing/router_kl/layer_\d+$"]],
-        "expert load imbalance (routing/expert_load_cv/layer_*)": ["Multiline", [r"^routing/expert_load_cv/layer_\d+$"]],
+        "expert load imbalance (routing/expert_load_cv/layer_*)": [
+            "Multiline",
+            [r"^routing/expert_load_cv/layer_\d+$"],
+        ],
     },
     "learning": {
         "rewards": ["Multiline", [r"^reward/(total|[^/]+)$"]],

@@ -212,10 +212,32 @@ def _patch_uneven_collectives() -> None:
 
 # torch functions that take a ``device=`` (and maybe ``pin_memory=``) keyword
 _FACTORIES = (
-    "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "empty", "full", "empty_strided", "eye",
-    "arange", "linspace", "logspace", "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices",
-    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-)  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "scalar_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "empty_strided",
+    "eye",
+    "arange",
+    "linspace",
+    "logspace",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "tril_indices",
+    "triu_indices",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+)
 _TENSOR_FACTORIES = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
 
 

@@ -55,7 +55,11 @@ def node_gpu_ids() -> list[str]:
         return []
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun | DeepSpeed
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [x.strip() for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    names = (
+        [x.strip() for x in visible.split(",") if x.strip()]
+        if visible
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
     return names[:local]
 
 

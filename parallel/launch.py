@@ -110,7 +110,9 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None, timeout_s: floa
         if all(c == 0 for c in codes):
             return 0
         if deadline is not None and time.monotonic() > deadline:
-            print(f"[moe-rl] processes still running after {timeout_s:.0f}s: stopping them", file=sys.stderr, flush=True)
+            print(
+                f"[moe-rl] processes still running after {timeout_s:.0f}s: stopping them", file=sys.stderr, flush=True
+            )
             return 124
         time.sleep(0.1)
 

@@ -77,12 +77,16 @@ class ParallelLayout:
             raise LayoutError("parallel.first_stage_layers / last_stage_layers need parallel.pp > 1")
         rest = num_layers - (first or 0) - (last or 0)
         others = pp - (first is not None) - (last is not None)  # stages that share the rest evenly
-        given = " and ".join(f"parallel.{k}_stage_layers={v}" for k, v in (("first", first), ("last", last)) if v is not None)
+        given = " and ".join(
+            f"parallel.{k}_stage_layers={v}" for k, v in (("first", first), ("last", last)) if v is not None
+        )
         if others == 0 and rest:
             raise LayoutError(f"{given} add up to {num_layers - rest} on pp=2, but model.num_layers={num_layers}")
         if others and (rest < others or rest % others):
-            raise LayoutError(f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {others} "
-                              "pipeline stage(s), which need the same number each, at least one")  # fmt: skip
+            raise LayoutError(
+                f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {others} "
+                "pipeline stage(s), which need the same number each, at least one"
+            )
         middle = rest // others if others else 0
         return (middle if first is None else first, *[middle] * (pp - 2), middle if last is None else last)
 
@@ -121,7 +125,10 @@ class ParallelLayout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel.sequence_parallel=True needs tp > 1")
-        for name, value in (("first_stage_layers", self.first_stage_layers), ("last_stage_layers", self.last_stage_layers)):
+        for name, value in (
+            ("first_stage_layers", self.first_stage_layers),
+            ("last_stage_layers", self.last_stage_layers),
+        ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer (or null)")
         if model is None:

@@ -111,7 +111,9 @@ class DeviceOffloader:
         elif self.optimizer is not None:
             weights = {t.untyped_storage().data_ptr() for t in self._tensors("weights")}
             for inner in _torch_optimizers(self.optimizer):
-                for group in inner.param_groups:  # fp32 main copies of low-precision weights (not the weights themselves)
+                for (
+                    group
+                ) in inner.param_groups:  # fp32 main copies of low-precision weights (not the weights themselves)
                     yield from (p for p in group["params"] if p.untyped_storage().data_ptr() not in weights)
                 for state in inner.state.values():
                     yield from (v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -133,7 +135,9 @@ class PinnedHostBuffer:
         self.tensor = self._memory[start : start + nbytes]
         self._address = self._memory.data_ptr() + start if nbytes else 0
         if self._address:
-            _check_cuda(torch.cuda.cudart().cudaHostRegister(self._address, span, 0), f"pinning {nbytes} bytes of host memory")
+            _check_cuda(
+                torch.cuda.cudart().cudaHostRegister(self._address, span, 0), f"pinning {nbytes} bytes of host memory"
+            )
 
     def __del__(self) -> None:
         if self._address:

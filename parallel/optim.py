@@ -146,7 +146,9 @@ def choose_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
             continue
         for group in inner.param_groups:
             group["fused"], group["foreach"] = fused, not fused
-            if fused:  # the fused kernel reads each step count on its parameter's device (a loaded one may be on the host)
+            if (
+                fused
+            ):  # the fused kernel reads each step count on its parameter's device (a loaded one may be on the host)
                 for param in group["params"]:
                     state = inner.state.get(param, {})
                     if torch.is_tensor(state.get("step")):
@@ -160,10 +162,18 @@ def build_lr_scheduler(optimizer: MegatronOptimizer, settings: OptimSettings, to
     settings.check_horizon(total_steps)
     horizon = settings.decay_steps or total_steps
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_steps,
-        lr_decay_steps=horizon + 1, lr_decay_style=settings.lr_schedule,
-        start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
-    )  # fmt: skip
+        optimizer,
+        init_lr=0.0,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=settings.warmup_steps,
+        lr_decay_steps=horizon + 1,
+        lr_decay_style=settings.lr_schedule,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
     return LRSchedule(scheduler)
 
 
@@ -238,7 +248,10 @@ def _grads_finite(chunks: list[DistributedDataParallel]) -> bool:
     # min and max are finite exactly when every element is (NaN propagates): one read
     # pass, no buffer-sized temporary (isfinite(...).all() takes a bool copy, ~10x slower)
     extremes = [
-        value for chunk in chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers for value in torch.aminmax(buffer.grad_data)
-    ]  # fmt: skip
+        value
+        for chunk in chunks
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers
+        for value in torch.aminmax(buffer.grad_data)
+    ]
     local_bad = bool(extremes) and not bool(torch.stack(extremes).isfinite().all())
     return not any_rank(local_bad)

@@ -18,7 +18,10 @@ assert torch.ones(3, device="cuda").device.type == "cpu"
 assert torch.tensor([1, 2], device="cuda:0", pin_memory=True).device.type == "cpu"
 x = torch.arange(4.0)
 assert x.cuda() is x and x.to("cuda").device.type == "cpu" and x.to(torch.float64).dtype == torch.float64
-assert x.to(device="cuda:0", dtype=torch.float16).dtype == torch.float16 and x.new_zeros(2, device="cuda").device.type == "cpu"
+assert (
+    x.to(device="cuda:0", dtype=torch.float16).dtype == torch.float16
+    and x.new_zeros(2, device="cuda").device.type == "cpu"
+)
 # device contexts still see the (wrapped) factories: transformers tests torch.tensor([]).device for one
 with torch.device("meta"):
     assert torch.tensor([]).device.type == "meta" and torch.zeros(2).device.type == "meta"

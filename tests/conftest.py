@@ -30,8 +30,21 @@ def demo_cache(tmp_path_factory) -> str:
     per session (``moe-rl prepare``); pass ``warm_start.cache_dir=<it>`` with ``WARM_START``."""
     path = tmp_path_factory.mktemp("demo_cache")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "prepare", *WARM_START, "train.progress=false", f"warm_start.cache_dir={path}"],
-                         capture_output=True, text=True, timeout=400, env=env)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "prepare",
+            *WARM_START,
+            "train.progress=false",
+            f"warm_start.cache_dir={path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return str(path)
 
@@ -40,7 +53,9 @@ def run_check_script(name: str, *args: str, timeout_s: int = 300) -> dict:
     """Run ``tests/<name>`` (a one-process check that prints JSON lines) in a fresh
     Python; its last JSON line."""
     script = Path(__file__).with_name(name)
-    out = subprocess.run([sys.executable, "-W", "ignore", str(script), *args], capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), *args], capture_output=True, text=True, timeout=timeout_s
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
@@ -62,9 +77,14 @@ def start_sglang(model_path: str, log_dir: Path, *, real: bool, extra_args: list
     else:
         command, device, deterministic = STAND_IN_SERVER, "cuda", True  # "cuda": no CPU flags (the stand-in knows none)
     settings = ServerSettings(
-        model_path=model_path, port=free_port(), return_routed_experts=True, deterministic=deterministic,
-        device=device, launch_command=command, extra_args=list(extra_args),
-    )  # fmt: skip
+        model_path=model_path,
+        port=free_port(),
+        return_routed_experts=True,
+        deterministic=deterministic,
+        device=device,
+        launch_command=command,
+        extra_args=list(extra_args),
+    )
     server = SGLangServer(settings, log_dir)
     try:
         server.wait_healthy(timeout_s=400 if real else 120)
@@ -101,6 +121,10 @@ def demo_weights_on(server, cache: str, version: str = "demo") -> str:
     """Load the built-in model's weights into ``server`` as ``version``; its URL."""
     import httpx
 
-    reply = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": demo_model_dir(cache), "weight_version": version}, timeout=120)
+    reply = httpx.post(
+        server.url + "/update_weights_from_disk",
+        json={"model_path": demo_model_dir(cache), "weight_version": version},
+        timeout=120,
+    )
     assert reply.status_code == 200 and reply.json()["success"], reply.text
     return server.url

@@ -70,12 +70,16 @@ def r3_maxdiff(hf_dir: str, model, replay, batches: list[MicroBatch], plain: lis
         seqs = [indices[j, :-1] for j in range(indices.shape[0])]  # SGLang: length - 1 positions
         per_mb.append(
             engine_routing_to_replay(
-                seqs, mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
+                seqs,
+                mb.input_ids.shape[1],
+                replay.layer_numbers,
+                replay.top_k,
                 num_experts=architecture_of(hf_model.config).num_experts(hf_model.config),
-                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                tp_size=ps.get_tensor_model_parallel_world_size(),
                 sequence_parallel=model.config.sequence_parallel,
             )
-        )  # fmt: skip
+        )
     replay.start_replay(per_mb, forward_only=True)
     r3 = run_microbatches(model, batches, hooks=[replay])
     replay.finish()
@@ -121,7 +125,9 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
     new_probe = probe.stop()
     same = lambda x, y: torch.equal(x.sort(-1).values, y.sort(-1).values)  # noqa: E731
     result["used_equals_recorded"] = all(
-        same(new_probe[i].used[:, l], recorded[i][l]) for i in range(len(batches)) for l in range(len(replay.layer_numbers))
+        same(new_probe[i].used[:, l], recorded[i][l])
+        for i in range(len(batches))
+        for l in range(len(replay.layer_numbers))
     )
     result["natural_changed_tokens"] = sum(
         int((new_probe[i].natural.sort(-1).values != torch.stack(recorded[i], 1).sort(-1).values).any(-1).any(-1).sum())
@@ -134,7 +140,14 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
     stats = RoutingStats(hf_config.num_hidden_layers, architecture_of(hf_config).num_experts(hf_config))
     for i in range(len(batches)):
         mask = torch.ones(new_probe[i].natural.shape[0])
-        stats.add_drift(replay.layer_numbers, old_probe[i].natural, new_probe[i].natural, mask, old_probe[i].probs, new_probe[i].probs)
+        stats.add_drift(
+            replay.layer_numbers,
+            old_probe[i].natural,
+            new_probe[i].natural,
+            mask,
+            old_probe[i].probs,
+            new_probe[i].probs,
+        )
         stats.add_load(replay.layer_numbers, new_probe[i].natural, mask)
     metrics = stats.reduce(pipeline_group=ps.get_pipeline_model_parallel_group())
     result["drift"] = {k: v.tolist() for k, v in metrics.items()}
@@ -174,7 +187,9 @@ def expert_bias_update_checks(model, config, hf_config, batch: list[MicroBatch])
     settings = OptimSettings(lr=1e-3)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
-    biases = lambda: torch.stack([b.clone() for n, b in model.named_buffers() if n.endswith("router.expert_bias")] or [torch.zeros(0)])  # noqa: E731
+    biases = lambda: torch.stack(
+        [b.clone() for n, b in model.named_buffers() if n.endswith("router.expert_bias")] or [torch.zeros(0)]
+    )  # noqa: E731
     nan_loss = lambda out, mb: (out[..., 0].sum() * float("nan"), {})  # noqa: E731
     before = biases()
     skipped = train_step([ddp], optimizer, lambda: run_microbatches([ddp], batch, loss_fn=nan_loss, forward_only=False))
@@ -206,7 +221,8 @@ def padding_left_out_of_expert_load(ddp, model, config, batch: list[MicroBatch])
     return bool(routers) and counts == [(SEQ + SEQ // 2) * config.moe_router_topk] * len(routers)
 
 
-BIAS_CHECKS = {"1,1,1,1", "1,1,2,1"}  # layouts where GLM-4.5 also runs expert_bias_update_checks (one process; EP2 x DP2)
+# layouts where GLM-4.5 also runs expert_bias_update_checks (one process; EP2 x DP2)
+BIAS_CHECKS = {"1,1,1,1", "1,1,2,1"}
 GRAD_CHECKS = {"1,1,1,1", "1,2,1,1"}  # layouts where Kimi-K2 (3 layers: PP2 splits them 2 + 1) also saves gradients
 
 
@@ -216,7 +232,9 @@ def fixed_loss_gradients(model, hf_config, batch: list[MicroBatch], out: Path) -
     layouts without tensor or data parallelism (each stage's gradients are then whole)."""
     model.zero_grad()
     results = run_microbatches(model, batch, loss_fn=loss_fn, forward_only=False)
-    grads = gather_hf_tensors(model, hf_config, source=lambda name, p: torch.zeros_like(p) if p.grad is None else p.grad)
+    grads = gather_hf_tensors(
+        model, hf_config, source=lambda name, p: torch.zeros_like(p) if p.grad is None else p.grad
+    )
     if grads:
         torch.save(grads, out / f"grads_rank{dist.get_rank()}.pt")
     if results:
@@ -224,7 +242,12 @@ def fixed_loss_gradients(model, hf_config, batch: list[MicroBatch], out: Path) -
 
 
 def family_checks(
-    hf_dir: str, layout: ParallelLayout, batch: list[MicroBatch], out: Path, bias_checks: bool = False, grad_checks: bool = False
+    hf_dir: str,
+    layout: ParallelLayout,
+    batch: list[MicroBatch],
+    out: Path,
+    bias_checks: bool = False,
+    grad_checks: bool = False,
 ) -> None:
     """Another architecture under ``layout``: forward-only log-probs and entropies of the
     whole batch (saved by the reporting rank), R2 replay before any update reproducing
@@ -270,7 +293,9 @@ def main() -> None:
         at = args.index("--family-layouts")
         args, family_layouts = args[:at], args[at + 1 :]
     families = [args[i + 1] for i, a in enumerate(args) if a == "--family"]
-    hf_dir, out_dir, *layouts = [a for i, a in enumerate(args) if a != "--family" and (i == 0 or args[i - 1] != "--family")]
+    hf_dir, out_dir, *layouts = [
+        a for i, a in enumerate(args) if a != "--family" and (i == 0 or args[i - 1] != "--family")
+    ]
     hf_config = load_hf_config(hf_dir)
     batch = fixed_batch(hf_config.vocab_size)
     for spec in layouts:
@@ -282,7 +307,11 @@ def main() -> None:
         rank = dist.get_rank()
         out = Path(out_dir) / spec.replace(",", "-")
         out.mkdir(parents=True, exist_ok=True)
-        reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        reporter = (
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+        )
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         my_batches = batch[dp_rank::dp_size]
 
@@ -318,7 +347,9 @@ def main() -> None:
         optimizer = build_optimizer([ddp], settings)
         losses = []
         for _ in range(TRAIN_STEPS):
-            result = train_step([ddp], optimizer, lambda: run_microbatches([ddp], my_batches, loss_fn=loss_fn, forward_only=False))
+            result = train_step(
+                [ddp], optimizer, lambda: run_microbatches([ddp], my_batches, loss_fn=loss_fn, forward_only=False)
+            )
             local = torch.tensor(sum(float(r["loss"]) for r in result.outputs))
             if ps.is_pipeline_last_stage():
                 dist.all_reduce(local, group=ps.get_data_parallel_group())

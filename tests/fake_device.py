@@ -110,9 +110,14 @@ class OnDevice(torch.Tensor):
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> "OnDevice":
         return torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(),
-            dtype=inner.dtype, layout=inner.layout, device=FAKE_DEVICE, requires_grad=inner.requires_grad,
-        )  # fmt: skip
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            dtype=inner.dtype,
+            layout=inner.layout,
+            device=FAKE_DEVICE,
+            requires_grad=inner.requires_grad,
+        )
 
     made = 0  # how many were made: a check can tell that its code ran on the device
 
@@ -202,8 +207,22 @@ class _FakeDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-                "_all_gather_base", "_reduce_scatter_base", "send", "recv", "isend", "irecv", "reduce", "all_to_all_single")  # fmt: skip
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "reduce",
+    "all_to_all_single",
+)
 
 
 @contextlib.contextmanager
@@ -214,7 +233,12 @@ def _collectives_on_inner_tensors() -> Iterator[None]:
     from torch.distributed import distributed_c10d
 
     modules = (dist, distributed_c10d)
-    saved = [(m, name, getattr(m, name)) for m in modules for name in (*_COLLECTIVES, "batch_isend_irecv") if hasattr(m, name)]
+    saved = [
+        (m, name, getattr(m, name))
+        for m in modules
+        for name in (*_COLLECTIVES, "batch_isend_irecv")
+        if hasattr(m, name)
+    ]
     originals = {name: fn for m, name, fn in saved if m is distributed_c10d}
 
     def unwrapping(collective):

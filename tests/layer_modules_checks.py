@@ -46,8 +46,13 @@ def run(modules: LayerModules, grouped_matmul: bool = True, **overrides) -> dict
     grads = gather_hf_tensors(model, hf_config, source=lambda name, p: p.main_grad)
     sdpa = sum(isinstance(m, SdpaAttention) for m in model.modules())
     dispatchers = {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
-    return {"logp": logp, "grads": grads, "grouped_matmuls": sum(m.grouped for m in stacked), "sdpa_modules": sdpa,
-            "dispatchers": sorted(dispatchers)}  # fmt: skip
+    return {
+        "logp": logp,
+        "grads": grads,
+        "grouped_matmuls": sum(m.grouped for m in stacked),
+        "sdpa_modules": sdpa,
+        "dispatchers": sorted(dispatchers),
+    }
 
 
 def attention_checks(config) -> dict:
@@ -59,11 +64,17 @@ def attention_checks(config) -> dict:
     args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     sdpa, local = SdpaAttention(**args), DotProductAttention(**args)
     s, b, d = 7, 2, config.kv_channels
-    inputs = [torch.randn(s, b, n, d, generator=gen) for n in (config.num_attention_heads, config.num_query_groups, config.num_query_groups)]
+    inputs = [
+        torch.randn(s, b, n, d, generator=gen)
+        for n in (config.num_attention_heads, config.num_query_groups, config.num_query_groups)
+    ]
     padding = causal_mask(s, torch.device("cpu")) | (torch.arange(s) >= 5)  # keys past 5 masked too
     out = {}
-    for name, mask in (("shared_causal", causal_mask(s, torch.device("cpu"))), ("copied_causal", causal_mask(s, torch.device("cpu")).clone()),
-                       ("padding", padding)):  # fmt: skip
+    for name, mask in (
+        ("shared_causal", causal_mask(s, torch.device("cpu"))),
+        ("copied_causal", causal_mask(s, torch.device("cpu")).clone()),
+        ("padding", padding),
+    ):
         results = []
         for module in (sdpa, local):
             leaves = [t.clone().requires_grad_() for t in inputs]
@@ -111,8 +122,11 @@ def spec_classes(spec, path: str = "") -> dict[str, str]:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     te = TESpecProvider()
-    roles = {id(te.column_parallel_linear()): "TE column-parallel linear", id(te.row_parallel_linear()): "TE row-parallel linear",
-             id(te.core_attention()): "TE attention"}  # fmt: skip
+    roles = {
+        id(te.column_parallel_linear()): "TE column-parallel linear",
+        id(te.row_parallel_linear()): "TE row-parallel linear",
+        id(te.core_attention()): "TE attention",
+    }
     out = {}
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
@@ -138,7 +152,10 @@ def transformer_engine_spec_changes() -> dict:
         config = make_transformer_config(family_config, layout)
         qk_norm = architecture_of(family_config).qk_norm(family_config)
         for experts in ("grouped", "sequential"):
-            specs = [decoder_block_spec(config, qk_norm, LayerModules(experts=experts, transformer_impl=impl)) for impl in ("local", "transformer_engine")]
+            specs = [
+                decoder_block_spec(config, qk_norm, LayerModules(experts=experts, transformer_impl=impl))
+                for impl in ("local", "transformer_engine")
+            ]
             for layer, (local, te) in enumerate(zip(*(s.layer_specs for s in specs))):
                 a, b = spec_classes(local.submodules), spec_classes(te.submodules)
                 changes[f"{family}/{experts}/{layer}"] = {k: [a[k], b[k]] for k in a if a[k] != b[k]}

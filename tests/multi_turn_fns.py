@@ -15,7 +15,9 @@ async def one_turn(problem, *, prompt_ids, engine, tokenizer, sampling) -> Trans
     return transcript
 
 
-async def two_turns(problem, *, prompt_ids, engine, tokenizer, sampling, inserted: str = " ok ", first: int = 3) -> Transcript:
+async def two_turns(
+    problem, *, prompt_ids, engine, tokenizer, sampling, inserted: str = " ok ", first: int = 3
+) -> Transcript:
     """A policy turn of at most ``first`` tokens, fixed environment tokens, a second turn
     (unless the first one stopped), then environment tokens after it (left out)."""
     transcript = Transcript(prompt_ids)

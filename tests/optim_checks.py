@@ -30,7 +30,9 @@ def first_step(distributed: bool | None, fused: bool = True) -> dict:
     config = make_transformer_config(hf_config, layout)
     model = build_model(hf_config, config)
     load_hf_weights(model, hf_config, hf_dir)
-    settings = OptimSettings(lr=LR, adam_eps=EPS, clip_grad=0.0, use_distributed_optimizer=distributed, fused_adam=fused)
+    settings = OptimSettings(
+        lr=LR, adam_eps=EPS, clip_grad=0.0, use_distributed_optimizer=distributed, fused_adam=fused
+    )
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -48,13 +50,23 @@ def first_step(distributed: bool | None, fused: bool = True) -> dict:
 auto, sharded, foreach = first_step(None), first_step(True), first_step(None, fused=False)
 # Adam's first step with bias correction: w - lr * g / (|g| + eps) (no weight decay, no clipping)
 textbook = max(
-    float((auto["after"][n] - (auto["before"][n] - LR * g / (g.abs() + EPS))).abs().max()) for n, g in auto["grads"].items()
+    float((auto["after"][n] - (auto["before"][n] - LR * g / (g.abs() + EPS))).abs().max())
+    for n, g in auto["grads"].items()
 )
 moved = sum(int((auto["after"][n] != auto["before"][n]).sum()) for n in auto["before"])
 same = max(float((auto["after"][n] - sharded["after"][n]).abs().max()) for n in auto["after"])
 kernels_differ = max(float((auto["after"][n] - foreach["after"][n]).abs().max()) for n in auto["after"])
-print(json.dumps({
-    "auto_sharded": auto["sharded"], "explicit_sharded": sharded["sharded"], "auto_kernels": auto["kernels"],
-    "foreach_kernels": foreach["kernels"], "fused_vs_foreach_max_diff": kernels_differ,
-    "textbook_max_err": textbook, "moved": moved, "auto_vs_sharded_max_diff": same,
-}))  # fmt: skip
+print(
+    json.dumps(
+        {
+            "auto_sharded": auto["sharded"],
+            "explicit_sharded": sharded["sharded"],
+            "auto_kernels": auto["kernels"],
+            "foreach_kernels": foreach["kernels"],
+            "fused_vs_foreach_max_diff": kernels_differ,
+            "textbook_max_err": textbook,
+            "moved": moved,
+            "auto_vs_sharded_max_diff": same,
+        }
+    )
+)

@@ -48,8 +48,15 @@ def weights_after_each_step(overlap: bool, distributed_optimizer: bool) -> list[
 
 result = {}
 for distributed_optimizer in (False, True):
-    off, on = weights_after_each_step(False, distributed_optimizer), weights_after_each_step(True, distributed_optimizer)
-    result[f"max_diff_distributed_{distributed_optimizer}"] = [max(float((a[n] - b[n]).abs().max()) for n in a) for a, b in zip(off, on)]
-    result[f"moved_distributed_{distributed_optimizer}"] = [sum(int((a[n] != b[n]).sum()) for n in a) for a, b in zip(off, off[1:])]
+    off, on = (
+        weights_after_each_step(False, distributed_optimizer),
+        weights_after_each_step(True, distributed_optimizer),
+    )
+    result[f"max_diff_distributed_{distributed_optimizer}"] = [
+        max(float((a[n] - b[n]).abs().max()) for n in a) for a, b in zip(off, on)
+    ]
+    result[f"moved_distributed_{distributed_optimizer}"] = [
+        sum(int((a[n] != b[n]).sum()) for n in a) for a, b in zip(off, off[1:])
+    ]
 if dist.get_rank() == 0:
     print(json.dumps(result), flush=True)

@@ -21,7 +21,9 @@ from parallel.layout import ParallelLayout
 hf_dir, temperature = sys.argv[1], float(sys.argv[2])
 engine = LocalEngine(hf_dir)
 prompts = [[3, 17, 22, 5], [9, 1, 40, 33, 2, 8]]
-groups = engine.generate(prompts, 3, SamplingParams(max_new_tokens=12, temperature=temperature), seed=7, return_routed_experts=True)
+groups = engine.generate(
+    prompts, 3, SamplingParams(max_new_tokens=12, temperature=temperature), seed=7, return_routed_experts=True
+)
 
 hf_config = load_hf_config(hf_dir)
 layout = ParallelLayout()
@@ -44,5 +46,13 @@ for group in groups:
         theirs = s.routed_experts.long().sort(-1).values
         routing_equal &= torch.equal(ours, theirs)
         positions += n
-print(json.dumps({"max_diff": max_diff, "routing_equal": routing_equal, "positions": positions,
-                  "lengths": [len(s.output_ids) for g in groups for s in g]}))
+print(
+    json.dumps(
+        {
+            "max_diff": max_diff,
+            "routing_equal": routing_equal,
+            "positions": positions,
+            "lengths": [len(s.output_ids) for g in groups for s in g],
+        }
+    )
+)

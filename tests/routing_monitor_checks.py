@@ -50,8 +50,14 @@ for mode, sample_frac in (("none", 1.0), ("r2", 1.0), ("r3", 1.0), ("r3_sampled"
     settings = OptimSettings(lr=0.05)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
-    monitor = RoutingMonitor(model, mode.split("_")[0], hf_config.num_hidden_layers, hf_config.num_experts, sample_frac=sample_frac,
-                             router_kl=sample_frac == 1)  # fmt: skip
+    monitor = RoutingMonitor(
+        model,
+        mode.split("_")[0],
+        hf_config.num_hidden_layers,
+        hf_config.num_experts,
+        sample_frac=sample_frac,
+        router_kl=sample_frac == 1,
+    )
     try:  # a pass that fails leaves the monitor idle, ready for the next step
         with monitor.old_pass(batches, engine_routing) as hooks:
             raise RuntimeError("a failed forward")
@@ -59,21 +65,39 @@ for mode, sample_frac in (("none", 1.0), ("r2", 1.0), ("r3", 1.0), ("r3_sampled"
         pass
     with monitor.old_pass(batches, engine_routing) as hooks:
         run_microbatches([ddp], batches, hooks=hooks)
-    kept = {"observed_tokens": [len(r.used) for r in monitor._old], "index_dtypes": sorted({str(r.used.dtype) for r in monitor._old}),
-            "old_probs_kept": [r.probs is not None for r in monitor._old],
-            "replay_dtypes": sorted({str(t.dtype) for mb in monitor._replay_indices for t in mb})}  # fmt: skip
+    kept = {
+        "observed_tokens": [len(r.used) for r in monitor._old],
+        "index_dtypes": sorted({str(r.used.dtype) for r in monitor._old}),
+        "old_probs_kept": [r.probs is not None for r in monitor._old],
+        "replay_dtypes": sorted({str(t.dtype) for mb in monitor._replay_indices for t in mb}),
+    }
     with monitor.update_pass() as hooks:
-        train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
+        train_step(
+            [ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks)
+        )
     with monitor.after_update_pass() as hooks:
         run_microbatches([ddp], batches, hooks=hooks)
     metrics = monitor.reduce()
-    print(json.dumps({"mode": mode, "kept": kept, **{g: {k: v.tolist() for k, v in m.items()} for g, m in metrics.items()}}), flush=True)
+    print(
+        json.dumps(
+            {"mode": mode, "kept": kept, **{g: {k: v.tolist() for k, v in m.items()} for g, m in metrics.items()}}
+        ),
+        flush=True,
+    )
 
 # R3 replay from the compact indices the trainer keeps equals replay from int64 (megatron's own type)
 model, _ = fresh_model("r3")
 replay, layers = RoutingReplay(model), [router for _, router in moe_layers(model)]
-compact = [engine_routing_to_replay([r.to(torch.uint8) for r in routed], mb.input_ids.shape[1], replay.layer_numbers, replay.top_k,
-                                    num_experts=hf_config.num_experts) for mb, routed in zip(batches, engine_routing)]  # fmt: skip
+compact = [
+    engine_routing_to_replay(
+        [r.to(torch.uint8) for r in routed],
+        mb.input_ids.shape[1],
+        replay.layer_numbers,
+        replay.top_k,
+        num_experts=hf_config.num_experts,
+    )
+    for mb, routed in zip(batches, engine_routing)
+]
 
 
 def reported_loss(le, mb):
@@ -89,12 +113,26 @@ def replayed_step(indices):
     return [o["logprobs"] for o in out], [o["loss"] for o in out], [r.weight.grad.clone() for r in layers]
 
 
-(logp_c, loss_c, grad_c), (logp_w, loss_w, grad_w) = replayed_step(compact), replayed_step([[t.long() for t in mb] for mb in compact])
+(logp_c, loss_c, grad_c), (logp_w, loss_w, grad_w) = (
+    replayed_step(compact),
+    replayed_step([[t.long() for t in mb] for mb in compact]),
+)
 own = run_microbatches(model, batches)  # no replay: the model's own routing, which transformers' (the "engine") equals
-print(json.dumps({"mode": "compact_vs_int64", "compact_dtype": str(compact[0][0].dtype),
-                  "max_diff_to_own_routing": max(float((a - o["logprobs"])[j, : int(n) - 1].abs().max())  # where the engine routed
-                                                 for a, o, mb in zip(logp_c, own, batches) for j, n in enumerate(mb.lengths)),
-                  "logprobs_equal": all(torch.equal(a, b) for a, b in zip(logp_c, logp_w)),
-                  "losses_equal": all(torch.equal(a, b) for a, b in zip(loss_c, loss_w)),
-                  "router_grads_equal": all(torch.equal(a, b) for a, b in zip(grad_c, grad_w)),
-                  "router_grad_min": min(float(g.norm()) for g in grad_c)}), flush=True)  # fmt: skip
+print(
+    json.dumps(
+        {
+            "mode": "compact_vs_int64",
+            "compact_dtype": str(compact[0][0].dtype),
+            "max_diff_to_own_routing": max(
+                float((a - o["logprobs"])[j, : int(n) - 1].abs().max())  # where the engine routed
+                for a, o, mb in zip(logp_c, own, batches)
+                for j, n in enumerate(mb.lengths)
+            ),
+            "logprobs_equal": all(torch.equal(a, b) for a, b in zip(logp_c, logp_w)),
+            "losses_equal": all(torch.equal(a, b) for a, b in zip(loss_c, loss_w)),
+            "router_grads_equal": all(torch.equal(a, b) for a, b in zip(grad_c, grad_w)),
+            "router_grad_min": min(float(g.norm()) for g in grad_c),
+        }
+    ),
+    flush=True,
+)

@@ -60,11 +60,28 @@ from moe_rl.routing.encoding import encode_routed_experts
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 
 SAMPLING_KEYS = {
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "n", "sampling_seed",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "no_stop_trim", "custom_params",
-    "json_schema", "regex", "ebnf",
-}  # fmt: skip
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "n",
+    "sampling_seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "no_stop_trim",
+    "custom_params",
+    "json_schema",
+    "regex",
+    "ebnf",
+}
 
 
 class State:
@@ -135,11 +152,24 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/model_info", "/server_info") and st.faults.get("old_info_endpoints"):
             return self._send(404, {"detail": "Not Found"})  # a server before 0.5.23's names
         if path in ("/model_info", "/get_model_info"):  # the get_ names are deprecated in 0.5.23
-            return self._send(200, {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version})
+            return self._send(
+                200,
+                {"model_path": st.args.model_path, "is_generation": True, "weight_version": st.engine.weight_version},
+            )
         if path in ("/server_info", "/get_server_info"):
-            return self._send(200, {"tp_size": st.args.tp_size, "ep_size": st.args.ep_size, "dp_size": 1, "pp_size": 1,
-                                    "random_seed": st.args.random_seed, "version": st.version, "weight_version": st.args.weight_version,
-                                    "enable_return_routed_experts": st.args.enable_return_routed_experts})
+            return self._send(
+                200,
+                {
+                    "tp_size": st.args.tp_size,
+                    "ep_size": st.args.ep_size,
+                    "dp_size": 1,
+                    "pp_size": 1,
+                    "random_seed": st.args.random_seed,
+                    "version": st.version,
+                    "weight_version": st.args.weight_version,
+                    "enable_return_routed_experts": st.args.enable_return_routed_experts,
+                },
+            )
         if path == "/generate":
             with st.count_lock:
                 st.in_flight += 1
@@ -154,12 +184,21 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(*_load_from_disk(st, body))
         if path == "/begin_weight_update":
             if st.in_weight_update:
-                return self._send(400, {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"})
+                return self._send(
+                    400,
+                    {
+                        "success": False,
+                        "message": "a weight-update session is already open; call end_weight_update() first",
+                    },
+                )
             st.in_weight_update = True
             return self._send(200, {"success": True, "message": "Success"})
         if path == "/end_weight_update":
             if not st.in_weight_update:
-                return self._send(400, {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"})
+                return self._send(
+                    400,
+                    {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"},
+                )
             st.in_weight_update = False
             return self._send(*_apply_received(st))
         if path == "/init_weights_update_group":
@@ -171,7 +210,13 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"success": True, "message": "Succeeded to destroy custom process group."})
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             if not st.in_weight_update:
-                return self._send(400, {"success": False, "message": f"{path.strip('/')} must run between begin_weight_update() and end_weight_update()"})
+                return self._send(
+                    400,
+                    {
+                        "success": False,
+                        "message": f"{path.strip('/')} must run between begin_weight_update() and end_weight_update()",
+                    },
+                )
             status, reply = _receive_broadcast(st, body) if path.endswith("distributed") else _receive_tensors(st, body)
             if status != 200:
                 return self._send(status, reply)
@@ -201,10 +246,22 @@ class Handler(BaseHTTPRequestHandler):
             with st.lock:
                 return self._send(200, {"digest": weights_digest(st.engine.model)})
         if path == "/_test/stats":
-            return self._send(200, {"generate_requests": st.generate_requests, "aborts": st.aborts, "aborted": st.aborted,
-                                    "weight_updates": st.weight_updates, "weight_update_requests": st.weight_update_requests,
-                                    "update_requests": st.update_requests, "generate_rids": st.generate_rids, "max_in_flight": st.max_in_flight,
-                                    "memory_events": st.memory_events, "releases_after_updates": st.releases_after_updates, "weight_groups": sorted(st.groups)})
+            return self._send(
+                200,
+                {
+                    "generate_requests": st.generate_requests,
+                    "aborts": st.aborts,
+                    "aborted": st.aborted,
+                    "weight_updates": st.weight_updates,
+                    "weight_update_requests": st.weight_update_requests,
+                    "update_requests": st.update_requests,
+                    "generate_rids": st.generate_rids,
+                    "max_in_flight": st.max_in_flight,
+                    "memory_events": st.memory_events,
+                    "releases_after_updates": st.releases_after_updates,
+                    "weight_groups": sorted(st.groups),
+                },
+            )
         return self._send(404, {"detail": "Not Found"})
 
     def _generate(self, body: dict) -> None:
@@ -239,7 +296,11 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             return 400, {"error": {"message": "input_ids must be a non-empty list of token ids"}}
         if st.released or st.weights_lost:
-            why = f"memory {sorted(st.released)} is released" if st.released else "weights were released and not updated since"
+            why = (
+                f"memory {sorted(st.released)} is released"
+                if st.released
+                else "weights were released and not updated since"
+            )
             return 400, {"error": {"message": f"cannot generate: {why}"}}
         if body.get("return_routed_experts") and not st.args.enable_return_routed_experts:
             return 400, {"error": {"message": "return_routed_experts needs --enable-return-routed-experts"}}
@@ -266,7 +327,8 @@ class Handler(BaseHTTPRequestHandler):
             (sample,) = st.engine.generate_rows([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
         meta = {
             "id": body.get("rid") or f"req-{st.generate_requests}",
-            "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]} if sample.finish_reason == "stop"
+            "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]}
+            if sample.finish_reason == "stop"
             else {"type": "length", "length": len(sample.output_ids)},
             "prompt_tokens": len(ids),
             "completion_tokens": len(sample.output_ids),
@@ -277,7 +339,9 @@ class Handler(BaseHTTPRequestHandler):
         }
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = []  # from logprob_start_len: the client asks for none
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)]
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)
+            ]
         if body.get("return_routed_experts"):  # from routed_experts_start_len (earlier positions came before)
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts[start_len:])
         reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
@@ -303,9 +367,14 @@ def _join_group(st: State, body: dict) -> tuple[int, dict]:
         return 200, {"success": False, "message": "Failed to initialize custom process group: injected refusal"}
     try:
         group = join_weight_update_group(
-            backend=body["backend"], address=body["master_address"], port=int(body["master_port"]),
-            world_size=int(body["world_size"]), rank=int(body["rank_offset"]), group_name=body["group_name"], timeout_s=120,
-        )  # fmt: skip
+            backend=body["backend"],
+            address=body["master_address"],
+            port=int(body["master_port"]),
+            world_size=int(body["world_size"]),
+            rank=int(body["rank_offset"]),
+            group_name=body["group_name"],
+            timeout_s=120,
+        )
     except Exception as e:  # noqa: BLE001 - reported to the client like SGLang does
         return 200, {"success": False, "message": f"Failed to initialize custom process group: {type(e).__name__}: {e}"}
     leave_weight_update_group(st.groups.pop(body["group_name"], None))
@@ -340,7 +409,9 @@ def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
     return 200, {}
 
 
-def _flat_bucket(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _flat_bucket(
+    names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A receive buffer and the named views into it, packed as SGLang packs them (no padding:
     a tensor must start at a multiple of its element size, in its words)."""
     places, offset = [], 0
@@ -362,7 +433,10 @@ def _receive_tensors(st: State, body: dict) -> tuple[int, dict]:
         return 400, {"success": False, "message": "weights memory is released: /resume_memory_occupation first"}
     serialized = body.get("serialized_named_tensors") or []
     if len(serialized) != st.args.tp_size:
-        return 400, {"success": False, "message": f"serialized_named_tensors has {len(serialized)} entries for tp_size {st.args.tp_size}"}
+        return 400, {
+            "success": False,
+            "message": f"serialized_named_tensors has {len(serialized)} entries for tp_size {st.args.tp_size}",
+        }
     st.weight_update_requests += 1
     payload = deserialize_sglang_payload(serialized[0])
     if body.get("load_format") == "flattened_bucket":  # SGLang reads these fields of each metadata entry
@@ -394,10 +468,16 @@ def _load_from_disk(st: State, body: dict) -> tuple[int, dict]:
     """``/update_weights_from_disk``: a directory that does not load is refused (HTTP 400)."""
     try:
         with st.lock:
-            st.engine.update_weights_from_disk(body["model_path"], str(body.get("weight_version") or st.engine.weight_version))
+            st.engine.update_weights_from_disk(
+                body["model_path"], str(body.get("weight_version") or st.engine.weight_version)
+            )
             st.weights_lost = False
     except (OSError, ValueError, KeyError) as e:
-        return 400, {"success": False, "message": f"Failed to get weights iterator: {type(e).__name__}: {e}", "num_paused_requests": 0}
+        return 400, {
+            "success": False,
+            "message": f"Failed to get weights iterator: {type(e).__name__}: {e}",
+            "num_paused_requests": 0,
+        }
     return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
 

@@ -79,7 +79,11 @@ def test_parity_under_a_launcher(checkpoints, launcher) -> None:
         cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", "29632", "-m", "moe_rl.cli"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
-        cmd + ["parity", "--hf-dir", checkpoints["qwen3"], "--pp", "2"], capture_output=True, text=True, timeout=300, env=env
+        cmd + ["parity", "--hf-dir", checkpoints["qwen3"], "--pp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "parity tp=1 pp=2" in out.stdout and "OK" in out.stdout

@@ -14,15 +14,37 @@ GOOD = Path(__file__).parents[1] / "configs" / "compare" / "demo.yaml"
 
 
 def test_defaults_and_overrides() -> None:
-    cfg = load_config(None, ["algorithm.loss=gspo", "optim.lr=1e-4", "rollout.group_size=4", "routing.replay=r2",
-                             "algorithm.loss_params={eps_low: 0.0003, eps_high: 0.0004}", "reward.timeout_s=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "algorithm.loss=gspo",
+            "optim.lr=1e-4",
+            "rollout.group_size=4",
+            "routing.replay=r2",
+            "algorithm.loss_params={eps_low: 0.0003, eps_high: 0.0004}",
+            "reward.timeout_s=2",
+        ],
+    )
     assert cfg.algorithm.loss == "gspo" and cfg.optim.lr == 1e-4 and cfg.rollout.group_size == 4
     assert cfg.routing.replay == "r2" and cfg.algorithm.loss_params == {"eps_low": 0.0003, "eps_high": 0.0004}
     assert [r.name for r in cfg.reward.rewards] == ["correct", "format", "short"]
     # a string setting takes the text as written, even where YAML would read a mapping or a number
-    cfg = load_config(None, ["data.prompt_template={prompt}", "train.run_dir=123", "data.system_prompt='Be: brief'",
-                             "data.chat_template=true", "model.hf_dir=null"])  # fmt: skip
-    assert (cfg.data.prompt_template, cfg.train.run_dir, cfg.data.system_prompt, cfg.model.hf_dir) == ("{prompt}", "123", "Be: brief", None)
+    cfg = load_config(
+        None,
+        [
+            "data.prompt_template={prompt}",
+            "train.run_dir=123",
+            "data.system_prompt='Be: brief'",
+            "data.chat_template=true",
+            "model.hf_dir=null",
+        ],
+    )
+    assert (cfg.data.prompt_template, cfg.train.run_dir, cfg.data.system_prompt, cfg.model.hf_dir) == (
+        "{prompt}",
+        "123",
+        "Be: brief",
+        None,
+    )
 
 
 def test_yaml_file(tmp_path: Path) -> None:
@@ -49,8 +71,10 @@ BAD = [
     (["routing.replay=r4"], "routing.replay='r4' is not valid; valid: none, r2, r3"),
     (["rollout.engine=vllm"], "rollout.engine='vllm' is not valid"),
     (["rollout.engine=sglang"], "needs rollout.sglang_urls or rollout.launch_server"),
-    (["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/no/such/python"],
-     "rollout.server_python='/no/such/python' is not an executable"),
+    (
+        ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/no/such/python"],
+        "rollout.server_python='/no/such/python' is not an executable",
+    ),
     (["rollout.server_start_timeout_s=0"], "rollout.server_start_timeout_s=0.0 must be > 0"),
     (["rollout.group_size=1"], "rollout.group_size=1 must be >= 2"),
     (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
@@ -58,7 +82,10 @@ BAD = [
     (["rollout.precision=fp8"], "rollout.precision='fp8' is not valid"),
     (["reward.rewards=[{name: a, fn: nope}]", "reward.conditionals=[]"], "reward.rewards[0].fn='nope' is unknown"),
     (["reward.rewards=[]"], "reward.rewards is empty"),
-    (["reward.conditionals=[{target: short, condition: missing}]"], "reward.conditionals[0].condition='missing' is not a reward"),
+    (
+        ["reward.conditionals=[{target: short, condition: missing}]"],
+        "reward.conditionals[0].condition='missing' is not a reward",
+    ),
     (["parallel.tp=0"], "parallel.tp=0 must be > 0"),
     (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
     (["optim.adam_beta2=1.0"], "optim.adam_beta2=1.0 must be in [0, 1)"),
@@ -74,14 +101,23 @@ BAD = [
     (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
     (["model.experts=loop"], "model.experts='loop' is not valid; valid: grouped, sequential"),
     (["model.attention=flash"], "model.attention='flash' is not valid; valid: sdpa, local"),
-    (["data.task=/no/such.jsonl"], "data.task='/no/such.jsonl' is neither a built-in task (arithmetic, arithmetic_chain) nor an existing dataset file"),
-    (["data.eval_task=/no/such.parquet"], "data.eval_task='/no/such.parquet' is neither a built-in task (arithmetic, arithmetic_chain) nor an existing"),
+    (
+        ["data.task=/no/such.jsonl"],
+        "data.task='/no/such.jsonl' is neither a built-in task (arithmetic, arithmetic_chain) nor an existing dataset file",
+    ),
+    (
+        ["data.eval_task=/no/such.parquet"],
+        "data.eval_task='/no/such.parquet' is neither a built-in task (arithmetic, arithmetic_chain) nor an existing",
+    ),
     ([f"data.task={__file__}"], "a dataset file must end in .jsonl, .json (JSON lines) or .parquet"),
     (["data.prompt_template=Q: {question}"], "data.prompt_template='Q: {question}' must contain {prompt}"),
     (["data.system_prompt=Be brief."], "data.system_prompt needs data.chat_template=true"),
     (["data.eval_task=arithmetic", "data.eval_solved_reward=right"], "data.eval_solved_reward='right' is not a reward"),
     (["data.eval_samples=0"], "data.eval_samples=0 must be > 0"),
-    (["algorithm.max_tokens_per_micro_batch=-2"], "algorithm.max_tokens_per_micro_batch=-2 must be -1 (derived), 0 (by rows) or a token budget > 0"),
+    (
+        ["algorithm.max_tokens_per_micro_batch=-2"],
+        "algorithm.max_tokens_per_micro_batch=-2 must be -1 (derived), 0 (by rows) or a token budget > 0",
+    ),
     (["optim.lr_schedule=step"], "optim.lr_schedule='step' is not valid; valid: constant, linear, cosine"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
     (["train.steps=5", "optim.warmup_steps=5"], "optim.warmup_steps=5 must be below the decay horizon (train.steps=5)"),
@@ -99,18 +135,41 @@ BAD = [
     (["rollout.server_tp=0"], "rollout.server_tp=0 must be > 0"),
     (["rollout.top_k=0"], "rollout.top_k=0 must be -1 (off) or >= 1"),
     (["rollout.temperature=.inf"], "rollout.temperature=inf must be a finite number"),
-    (["rollout.engine=sglang", "rollout.sglang_urls=[localhost:30000]"], "rollout.sglang_urls[0]='localhost:30000' must be a URL"),
-    (["reward.rewards=[{name: a, fn: 'no_such_module_xyz:f'}]", "reward.conditionals=[]"], "fn='no_such_module_xyz:f' cannot be imported"),
+    (
+        ["rollout.engine=sglang", "rollout.sglang_urls=[localhost:30000]"],
+        "rollout.sglang_urls[0]='localhost:30000' must be a URL",
+    ),
+    (
+        ["reward.rewards=[{name: a, fn: 'no_such_module_xyz:f'}]", "reward.conditionals=[]"],
+        "fn='no_such_module_xyz:f' cannot be imported",
+    ),
     (["reward.rewards=[{name: a, fn: 'math:pi'}]", "reward.conditionals=[]"], "fn='math:pi' is not callable"),
-    (["reward.rewards=[{name: a, fn: format, kwargs: {budget: 3}}]", "reward.conditionals=[]"], "fn='format' does not take kwargs ['budget']"),
+    (
+        ["reward.rewards=[{name: a, fn: format, kwargs: {budget: 3}}]", "reward.conditionals=[]"],
+        "fn='format' does not take kwargs ['budget']",
+    ),
     (["train.run_dir="], "train.run_dir is empty"),
     (["train.resume_anyway=sometimes"], "train.resume_anyway='sometimes' must be true or false"),
     (["rollout.weight_sync=nccl"], "rollout.weight_sync='nccl' is not valid; valid: distributed, tensor, disk"),
     (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0.0 must be > 0"),
-    (["rollout.colocate=true"], "rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang"),
-    (["rollout.engine=sglang", "rollout.sglang_urls=[http://h:1]", "rollout.colocate=true", "rollout.async_rollouts=true",
-      "algorithm.old_logprobs=rollout"], "rollout.colocate=true and rollout.async_rollouts=true exclude each other"),
-    (["rollout.async_rollouts=true"], "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout"),
+    (
+        ["rollout.colocate=true"],
+        "rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang",
+    ),
+    (
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang_urls=[http://h:1]",
+            "rollout.colocate=true",
+            "rollout.async_rollouts=true",
+            "algorithm.old_logprobs=rollout",
+        ],
+        "rollout.colocate=true and rollout.async_rollouts=true exclude each other",
+    ),
+    (
+        ["rollout.async_rollouts=true"],
+        "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout",
+    ),
 ]
 
 
@@ -145,12 +204,27 @@ def test_bad_model_directories(tmp_path: Path) -> None:
     from moe_rl.models.tiny import tiny_config
 
     for name, config, needle in [
-        ("dsv3_bias", tiny_config("deepseek_v3", attention_bias=True), "attention_bias=True with multi-head latent attention"),
-        ("glm_yarn", tiny_config("glm4_moe", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
-         "rope_type='yarn' \\(supported here: default\\)"),
+        (
+            "dsv3_bias",
+            tiny_config("deepseek_v3", attention_bias=True),
+            "attention_bias=True with multi-head latent attention",
+        ),
+        (
+            "glm_yarn",
+            tiny_config("glm4_moe", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+            "rope_type='yarn' \\(supported here: default\\)",
+        ),
         ("olmoe_clip", tiny_config("olmoe", clip_qkv=8.0), "clip_qkv=8.0 is not supported"),
-        ("glm_groups", tiny_config("glm4_moe", num_experts_per_tok=4), "n_group=2 with num_experts_per_tok // topk_group = 4"),
-        ("glm_unnormalised", tiny_config("glm4_moe", norm_topk_prob=False), "norm_topk_prob=False with a sigmoid router"),
+        (
+            "glm_groups",
+            tiny_config("glm4_moe", num_experts_per_tok=4),
+            "n_group=2 with num_experts_per_tok // topk_group = 4",
+        ),
+        (
+            "glm_unnormalised",
+            tiny_config("glm4_moe", norm_topk_prob=False),
+            "norm_topk_prob=False with a sigmoid router",
+        ),
     ]:
         config.save_pretrained(tmp_path / name)
         with pytest.raises(ConfigError, match=needle):
@@ -184,16 +258,32 @@ def test_commands_turn_bad_input_into_one_line(tmp_path: Path, capsys, argv: lis
 
 
 def test_cli_reports_one_line_without_traceback() -> None:
-    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "algorithm.loss=ppo2"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "algorithm.loss=ppo2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().startswith("moe-rl: error: algorithm.loss='ppo2' is not valid") and "Traceback" not in out.stderr
+    assert (
+        out.stderr.strip().startswith("moe-rl: error: algorithm.loss='ppo2' is not valid")
+        and "Traceback" not in out.stderr
+    )
 
 
-@pytest.mark.parametrize("example", sorted((Path(__file__).parents[1] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "example", sorted((Path(__file__).parents[1] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_example_configs_validate(example: Path) -> None:
     """The examples hold every setting as the config knows it (their cluster paths replaced)."""
-    here = ["model.hf_dir=null", "data.task=arithmetic", "data.eval_task=null", "data.chat_template=false",
-            "data.prompt_key=prompt", "data.answer_key=answer"]  # fmt: skip
+    here = [
+        "model.hf_dir=null",
+        "data.task=arithmetic",
+        "data.eval_task=null",
+        "data.chat_template=false",
+        "data.prompt_key=prompt",
+        "data.answer_key=answer",
+    ]
     cfg = load_config(str(example), here)
     assert cfg.rollout.engine == "sglang"
 
@@ -203,11 +293,18 @@ def test_the_readme_config_reference_is_the_codes() -> None:
     default and the comment beside it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("config_reference", Path(__file__).resolve().parents[1] / "tools" / "config_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "config_reference", Path(__file__).resolve().parents[1] / "tools" / "config_reference.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     tables = tool.reference()
-    assert "| `rollout.max_new_tokens` | `6` | response length limit" in tables and "| `train.log_samples` | `4` |" in tables
+    assert (
+        "| `rollout.max_new_tokens` | `6` | response length limit" in tables
+        and "| `train.log_samples` | `4` |" in tables
+    )
     assert "|  |\n" not in tables  # every key is explained
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert tool.readme_copy(readme) == tables, "README.md's config reference is stale: python tools/config_reference.py --write"
+    assert tool.readme_copy(readme) == tables, (
+        "README.md's config reference is stale: python tools/config_reference.py --write"
+    )

@@ -43,14 +43,24 @@ def test_jsonl_parquet_and_datasets_dirs_with_custom_fields(tmp_path: Path) -> N
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"question": "1+2=", "meta": {"solution": 3}}, {"question": "", "meta": {"solution": 1}},
-            {"question": "4+4=", "meta": {}}, {"question": "5+1=", "meta": {"solution": 6}}]  # fmt: skip
+    rows = [
+        {"question": "1+2=", "meta": {"solution": 3}},
+        {"question": "", "meta": {"solution": 1}},
+        {"question": "4+4=", "meta": {}},
+        {"question": "5+1=", "meta": {"solution": 6}},
+    ]
     expected = [Problem("1+2=", "3"), Problem("5+1=", "6")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "two"))
-    for spec in (str(tmp_path / "d.parquet"), str(tmp_path / "one"), f"{tmp_path / 'two'}:train",
-                 write_jsonl(tmp_path / "d.jsonl", rows)):  # fmt: skip
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}
+    ).save_to_disk(str(tmp_path / "two"))
+    for spec in (
+        str(tmp_path / "d.parquet"),
+        str(tmp_path / "one"),
+        f"{tmp_path / 'two'}:train",
+        write_jsonl(tmp_path / "d.jsonl", rows),
+    ):
         task = DatasetTask(spec, prompt_key="question", answer_key="meta.solution")
         assert task.items == expected, spec
         assert len(task.skipped) == 2 and ("row 1" in task.skipped[0] or ":2:" in task.skipped[0]), task.skipped
@@ -62,9 +72,13 @@ def test_jsonl_parquet_and_datasets_dirs_with_custom_fields(tmp_path: Path) -> N
 
 
 def test_chat_rows_and_the_step_order(tmp_path: Path) -> None:
-    verl_row = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
-                "reward_model": {"ground_truth": "4"}}  # fmt: skip
-    path = write_jsonl(tmp_path / "chat.jsonl", [verl_row, {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}])
+    verl_row = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+        "reward_model": {"ground_truth": "4"},
+    }
+    path = write_jsonl(
+        tmp_path / "chat.jsonl", [verl_row, {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}]
+    )
     task = DatasetTask(path, answer_key="reward_model.ground_truth")
     assert task.holds_messages and len(task.items) == 1 and len(task.skipped) == 1
     assert task.items[0].prompt == "2+2=" and task.items[0].messages == tuple(verl_row["prompt"])
@@ -117,8 +131,12 @@ class ScriptedEngine(RolloutEngine):
         for prompt, text in zip(prompts, texts):
             k = int(text[1:-1])
             replies = [f"\\boxed{{{k}}}" if k % 2 == 0 and j == 0 else "no" for j in range(n)]
-            groups.append([Sample(list(prompt), ids, [0.0] * len(ids), "stop", "0", seed)
-                           for ids in (self.tokenizer(r)["input_ids"] for r in replies)])  # fmt: skip
+            groups.append(
+                [
+                    Sample(list(prompt), ids, [0.0] * len(ids), "stop", "0", seed)
+                    for ids in (self.tokenizer(r)["input_ids"] for r in replies)
+                ]
+            )
         return groups
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
@@ -131,11 +149,28 @@ def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str
     from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
 
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers] + ["not json"])
-    cfg = load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4", f"data.task={data}",
-                             "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]", *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.group_size=4",
+            "rollout.prompts_per_step=4",
+            f"data.task={data}",
+            "reward.rewards=[{name: correct, fn: math_correct}]",
+            "reward.conditionals=[]",
+            *overrides,
+        ],
+    )
     engine = ScriptedEngine(tokenizer)
-    collector = ExperienceCollector(cfg, make_task(data), PromptFormatter(tokenizer), engine, SingleTurnSampler(engine), build_scorer(cfg),
-                                    sampling_params(cfg, tokenizer.eos_token_id), return_routing=False)  # fmt: skip
+    collector = ExperienceCollector(
+        cfg,
+        make_task(data),
+        PromptFormatter(tokenizer),
+        engine,
+        SingleTurnSampler(engine),
+        build_scorer(cfg),
+        sampling_params(cfg, tokenizer.eos_token_id),
+        return_routing=False,
+    )
     return collector, engine
 
 
@@ -143,6 +178,7 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, toke
     dynamic = ["rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=4"]
     collector, engine = collector_for(tmp_path, tokenizer, list(range(12)), *dynamic)
     exp, scalars = collector.collect(step=0)
+
     def even(texts: list[str]) -> list[str]:
         return [t for t in texts if int(t[1:-1]) % 2 == 0]
 
@@ -156,7 +192,9 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, toke
     assert scalars["data/kept_group_frac"] == pytest.approx(len(mixed) / len(sampled))
     assert scalars["reward/correct"] == pytest.approx(len(mixed) / (4 * len(sampled)))  # over everything sampled
     assert scalars["data/skipped_lines"] == 1
-    assert scalars["reward/distinct_totals_per_group"] == 2.0 == scalars["advantage/distinct_per_group"]  # 1 right, 3 wrong
+    assert (
+        scalars["reward/distinct_totals_per_group"] == 2.0 == scalars["advantage/distinct_per_group"]
+    )  # 1 right, 3 wrong
 
     plain, engine = collector_for(tmp_path, tokenizer, list(range(12)))
     exp, scalars = plain.collect(step=0)
@@ -165,7 +203,9 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, toke
     hopeless, engine = collector_for(tmp_path, tokenizer, [1, 3, 5, 7, 9], *dynamic)
     exp, scalars = hopeless.collect(step=0)  # nothing to keep in 4 rounds: the first round, all zero advantage
     assert len(engine.calls) == 4 and scalars["data/kept_group_frac"] == 0.0
-    assert [tokenizer.decode(s.prompt_ids) for s in exp.samples[::4]] == engine.calls[0] and float(exp.advantages.abs().sum()) == 0
+    assert [tokenizer.decode(s.prompt_ids) for s in exp.samples[::4]] == engine.calls[0] and float(
+        exp.advantages.abs().sum()
+    ) == 0
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -189,8 +229,17 @@ def test_evaluator_scores_held_out_problems(tmp_path: Path, tokenizer) -> None:
 
     collector, engine = collector_for(tmp_path, tokenizer, [0, 1, 2, 3, 4])
     problems = collector.task.eval_problems(0)
-    evaluator = Evaluator(problems, collector.formatter, collector.sampler, collector.scorer, collector.sampling, samples=4,
-                          solved_reward="correct", prompts_per_request=2, progress=False)  # fmt: skip
+    evaluator = Evaluator(
+        problems,
+        collector.formatter,
+        collector.sampler,
+        collector.scorer,
+        collector.sampling,
+        samples=4,
+        solved_reward="correct",
+        prompts_per_request=2,
+        progress=False,
+    )
     scalars = evaluator.run()
     assert engine.calls == [["q0=", "q1="], ["q2=", "q3="], ["q4="]]
     solved = [1, 0, 1, 0, 1]  # correct responses of 4 per problem
@@ -205,7 +254,9 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
 
     lr, min_lr, warmup, steps = 1e-3, 1e-4, 3, 10
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = build_lr_scheduler(optimizer, OptimSettings(lr=lr, min_lr=min_lr, lr_schedule=schedule, warmup_steps=warmup), steps)
+    sched = build_lr_scheduler(
+        optimizer, OptimSettings(lr=lr, min_lr=min_lr, lr_schedule=schedule, warmup_steps=warmup), steps
+    )
 
     def expected(s: int) -> float:  # the documented schedule (parallel/optim.py, OptimSettings)
         if s < warmup:
@@ -217,7 +268,9 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
         return min_lr + (lr - min_lr) * decay
 
     for s in [7, 0, 9, 2, 3, 5]:  # any order: a resumed run starts anywhere
-        assert sched.set_step(s) == pytest.approx(expected(s)) and optimizer.param_groups[0]["lr"] == pytest.approx(expected(s))
+        assert sched.set_step(s) == pytest.approx(expected(s)) and optimizer.param_groups[0]["lr"] == pytest.approx(
+            expected(s)
+        )
     assert expected(steps - 1) > min_lr or schedule == "constant"
     with pytest.raises(ValueError, match="optim.warmup_steps=10 must be below the decay horizon \\(train.steps=10\\)"):
         build_lr_scheduler(optimizer, OptimSettings(warmup_steps=10), steps)
@@ -226,8 +279,11 @@ def test_lr_schedule_follows_its_definition(schedule: str) -> None:
 def test_compare_report_shows_expert_bias_only_for_runs_that_have_one() -> None:
     from moe_rl.report import expert_bias_table
 
-    glm = {"routing/expert_bias_delta/mean": {1: 0.01, 2: 0.02}, "routing/expert_bias_effect/changed_frac/mean": {1: 0.2, 2: 0.4},
-           "routing/changed_frac/mean": {1: 0.3, 2: 0.5}}  # fmt: skip
+    glm = {
+        "routing/expert_bias_delta/mean": {1: 0.01, 2: 0.02},
+        "routing/expert_bias_effect/changed_frac/mean": {1: 0.2, 2: 0.4},
+        "routing/changed_frac/mean": {1: 0.3, 2: 0.5},
+    }
     assert expert_bias_table({"qwen3": {"routing/changed_frac/mean": {1: 0.3}}}) == []
     lines = expert_bias_table({"glm": glm, "qwen3": {"routing/changed_frac/mean": {1: 0.3}}})
     assert "| glm | 0.01500 | 0.3000 | 0.4000 |" in lines and not any(l.startswith("| qwen3") for l in lines)
@@ -246,7 +302,9 @@ def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
                 writer.add_scalar("eval/pass@1", p1, step)
                 writer.add_scalar("eval/pass@4", p4, step)
                 writer.add_scalar("eval/reward_mean", p1 * 2, step)
-    report = write_report(tmp_path, {n: read_scalars(tmp_path / n) for n in ("plain", "evaluated")}, fixed_steps=[2]).read_text()
+    report = write_report(
+        tmp_path, {n: read_scalars(tmp_path / n) for n in ("plain", "evaluated")}, fixed_steps=[2]
+    ).read_text()
     section = report.split("## Held-out evaluation")[1].split("## Cost")[0]
     assert "| plain |" not in section and "| plain |" in report.split("## Cost")[1]  # costs: every run
     assert "| evaluated | 0.250 -> 0.500 | 0.500 -> 0.750 | 0.500 -> 1.000 | 4 |" in report
@@ -256,7 +314,10 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     from moe_rl.claims import Comparison, Side, compare, tag
 
     def runs(values: dict[str, list[list[float]]]) -> dict[str, dict[str, dict]]:  # run -> seeds -> per-step values
-        return {name: {str(seed): {"m": dict(enumerate(steps, 1))} for seed, steps in enumerate(seeds, 1)} for name, seeds in values.items()}
+        return {
+            name: {str(seed): {"m": dict(enumerate(steps, 1))} for seed, steps in enumerate(seeds, 1)}
+            for name, seeds in values.items()
+        }
 
     clear = runs({"a": [[1.0, 1.2], [2.0, 2.2], [3.0, 3.1]], "b": [[0.9, 1.0], [1.8, 2.0], [2.9, 3.0]]})
     out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), clear)
@@ -281,7 +342,9 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     assert compare(Comparison(Side("a", tag("m"), "m"), Side("missing", tag("m"), "m")), one) is None
     # pairs are matched by seed, whatever order the runs were listed in
     shuffled = {"a": dict(reversed(clear["a"].items())), "b": clear["b"]}
-    assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(0.15)
+    assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(
+        0.15
+    )
 
 
 def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_claims() -> None:
@@ -292,7 +355,9 @@ def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_c
     configured = set(yaml.safe_load((Path(__file__).parents[1] / "configs/compare/claims.yaml").read_text())["runs"])
     assert all(_runs_of(claim) <= configured for claim in CLAIMS)
     kept = evaluate_claims({}, compared={"grpo", "grpo_r2"})
-    assert [r.claim.statement for r in kept] == [c.statement for c in CLAIMS if _runs_of(c) <= {"grpo", "grpo_r2"}] and kept
+    assert [r.claim.statement for r in kept] == [
+        c.statement for c in CLAIMS if _runs_of(c) <= {"grpo", "grpo_r2"}
+    ] and kept
     assert not any(r.checkable for r in kept)  # no logs: configured, but cannot be checked
 
 
@@ -304,20 +369,38 @@ def test_compare_report_opens_with_its_conclusions(tmp_path: Path) -> None:
     from moe_rl.report import write_report
 
     steps = range(1, 6)
+
     def run(reward: float, replayed: float, engine: float, pass1: tuple[float, float]) -> dict:
-        return {"reward/total": {s: reward + 0.01 * s for s in steps}, "routing/replayed/changed_frac/mean": dict.fromkeys(steps, replayed),
-                "routing/train_vs_rollout/changed_frac/mean": dict.fromkeys(steps, engine), "eval/pass@1": {0: pass1[0], 5: pass1[1]}}
-    data = {"grpo": run(1.0, 0.005, 0.0035, (0.5, 0.7)), "grpo_r2": run(1.1, 0.0, 0.001, (0.5, 0.6)),
-            "grpo_r3": run(1.1, 0.0, 0.0, (0.5, 0.6)), "gmpo": run(1.5, 0.004, 0.001, (0.5, 0.3))}  # fmt: skip
+        return {
+            "reward/total": {s: reward + 0.01 * s for s in steps},
+            "routing/replayed/changed_frac/mean": dict.fromkeys(steps, replayed),
+            "routing/train_vs_rollout/changed_frac/mean": dict.fromkeys(steps, engine),
+            "eval/pass@1": {0: pass1[0], 5: pass1[1]},
+        }
+
+    data = {
+        "grpo": run(1.0, 0.005, 0.0035, (0.5, 0.7)),
+        "grpo_r2": run(1.1, 0.0, 0.001, (0.5, 0.6)),
+        "grpo_r3": run(1.1, 0.0, 0.0, (0.5, 0.6)),
+        "gmpo": run(1.5, 0.004, 0.001, (0.5, 0.3)),
+    }
     report = write_report(tmp_path, data, fixed_steps=[3]).read_text()
     head = report.split("## Conclusions")[1].split("## Runs")[0]
-    assert "rose for grpo (0.500 -> 0.700), grpo_r2 (0.500 -> 0.600), grpo_r3 (0.500 -> 0.600); it did not for gmpo (0.500 -> 0.300)" in head
+    assert (
+        "rose for grpo (0.500 -> 0.700), grpo_r2 (0.500 -> 0.600), grpo_r3 (0.500 -> 0.600); it did not for gmpo (0.500 -> 0.300)"
+        in head
+    )
     assert "gmpo has the highest final training reward (1.530) but its held-out pass@1 did not rise" in head
-    assert "the update passes of grpo_r2, grpo_r3 used exactly the old pass's routing; without replay grpo 0.50%, gmpo 0.40%" in head
+    assert (
+        "the update passes of grpo_r2, grpo_r3 used exactly the old pass's routing; without replay grpo 0.50%, gmpo 0.40%"
+        in head
+    )
     assert "grpo_r2 and grpo_r3 have the same training reward at 5 of 5 steps: both replay routing" in head
     assert "| grpo | 1.030 -> 1.030 | 0.500 -> 0.700 | — | 0.35 |" in report  # 3 decimals, percentages
     same_run = CLAIMS[0].comparisons[0]
     outcome = Outcome(0.123456, 0.0456, 0.01, 0.002, 0.0778, 0.001, 5, True)
-    assert _row(1, same_run, outcome).startswith("| 1. grpo: A > B | A: mean abs log-ratio, routing changed; B: mean abs log-ratio, routing same | 0.123 ± 0.010 | 0.0456 ± 0.0020 | +0.0778 ± 0.0010 |")
+    assert _row(1, same_run, outcome).startswith(
+        "| 1. grpo: A > B | A: mean abs log-ratio, routing changed; B: mean abs log-ratio, routing same | 0.123 ± 0.010 | 0.0456 ± 0.0020 | +0.0778 ± 0.0010 |"
+    )
     two_runs = CLAIMS[1].comparisons[0]
     assert _row(2, two_runs, None).startswith("| 2. grpo (A) > grpo_r2 (B) | routing/replayed/changed_frac/mean |")

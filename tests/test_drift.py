@@ -29,7 +29,9 @@ B = torch.tensor([[[1, 0], [2, 3]], [[0, 2], [2, 3]], [[3, 0], [1, 2]]])
 
 def test_changed_and_expert_change_fractions() -> None:
     torch.testing.assert_close(changed_frac(A, B), torch.tensor([2 / 3, 1 / 3], dtype=torch.float64))
-    torch.testing.assert_close(expert_change_frac(A, B), torch.tensor([(0 + 0.5 + 1) / 3, (0 + 0 + 1) / 3], dtype=torch.float64))
+    torch.testing.assert_close(
+        expert_change_frac(A, B), torch.tensor([(0 + 0.5 + 1) / 3, (0 + 0 + 1) / 3], dtype=torch.float64)
+    )
     assert any_layer_changed_frac(A, B).item() == pytest.approx(2 / 3)
 
 

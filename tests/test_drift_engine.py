@@ -29,25 +29,50 @@ SAMPLES, NEW_TOKENS = 2, 16
 
 def moe_rl(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_engine_drift_equals_a_transformers_reference(tmp_path: Path) -> None:
-    model = save_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", seed=5, num_experts=EXPERTS, num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
+    model = save_tiny_checkpoint(
+        tmp_path / "hf", "qwen3_moe", seed=5, num_experts=EXPERTS, num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(64) for _ in range(6)] for _ in range(8)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
-    settings = ServerSettings(model_path=model, port=free_port(), return_routed_experts=True, deterministic=True,
-                              launch_command=SERVER, extra_args=["--precision", "bf16"])  # fmt: skip
+    settings = ServerSettings(
+        model_path=model,
+        port=free_port(),
+        return_routed_experts=True,
+        deterministic=True,
+        launch_command=SERVER,
+        extra_args=["--precision", "bf16"],
+    )
     server = SGLangServer(settings, tmp_path / "logs")
     try:
         server.wait_healthy(timeout_s=120)
-        out = moe_rl("drift", "--engine", server.url, "--checkpoint", model, "--prompts", str(tmp_path / "prompts.jsonl"),
-                     "--samples", str(SAMPLES), "--max-new-tokens", str(NEW_TOKENS), "--out", str(tmp_path / "out"))  # fmt: skip
+        out = moe_rl(
+            "drift",
+            "--engine",
+            server.url,
+            "--checkpoint",
+            model,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--samples",
+            str(SAMPLES),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--out",
+            str(tmp_path / "out"),
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         # the same requests again (a deterministic server): the samples the tool measured
         engine = SGLangEngine([server.url], num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
-        groups = engine.generate(prompts, SAMPLES, SamplingParams(max_new_tokens=NEW_TOKENS), seed=0, return_routed_experts=True)
+        groups = engine.generate(
+            prompts, SAMPLES, SamplingParams(max_new_tokens=NEW_TOKENS), seed=0, return_routed_experts=True
+        )
     finally:
         server.stop()
     report = json.loads((tmp_path / "out" / "drift.json").read_text())
@@ -61,7 +86,9 @@ def test_engine_drift_equals_a_transformers_reference(tmp_path: Path) -> None:
         assert mismatch[key] == pytest.approx(ref[key], abs=2e-6), key
     assert mismatch["routing_changed_response_frac"] == pytest.approx(ref["routing_changed_response_frac"])
     disagreement = torch.tensor(report["expert_disagreement"])
-    assert disagreement.shape == (LAYERS, EXPERTS) and (disagreement.sum(-1) > 0).tolist() == [v > 0 for v in ref["changed_frac"]]
+    assert disagreement.shape == (LAYERS, EXPERTS) and (disagreement.sum(-1) > 0).tolist() == [
+        v > 0 for v in ref["changed_frac"]
+    ]
     assert (tmp_path / "out" / "expert_disagreement_heatmap.png").stat().st_size > 0
     assert any((tmp_path / "out" / "tensorboard").iterdir())
 

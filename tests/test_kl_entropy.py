@@ -14,7 +14,7 @@ def test_kl_estimators_match_formulas() -> None:
     gen = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 2
     ref = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 2
-    for (i, j) in [(0, 0), (1, 3), (3, 4)]:
+    for i, j in [(0, 0), (1, 3), (3, 4)]:
         a, b = logp[i, j].item(), ref[i, j].item()
         assert kl_divergence(logp, ref, "k1")[i, j].item() == pytest.approx(a - b)
         assert kl_divergence(logp, ref, "k2")[i, j].item() == pytest.approx(0.5 * (a - b) ** 2)

@@ -22,7 +22,9 @@ def result(tmp_path_factory) -> dict:
     return run_check_script("layer_modules_checks.py", hf_dir)
 
 
-@pytest.mark.parametrize("variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa", "grouped_sdpa_alltoall"])
+@pytest.mark.parametrize(
+    "variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa", "grouped_sdpa_alltoall"]
+)
 def test_every_module_choice_gives_the_reference_model(result, variant: str) -> None:
     r, scale = result[variant], result["grad_max_abs"]
     assert scale > 1e-3
@@ -36,10 +38,19 @@ def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
     assert result["grouped_sdpa"]["sdpa_modules"] == 2 and result["grouped_local"]["sdpa_modules"] == 0
 
 
-@pytest.mark.parametrize(("tp", "ep", "etp", "dispatcher"), [
-    (1, 1, None, "allgather"), (2, 1, 1, "allgather"), (2, 1, None, "alltoall"), (1, 2, None, "alltoall"), (2, 2, 1, "alltoall"),
-])  # fmt: skip
-def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(tp: int, ep: int, etp: int | None, dispatcher: str) -> None:
+@pytest.mark.parametrize(
+    ("tp", "ep", "etp", "dispatcher"),
+    [
+        (1, 1, None, "allgather"),
+        (2, 1, 1, "allgather"),
+        (2, 1, None, "alltoall"),
+        (1, 2, None, "alltoall"),
+        (2, 2, 1, "alltoall"),
+    ],
+)
+def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(
+    tp: int, ep: int, etp: int | None, dispatcher: str
+) -> None:
     from moe_rl.models.builder import token_dispatcher_type
     from parallel.layout import ParallelLayout
 
@@ -105,16 +116,29 @@ def test_transformer_engine_swaps_only_linears_and_core_attention(result) -> Non
     """The TE spec (built with TE's placeholder classes: no TE here) names TE's linears and
     fused attention where the local spec has megatron's, in every family's layers and
     experts module, and nothing else: norms, experts module, MLA's projections' roles stay."""
-    allowed = {("ColumnParallelLinear", "TE column-parallel linear"), ("RowParallelLinear", "TE row-parallel linear"),
-               ("SdpaAttention", "TE attention"), ("LatentSdpaAttention", "TE attention")}  # fmt: skip
+    allowed = {
+        ("ColumnParallelLinear", "TE column-parallel linear"),
+        ("RowParallelLinear", "TE row-parallel linear"),
+        ("SdpaAttention", "TE attention"),
+        ("LatentSdpaAttention", "TE attention"),
+    }
     changes = {key: set(layer) for key, layer in result["transformer_engine_spec"].items()}
     for key, layer in result["transformer_engine_spec"].items():
         assert {tuple(pair) for pair in layer.values()} <= allowed, key
     attention = {"self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj"}
-    shared = {"mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"}  # in every MoE spec, built where configured
+    # in every MoE spec, built where configured
+    shared = {"mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"}
     assert changes["qwen3_moe/grouped/0"] == attention | shared  # GroupedExperts stays
-    assert changes["qwen3_moe/sequential/0"] == attention | shared | {"mlp.experts.linear_fc1", "mlp.experts.linear_fc2"}
-    assert {"mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_kv_down_proj", "self_attention.core_attention"} <= changes["deepseek_v3/grouped/0"]
+    assert changes["qwen3_moe/sequential/0"] == attention | shared | {
+        "mlp.experts.linear_fc1",
+        "mlp.experts.linear_fc2",
+    }
+    assert {
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+        "self_attention.linear_kv_down_proj",
+        "self_attention.core_attention",
+    } <= changes["deepseek_v3/grouped/0"]
 
 
 def test_auto_picks_transformer_engine_only_where_it_imports_and_a_gpu_is_present(monkeypatch) -> None:
@@ -127,7 +151,10 @@ def test_auto_picks_transformer_engine_only_where_it_imports_and_a_gpu_is_presen
         monkeypatch.setattr(te_extension, "HAVE_TE", have_te)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         assert LayerModules(transformer_impl="auto").transformer_engine == (have_te and gpu)
-        assert LayerModules(transformer_impl="transformer_engine").transformer_engine and not LayerModules().transformer_engine
+        assert (
+            LayerModules(transformer_impl="transformer_engine").transformer_engine
+            and not LayerModules().transformer_engine
+        )
     with pytest.raises(ValueError, match="transformer_impl='te' is not one of"):
         LayerModules(transformer_impl="te")
 
@@ -145,14 +172,25 @@ def test_transformer_engine_layers_ask_for_tes_fused_rope_and_permutation(family
     config = make_transformer_config(tiny_config(family), ParallelLayout())
     assert not config.apply_rope_fusion and not config.moe_permute_fusion
     with pytest.raises((ValueError, ImportError), match=fusion):
-        make_transformer_config(tiny_config(family), ParallelLayout(), modules=LayerModules(transformer_impl="transformer_engine"))
+        make_transformer_config(
+            tiny_config(family), ParallelLayout(), modules=LayerModules(transformer_impl="transformer_engine")
+        )
 
 
-@pytest.mark.parametrize(("device", "dtype", "capability", "runs"), [
-    ("cpu", torch.float32, None, True), ("cpu", torch.bfloat16, None, True), ("cuda", torch.bfloat16, (9, 0), True),
-    ("cuda", torch.bfloat16, (10, 0), True), ("cuda", torch.bfloat16, (8, 0), False), ("cuda", torch.float32, (9, 0), False),
-])  # fmt: skip
-def test_grouped_matmul_runs_on_the_cpu_and_on_hopper_and_later_gpus_in_bf16(device, dtype, capability, runs: bool) -> None:
+@pytest.mark.parametrize(
+    ("device", "dtype", "capability", "runs"),
+    [
+        ("cpu", torch.float32, None, True),
+        ("cpu", torch.bfloat16, None, True),
+        ("cuda", torch.bfloat16, (9, 0), True),
+        ("cuda", torch.bfloat16, (10, 0), True),
+        ("cuda", torch.bfloat16, (8, 0), False),
+        ("cuda", torch.float32, (9, 0), False),
+    ],
+)
+def test_grouped_matmul_runs_on_the_cpu_and_on_hopper_and_later_gpus_in_bf16(
+    device, dtype, capability, runs: bool
+) -> None:
     """torch's grouped_mm has CPU kernels and CUDA CUTLASS kernels for bf16 on SM90+
     (elsewhere it loops over groups after a host copy of the offsets)."""
     from moe_rl.models.grouped_experts import grouped_mm_runs

@@ -6,7 +6,9 @@ import pytest
 
 from parallel.layout import LayoutError, ModelDims, ParallelLayout
 
-MODEL = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=4, num_experts=8, vocab_size=64, ffn_hidden_size=32)
+MODEL = ModelDims(
+    num_layers=4, num_attention_heads=8, num_query_groups=4, num_experts=8, vocab_size=64, ffn_hidden_size=32
+)
 
 
 @pytest.mark.parametrize(
@@ -16,8 +18,16 @@ MODEL = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=4, num_e
         (ParallelLayout(ep=4, etp=2), 4, "not divisible by ep\\*etp = 4\\*2 = 8"),
         (ParallelLayout(ep=3), 3, "model.num_experts=8 is not divisible by parallel.ep=3"),
         (ParallelLayout(pp=8), 8, "model.num_layers=4 is fewer than parallel.pp=8 pipeline stages"),
-        (ParallelLayout(pp=3, first_stage_layers=1), 3, "first_stage_layers=1 leave 3 of model.num_layers=4 layers for the other 2 pipeline"),
-        (ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2), 2, "add up to 3 on pp=2, but model.num_layers=4"),
+        (
+            ParallelLayout(pp=3, first_stage_layers=1),
+            3,
+            "first_stage_layers=1 leave 3 of model.num_layers=4 layers for the other 2 pipeline",
+        ),
+        (
+            ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2),
+            2,
+            "add up to 3 on pp=2, but model.num_layers=4",
+        ),
         (ParallelLayout(last_stage_layers=4), 1, "need parallel.pp > 1"),
         (ParallelLayout(pp=2, first_stage_layers=0), 2, "parallel.first_stage_layers=0 must be a positive integer"),
         (ParallelLayout(tp=8), 8, "model.num_query_groups \\(key/value heads\\)=4 is not divisible by parallel.tp=8"),
@@ -68,7 +78,9 @@ def test_stage_layers_are_megatrons_own_split(layers: int, layout: ParallelLayou
     layout.validate(layout.pp, ModelDims(layers, 4, 2, 8, 64))
     config = make_transformer_config(tiny_config("mixtral", num_hidden_layers=layers), layout)
     assert tuple(get_num_layers_to_build(config, pp_rank=r) for r in range(layout.pp)) == stages
-    assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(layout.pp)] == [sum(stages[:r]) for r in range(layout.pp)]
+    assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(layout.pp)] == [
+        sum(stages[:r]) for r in range(layout.pp)
+    ]
 
 
 def test_commands_take_the_stage_layers() -> None:

@@ -11,7 +11,9 @@ from moe_rl.models.logprob_head import LogProbConfig, vocab_parallel_logprobs
 
 @pytest.mark.parametrize("keep_logits_mb", [0.0, 32.0], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("chunk_size, temperature", [(1024, 1.0), (3, 0.7), (1, 1.3)])
-def test_matches_full_log_softmax_values_and_gradients(chunk_size: int, temperature: float, keep_logits_mb: float) -> None:
+def test_matches_full_log_softmax_values_and_gradients(
+    chunk_size: int, temperature: float, keep_logits_mb: float
+) -> None:
     gen = torch.Generator().manual_seed(0)
     s, b, h, v = 7, 2, 5, 11
     hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -45,7 +47,9 @@ def test_small_chunks_keep_their_logits_for_backward(keep_logits_mb: float, keep
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        vocab_parallel_logprobs(hidden, weight, torch.randint(0, v, (s, b)), config=LogProbConfig(keep_logits_mb=keep_logits_mb))
+        vocab_parallel_logprobs(
+            hidden, weight, torch.randint(0, v, (s, b)), config=LogProbConfig(keep_logits_mb=keep_logits_mb)
+        )
     assert (max(saved) >= s * b * v) is keeps_logits  # a [s, b, v] logits-sized tensor kept, or none (recomputed)
 
 

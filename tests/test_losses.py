@@ -63,9 +63,14 @@ def ref_grpo_token(lp, ol, a, eps_low, eps_high, dual_clip=None):
 @pytest.mark.parametrize("eps_low, eps_high, dual_clip", [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0)])
 def test_grpo_value_matches_reference(agg, eps_low, eps_high, dual_clip) -> None:
     logp, old, adv, mask = make_batch(seed=1, scale=0.5)
-    loss, _ = policy_loss("grpo", logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, agg=agg)
+    loss, _ = policy_loss(
+        "grpo", logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, agg=agg
+    )
     vals = [
-        [ref_grpo_token(logp[i, t].item(), old[i, t].item(), adv[i].item(), eps_low, eps_high, dual_clip) for t in range(T)]
+        [
+            ref_grpo_token(logp[i, t].item(), old[i, t].item(), adv[i].item(), eps_low, eps_high, dual_clip)
+            for t in range(T)
+        ]
         for i in range(B)
     ]
     assert loss.item() == pytest.approx(seq_reduce(vals, mask, agg), rel=1e-12, abs=1e-12)
@@ -267,7 +272,9 @@ def test_padding_rows_and_extreme_ratios_stay_finite(name) -> None:
 
 
 def test_defaults_are_the_documented_ones() -> None:
-    assert loss_defaults("grpo") == dict(eps_low=0.2, eps_high=0.2, dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None, token_weights=None)
+    assert loss_defaults("grpo") == dict(
+        eps_low=0.2, eps_high=0.2, dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None, token_weights=None
+    )
     assert loss_defaults("sapo")["tau_pos"] == 1.0 and loss_defaults("sapo")["tau_neg"] == 1.05
     assert loss_defaults("gspo")["eps_low"] == 3e-4 and loss_defaults("gspo")["eps_high"] == 4e-4
     assert loss_defaults("gspo_token")["eps_high"] == 4e-4

@@ -27,9 +27,21 @@ FAMILIES = {  # name: (model_type, config overrides); qwen3 (norm_topk_prob=Fals
     "olmoe": ("olmoe", {}),
     "glm4_moe": ("glm4_moe", {}),
     # multi-head latent attention with DeepSeek-V3's YaRN settings (mscale = mscale_all_dim)
-    "deepseek_v3": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
-                                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                                        "rope_theta": 10000.0}}),
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
     # Kimi-K2 (DeepSeek-V3's layout under model_type kimi_k2): 3 layers, a dense one and 2 MoE, which PP2 splits 2 + 1
     "kimi_k2": ("kimi_k2", {}),
 }
@@ -41,10 +53,14 @@ def qwen3_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("qwen3")
     # 97 tokens: under TP2 the vocabulary is padded to 98 rows, which must never be scored
     hf_dir = save_tiny_checkpoint(root / "hf", "qwen3_moe", seed=1, vocab_size=97)
-    families = [save_tiny_checkpoint(root / "families" / f, t, seed=2, vocab_size=97, **kw) for f, (t, kw) in FAMILIES.items()]
+    families = [
+        save_tiny_checkpoint(root / "families" / f, t, seed=2, vocab_size=97, **kw) for f, (t, kw) in FAMILIES.items()
+    ]
     for nproc, layouts in ALL_LAYOUTS.items():
         family_args = [a for f in families for a in ("--family", f)] + ["--family-layouts", *FAMILY_LAYOUTS]
-        code = spawn_local(nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args], timeout_s=500)
+        code = spawn_local(
+            nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args], timeout_s=500
+        )
         assert code == 0, f"{nproc}-process worker failed with exit code {code}"
     return root / "out"
 
@@ -66,7 +82,9 @@ def family_references(qwen3_runs: Path) -> dict[str, tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
-def test_family_matches_transformers_and_replays_exactly(qwen3_runs: Path, family_references, family: str, layout: str) -> None:
+def test_family_matches_transformers_and_replays_exactly(
+    qwen3_runs: Path, family_references, family: str, layout: str
+) -> None:
     run = qwen3_runs / layout.replace(",", "-") / family
     logp, entropy = family_references[family]
     torch.testing.assert_close(torch.load(run / "logp.pt"), logp, rtol=0, atol=1e-4)
@@ -76,21 +94,33 @@ def test_family_matches_transformers_and_replays_exactly(qwen3_runs: Path, famil
     for r in results:
         assert r["replay_identical"], "R2 replay before any update must reproduce the old log-probs bit for bit"
         assert r["r3_maxdiff"] <= 2e-5, "R3 replay of transformers' routing must reproduce megatron's log-probs"
-        if family == "glm4_moe" and layout in ("1,1,1,1", "1,1,2,1"):  # the expert-bias rule (tests/dist_worker.py BIAS_CHECKS)
-            assert r["nan_update_skipped"] and r["bias_kept_on_skip"], "a skipped update must not move the expert biases"
+        if family == "glm4_moe" and layout in (
+            "1,1,1,1",
+            "1,1,2,1",
+        ):  # the expert-bias rule (tests/dist_worker.py BIAS_CHECKS)
+            assert r["nan_update_skipped"] and r["bias_kept_on_skip"], (
+                "a skipped update must not move the expert biases"
+            )
             assert r["bias_moved_by_rate"], "an update moves each expert bias by the rate (or not at all)"
             assert r["expert_load_counts_only_real_tokens"], "padding must not count towards the expert-bias load"
-            assert r["bf16_export_keeps_fp32_biases"] in (True, None) and r["bf16_sync_keeps_fp32_biases"] in (True, None)
+            assert r["bf16_export_keeps_fp32_biases"] in (True, None) and r["bf16_sync_keeps_fp32_biases"] in (
+                True,
+                None,
+            )
     if family == "glm4_moe" and layout in ("1,1,1,1", "1,1,2,1"):  # rank 0 writes and receives the biases
-        assert results[0]["bf16_export_keeps_fp32_biases"] and results[0]["bf16_sync_keeps_fp32_biases"], \
+        assert results[0]["bf16_export_keeps_fp32_biases"] and results[0]["bf16_sync_keeps_fp32_biases"], (
             "bf16 exports and syncs must keep the expert biases in fp32"
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
 def test_family_export_round_trip_is_exact(qwen3_runs: Path, family: str, layout: str) -> None:
     """Loaded under the layout and exported: every tensor (expert biases included) back bit for bit."""
-    a, b = SafetensorsDir(qwen3_runs.parent / "families" / family), SafetensorsDir(qwen3_runs / layout.replace(",", "-") / family / "export")
+    a, b = (
+        SafetensorsDir(qwen3_runs.parent / "families" / family),
+        SafetensorsDir(qwen3_runs / layout.replace(",", "-") / family / "export"),
+    )
     assert a.keys() == b.keys()
     for key in sorted(a.keys()):
         assert torch.equal(a.get(key), b.get(key)), key
@@ -101,8 +131,13 @@ def test_uneven_pipeline_stages_equal_one_process(qwen3_runs: Path) -> None:
     """Kimi-K2's 3 layers (dense, MoE, MoE) on 2 pipeline stages, 2 + 1: the loss and every
     gradient equal the one-process run's (log-probs and the export: the family tests)."""
     ref, run = qwen3_runs / "1-1-1-1" / "kimi_k2", qwen3_runs / "1-2-1-1" / "kimi_k2"
-    stage_layers = [{int(k.split(".")[2]) for k in torch.load(f) if k.startswith("model.layers.")} for f in sorted(run.glob("grads_rank*.pt"))]
-    assert stage_layers == [{0, 1}, {2}], "stage 0 holds the dense layer and the first MoE layer, stage 1 the last layer"
+    stage_layers = [
+        {int(k.split(".")[2]) for k in torch.load(f) if k.startswith("model.layers.")}
+        for f in sorted(run.glob("grads_rank*.pt"))
+    ]
+    assert stage_layers == [{0, 1}, {2}], (
+        "stage 0 holds the dense layer and the first MoE layer, stage 1 the last layer"
+    )
     torch.testing.assert_close(torch.load(run / "loss.pt"), torch.load(ref / "loss.pt"), rtol=1e-6, atol=1e-6)
     ref_grads, grads = _grads(ref), _grads(run)
     assert set(grads) == set(ref_grads) and any(".experts." in k for k in grads)
@@ -173,6 +208,13 @@ def test_multi_token_prediction_layers_are_the_only_keys_skipped() -> None:
     from moe_rl.models.hf_weights import multi_token_prediction_keys
     from moe_rl.models.tiny import tiny_config
 
-    keys = {"model.layers.3.mlp.gate.weight", "model.layers.4.eh_proj.weight", "model.layers.40.mlp.gate.weight", "lm_head.weight"}
-    assert multi_token_prediction_keys(keys, tiny_config("glm4_moe", num_nextn_predict_layers=1)) == {"model.layers.4.eh_proj.weight"}
+    keys = {
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.4.eh_proj.weight",
+        "model.layers.40.mlp.gate.weight",
+        "lm_head.weight",
+    }
+    assert multi_token_prediction_keys(keys, tiny_config("glm4_moe", num_nextn_predict_layers=1)) == {
+        "model.layers.4.eh_proj.weight"
+    }
     assert multi_token_prediction_keys(keys, tiny_config("glm4_moe", num_nextn_predict_layers=0)) == set()

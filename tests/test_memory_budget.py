@@ -13,9 +13,20 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from memory_budget import GB, Layout, ParamCounts, budget, count_params, layer_params, layout_from_config, stage_budget  # noqa: E402
 
-TINY = {"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 2, "moe_intermediate_size": 3, "num_experts": 4, "num_experts_per_tok": 2,
-        "intermediate_size": 8, "tie_word_embeddings": False}  # fmt: skip
+TINY = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 10,
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 2,
+    "moe_intermediate_size": 3,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 8,
+    "tie_word_embeddings": False,
+}
 
 
 def test_parameters_are_counted_as_by_hand() -> None:
@@ -31,7 +42,9 @@ def test_uneven_stages_hold_their_own_layers() -> None:
     assert layers == [(52 + 8 + 96, 0), (76, 144), (76, 144)]
     layout = Layout(world=2, pp=2, distributed_optimizer=False)
     first, last = (stage_budget(counts, layout, s, layers) for s in (0, 1))
-    assert first["params_B"] * 1e9 == pytest.approx(156 + 76 + 144 + 40) and last["params_B"] * 1e9 == pytest.approx(76 + 144 + 44)
+    assert first["params_B"] * 1e9 == pytest.approx(156 + 76 + 144 + 40) and last["params_B"] * 1e9 == pytest.approx(
+        76 + 144 + 44
+    )
     assert budget(counts, layout, layers) == first
 
 
@@ -52,8 +65,12 @@ def test_the_example_configs_quote_the_tools_figures() -> None:
     olmoe = count_params(json.loads((ROOT / "configs/examples/olmoe_1b_7b.config.json").read_text()))
     assert sum(vars(qwen).values()) / 1e9 == pytest.approx(30.53, abs=0.01)  # Qwen3-30B-A3B
     assert sum(vars(olmoe).values()) / 1e9 == pytest.approx(6.92, abs=0.01)  # OLMoE-1B-7B
-    for name, world, counts in (("qwen3_30b_a3b_colocated_1x8", 8, qwen), ("qwen3_30b_a3b_disaggregated_2x8", 8, qwen),
-                                ("qwen3_30b_a3b_2x8", 16, qwen), ("sglang_local_server", 4, olmoe)):  # fmt: skip
+    for name, world, counts in (
+        ("qwen3_30b_a3b_colocated_1x8", 8, qwen),
+        ("qwen3_30b_a3b_disaggregated_2x8", 8, qwen),
+        ("qwen3_30b_a3b_2x8", 16, qwen),
+        ("sglang_local_server", 4, olmoe),
+    ):
         path = ROOT / "configs/examples" / f"{name}.yaml"
         layout, _ = layout_from_config(str(path), world)
         total = budget(counts, layout)["total_GB"]

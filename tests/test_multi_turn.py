@@ -66,8 +66,20 @@ class ScriptedPolicy(RolloutEngine):
         stop = next((i for i, t in enumerate(out) if t in params.stop_token_ids), None)
         out = out if stop is None else out[: stop + 1]
         end = len(token_ids) + len(out) - 1
-        routed = torch.arange(routing_from, end, dtype=torch.int32)[:, None, None].expand(-1, 1, 2).clone() if self.routed else None
-        return Sample(list(token_ids), out, [-0.5] * len(out), "stop" if stop is not None else "length", "0", seed, routed_experts=routed)
+        routed = (
+            torch.arange(routing_from, end, dtype=torch.int32)[:, None, None].expand(-1, 1, 2).clone()
+            if self.routed
+            else None
+        )
+        return Sample(
+            list(token_ids),
+            out,
+            [-0.5] * len(out),
+            "stop" if stop is not None else "length",
+            "0",
+            seed,
+            routed_experts=routed,
+        )
 
 
 class _Source:
@@ -77,7 +89,9 @@ class _Source:
         self.generate = policy.generate_turn
 
 
-def sample_with(policy: ScriptedPolicy, fn, problem: Problem, *, timeout_s: float = 30.0, routed: bool = True, **kwargs) -> Sample:
+def sample_with(
+    policy: ScriptedPolicy, fn, problem: Problem, *, timeout_s: float = 30.0, routed: bool = True, **kwargs
+) -> Sample:
     sampler = MultiTurnSampler(policy, fn, TOKENIZER, kwargs=kwargs, timeout_s=timeout_s)
     return sampler.sample([problem], [ids(problem.prompt)], 1, PARAMS, seed=7, routed=routed)[0][0]
 
@@ -100,7 +114,9 @@ def test_the_calculator_answers_a_scripted_policy_and_masks_its_own_tokens() -> 
     (first, _), (second, from2), (third, from3) = policy.requests
     assert second[: len(first)] == first and from2 == len(first) + len(ids("calc(3*4)")) - 1
     assert from3 == len(second) + len(ids("calc(12+5)")) - 1
-    assert torch.equal(s.routed_experts[:, 0, 0], torch.arange(len(s.prompt_ids) + len(s.output_ids) - 1, dtype=torch.int32))
+    assert torch.equal(
+        s.routed_experts[:, 0, 0], torch.arange(len(s.prompt_ids) + len(s.output_ids) - 1, dtype=torch.int32)
+    )
 
 
 def test_tool_errors_go_back_as_text_and_limits_truncate() -> None:
@@ -108,7 +124,9 @@ def test_tool_errors_go_back_as_text_and_limits_truncate() -> None:
         with pytest.raises(calculator.ToolError, match=why):
             calculator.evaluate(expression)
     assert calculator.evaluate("7//2 + 7%2 - -1") == 5 and calculator.format_result(7 / 2) == "3.5"
-    s = sample_with(ScriptedPolicy(["calc(3*+)", "calc(99999999*99999999)", "\\boxed{0}"]), calculator.generate, Problem("1=", "1"))
+    s = sample_with(
+        ScriptedPolicy(["calc(3*+)", "calc(99999999*99999999)", "\\boxed{0}"]), calculator.generate, Problem("1=", "1")
+    )
     assert text_of(s, policy_only=False) == "=error: not an expression =error: result too large "
     assert s.meta["tool_failures"] == 2 and s.meta["tool_calls"] == 2
     looping = sample_with(ScriptedPolicy(["calc(1+1)"]), calculator.generate, Problem("1=", "1"), max_turns=3)
@@ -127,16 +145,29 @@ def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> No
     sampler = MultiTurnSampler(policy, multi_turn_fns.sometimes_fails, TOKENIZER, kwargs={}, timeout_s=30)
     problems = [Problem("1+1=", "2"), Problem("1+2=", "3")]
     scorer = RewardScorer([RewardSpec("format", "format", 1.0, {})])
-    sampled = generate_and_score(problems, PromptFormatter(TOKENIZER), sampler, scorer, PARAMS, 2, seed=1, return_routing=True)
+    sampled = generate_and_score(
+        problems, PromptFormatter(TOKENIZER), sampler, scorer, PARAMS, 2, seed=1, return_routing=True
+    )
     failed = [FAILED in s.meta for s in sampled.samples]
     assert failed == [False, False, True, True]
-    assert sampled.rewards.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # the same response scores 1 when its environment worked
+    assert sampled.rewards.values[:, 0].tolist() == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]  # the same response scores 1 when its environment worked
     for s in sampled.samples[2:]:  # what the failed turn sampled is kept as context, never trained on
-        assert s.policy_token_count == 0 and s.output_ids == ids("\\boxed{2}<eos>") and "ConnectionError" in s.meta[FAILED]
+        assert (
+            s.policy_token_count == 0 and s.output_ids == ids("\\boxed{2}<eos>") and "ConnectionError" in s.meta[FAILED]
+        )
         assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
     assert multi_turn_scalars(sampled.samples)["rollout/multi_turn/failed_samples"] == 2
     hung = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.hangs, Problem("1=", "1"), timeout_s=0.2)
-    assert hung.meta[FAILED] == "TimeoutError" and hung.output_ids == [] and len(hung.routed_experts) == len(hung.prompt_ids) - 1
+    assert (
+        hung.meta[FAILED] == "TimeoutError"
+        and hung.output_ids == []
+        and len(hung.routed_experts) == len(hung.prompt_ids) - 1
+    )
 
 
 def test_a_transcript_that_does_not_continue_itself_stops_the_run() -> None:
@@ -151,20 +182,31 @@ def test_a_transcript_that_does_not_continue_itself_stops_the_run() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("multi_turn_fns:not_async", "must be an async function"), ("multi_turn_fns:too_few_args", "must take \\(problem, \\*, prompt_ids, engine"),
-     ("multi_turn_fns:missing", "cannot be imported"), ("multi_turn_fns", "must be 'package.module:function'")],
-)  # fmt: skip
+    [
+        ("multi_turn_fns:not_async", "must be an async function"),
+        ("multi_turn_fns:too_few_args", "must take \\(problem, \\*, prompt_ids, engine"),
+        ("multi_turn_fns:missing", "cannot be imported"),
+        ("multi_turn_fns", "must be 'package.module:function'"),
+    ],
+)
 def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"rollout.generate_fn={spec}"])
     with pytest.raises(ConfigError, match="not set"):
         load_config(None, ["rollout.generate_kwargs.max_turns=3"])
-    cfg = load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"])
+    cfg = load_config(
+        None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"]
+    )
     assert cfg.rollout.generate_kwargs == {"max_turns": 3}
     shipped = load_config(str(TESTS.parent / "configs" / "multi_turn" / "calculator.yaml"), [])
-    assert shipped.rollout.generate_fn == "moe_rl.environments.calculator:generate" and shipped.data.task == "arithmetic_chain"
+    assert (
+        shipped.rollout.generate_fn == "moe_rl.environments.calculator:generate"
+        and shipped.data.task == "arithmetic_chain"
+    )
     with pytest.raises(ConfigError, match="max_turnz"):
-        load_config(None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turnz=3"])
+        load_config(
+            None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turnz=3"]
+        )
 
 
 def multi_turn_experience() -> Experience:
@@ -175,7 +217,11 @@ def multi_turn_experience() -> Experience:
     a.add_policy(_turn(a, "3<eos>", [-0.6, -0.7]))
     b = Transcript(ids("4+4="))
     b.add_policy(_turn(b, "8", [-0.9]))
-    samples = [a.to_sample(0), b.to_sample(1), Sample(ids("5="), ids("xy"), [0.0, 0.0], "abort", "0", 2, loss_mask=[0, 0])]
+    samples = [
+        a.to_sample(0),
+        b.to_sample(1),
+        Sample(ids("5="), ids("xy"), [0.0, 0.0], "abort", "0", 2, loss_mask=[0, 0]),
+    ]
     return Experience(samples, torch.zeros(3, 1), ["r"], torch.tensor([1.0, -0.5, 2.0]))
 
 
@@ -190,15 +236,25 @@ def test_the_loss_counts_the_policys_tokens_only() -> None:
     each transcript's tokens and skips what the environment inserted."""
     exp = multi_turn_experience()
     assert exp.num_response_tokens == 5 + 2 + 1 and exp.num_responses == 2
-    batch = build_train_batch(exp, 0, fixed_plan([0, 1, 2], 3, 3), seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)
+    batch = build_train_batch(
+        exp,
+        0,
+        fixed_plan([0, 1, 2], 3, 3),
+        seq_len_multiple=1,
+        pad_id=0,
+        device=torch.device("cpu"),
+        with_routing=False,
+    )
     mb = batch.micro_batches[0]
     logp = -torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(0))
     old = logp - 0.3 * torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(1))
     mb.old_logp = old
-    loss, metrics = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)(torch.stack([logp, torch.zeros_like(logp)], -1), mb)
+    loss, metrics = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)(
+        torch.stack([logp, torch.zeros_like(logp)], -1), mb
+    )
     hand, count = 0.0, 0
     for row, s in enumerate(exp.samples):
-        for k, (token, policy) in enumerate(zip(s.output_ids, s.output_mask())):
+        for k, (_token, policy) in enumerate(zip(s.output_ids, s.output_mask())):
             position = len(s.prompt_ids) - 1 + k  # the log-prob of output token k
             if policy:
                 ratio = float((logp[row, position] - old[row, position]).exp())
@@ -210,7 +266,9 @@ def test_the_loss_counts_the_policys_tokens_only() -> None:
                 assert float(mb.mask[row, position]) == 0 and float(mb.rollout_logp[row, position]) == 0
     assert count == batch.num_tokens == 8 and float(metrics["tokens"]) == 8
     assert float(loss) == pytest.approx(hand / count, rel=1e-5)
-    ref, _ = policy_loss("grpo", logp, old, mb.advantages, mb.mask, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+    ref, _ = policy_loss(
+        "grpo", logp, old, mb.advantages, mb.mask, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs
+    )
     torch.testing.assert_close(loss, ref)
     # the environment's tokens as input positions (routing metrics report them apart)
     env = mb.environment_tokens[0]
@@ -273,9 +331,24 @@ def test_multi_turn_routing_is_the_engines_for_every_token(local_engine) -> None
 
 
 def train(cache: str, run_dir: Path, *overrides: str) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "moe_rl.cli", "train", *WARM_START, f"warm_start.cache_dir={cache}", f"train.run_dir={run_dir}",
-            "train.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4", *overrides]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        *WARM_START,
+        f"warm_start.cache_dir={cache}",
+        f"train.run_dir={run_dir}",
+        "train.progress=false",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        *overrides,
+    ]
     with open(run_dir.with_suffix(".log"), "w") as log:
         rc = subprocess.run(args, stdout=log, stderr=log, timeout=400, env=env).returncode
     assert rc == 0, run_dir.with_suffix(".log").read_text()[-3000:]
@@ -292,8 +365,14 @@ def assert_multi_turn_r3(rows: dict[int, dict]) -> None:
 
 
 def test_multi_turn_r3_training_on_the_local_engine(demo_cache, tmp_path) -> None:
-    rows = train(demo_cache, tmp_path / "local", "train.steps=2", "routing.replay=r3", "rollout.generate_fn=multi_turn_fns:two_turns",
-                 "rollout.max_new_tokens=4")  # fmt: skip
+    rows = train(
+        demo_cache,
+        tmp_path / "local",
+        "train.steps=2",
+        "routing.replay=r3",
+        "rollout.generate_fn=multi_turn_fns:two_turns",
+        "rollout.max_new_tokens=4",
+    )
     assert_multi_turn_r3(rows)
 
 
@@ -301,6 +380,15 @@ def test_multi_turn_r3_training_against_an_sglang_server(demo_cache, stand_in_sg
     from conftest import demo_weights_on
 
     url = demo_weights_on(stand_in_sglang, demo_cache)
-    rows = train(demo_cache, tmp_path / "sglang", "train.steps=2", "routing.replay=r3", "rollout.generate_fn=multi_turn_fns:two_turns",
-                 "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", "rollout.weight_sync=disk")  # fmt: skip
+    rows = train(
+        demo_cache,
+        tmp_path / "sglang",
+        "train.steps=2",
+        "routing.replay=r3",
+        "rollout.generate_fn=multi_turn_fns:two_turns",
+        "rollout.max_new_tokens=4",
+        "rollout.engine=sglang",
+        f"rollout.sglang_urls=[{url}]",
+        "rollout.weight_sync=disk",
+    )
     assert_multi_turn_r3(rows)

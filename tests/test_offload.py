@@ -89,7 +89,8 @@ def test_pinned_host_buffers_are_exactly_the_storages_size() -> None:
     storage of 3 MiB + 1 byte gets exactly that much pinned memory, copies round-trip."""
     stage = torch.nn.Linear(1, 1).cuda()
     with torch.no_grad():
-        stage.weight.data = torch.randn(3 * 2**18 + 1, device="cuda").view(-1)[:1].view(1, 1)  # a storage of 3 MiB + 4 bytes
+        # a storage of 3 MiB + 4 bytes
+        stage.weight.data = torch.randn(3 * 2**18 + 1, device="cuda").view(-1)[:1].view(1, 1)
     stats = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     before = stage.weight.detach().clone()
     offloader = DeviceOffloader([stage], None)

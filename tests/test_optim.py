@@ -54,6 +54,8 @@ def test_the_finite_check_finds_any_nan_or_inf_in_any_gradient_buffer(bad) -> No
     dense, expert = torch.randn(1000), torch.randn(300)
     if bad is not None:
         expert[137] = bad
-    chunk = SimpleNamespace(buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)])
+    chunk = SimpleNamespace(
+        buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)]
+    )
     assert _grads_finite([chunk]) is (bad is None)
     assert _grads_finite([SimpleNamespace(buffers=[], expert_parallel_buffers=[])])

@@ -25,7 +25,9 @@ def test_preset_runs_through_the_api(path: Path) -> None:
     cfg = yaml.safe_load(path.read_text())
     adv = compute_advantages(cfg["advantage"], torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), 2)
     logp = torch.full((4, 3), -1.0, requires_grad=True)
-    loss, metrics = policy_loss(cfg["loss"], logp, torch.full((4, 3), -1.1), adv, torch.ones(4, 3), **cfg["loss_params"])
+    loss, metrics = policy_loss(
+        cfg["loss"], logp, torch.full((4, 3), -1.1), adv, torch.ones(4, 3), **cfg["loss_params"]
+    )
     loss.backward()
     assert torch.isfinite(loss) and logp.grad.abs().sum() > 0 and "clip_frac" in metrics
 
@@ -37,5 +39,7 @@ def test_console_script_help_and_demo_errors(tmp_path) -> None:
     assert bare.returncode == 2
     for command in ("train", "compare", "demo", "parity", "export", "drift", "prepare", "eval"):
         assert command in bare.stdout
-    missing = subprocess.run(cmd + ["demo", "--config", str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        cmd + ["demo", "--config", str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 2 and "not found" in missing.stderr

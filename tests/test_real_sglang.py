@@ -31,8 +31,14 @@ from moe_rl.routing.hf_routing import transformers_routing
 
 pytestmark = pytest.mark.real_sglang
 QUESTIONS = ["3+4=", "7+5=", "9+9=", "1+2=", "6+0=", "8+3="]
-SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "train.progress=false",
-         "algorithm.micro_batch_size=8", *WARM_START]  # fmt: skip
+SMALL = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=5",
+    "train.progress=false",
+    "algorithm.micro_batch_size=8",
+    *WARM_START,
+]
 
 
 def moe_rl(*args: str, log: Path, timeout: int = 400, tests_importable: bool = False) -> int:
@@ -43,7 +49,9 @@ def moe_rl(*args: str, log: Path, timeout: int = 400, tests_importable: bool = F
     if tests_importable:
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     with open(log, "w") as out:
-        return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], stdout=out, stderr=out, timeout=timeout, env=env).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "moe_rl.cli", *args], stdout=out, stderr=out, timeout=timeout, env=env
+        ).returncode
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -70,7 +78,9 @@ def test_samples_logprobs_and_routing_agree_with_the_trainer_side(real_sglang, d
     url = demo_weights_on(real_sglang, demo_cache)
     prompts = prompt_ids(demo_cache)
     engine = SGLangEngine([url], num_layers=2, top_k=2, num_experts=8)
-    groups = engine.generate(prompts, 4, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3, return_routed_experts=True)
+    groups = engine.generate(
+        prompts, 4, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3, return_routed_experts=True
+    )
     local = LocalEngine(demo_model_dir(demo_cache))
     gaps, changed, tokens = [], [], 0
     for sample in (s for group in groups for s in group):
@@ -86,8 +96,10 @@ def test_samples_logprobs_and_routing_agree_with_the_trainer_side(real_sglang, d
         tokens += experts.shape[1]
     gap = torch.cat(gaps)
     drift = (torch.stack(changed).sum(0) / tokens).tolist()
-    print(f"\n[real sglang] log-prob |server - fp32| mean {gap.mean():.2e} max {gap.max():.2e} over {gap.numel()} tokens; "
-          f"routing changed (server bf16 vs fp32) per layer {[round(x, 4) for x in drift]} over {tokens} positions")
+    print(
+        f"\n[real sglang] log-prob |server - fp32| mean {gap.mean():.2e} max {gap.max():.2e} over {gap.numel()} tokens; "
+        f"routing changed (server bf16 vs fp32) per layer {[round(x, 4) for x in drift]} over {tokens} positions"
+    )
     assert gap.mean() < 2e-2 and gap.max() < 0.25
     assert max(drift) < 0.1  # a few near-ties flip in bf16, most tokens route alike
     greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(1,))
@@ -101,8 +113,11 @@ def test_routed_experts_of_prefix_cached_tokens_equal_an_uncached_prefill(real_s
     url = demo_weights_on(real_sglang, demo_cache)
 
     def routed(ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor, int]:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
-                "return_routed_experts": True}  # fmt: skip
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+            "return_routed_experts": True,
+        }
         meta = (reply := httpx.post(url + "/generate", json=body, timeout=120).json())["meta_info"]
         return reply["output_ids"], decode_routed_experts(meta["routed_experts"], 2, 2), meta["cached_tokens"]
 
@@ -126,12 +141,26 @@ def test_close_aborts_only_its_own_requests(real_sglang, demo_cache):
     url = demo_weights_on(real_sglang, demo_cache)
     long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
     other: dict = {}
-    bystander = threading.Thread(target=lambda: other.update(httpx.post(url + "/generate", json={
-        "input_ids": [3, 4, 5], "sampling_params": long, "rid": "someone-else"}, timeout=120).json()))  # fmt: skip
+    bystander = threading.Thread(
+        target=lambda: other.update(
+            httpx.post(
+                url + "/generate",
+                json={"input_ids": [3, 4, 5], "sampling_params": long, "rid": "someone-else"},
+                timeout=120,
+            ).json()
+        )
+    )
     engine = SGLangEngine([url], num_layers=2, top_k=2)
     mine: dict = {}
-    requester = threading.Thread(target=lambda: mine.update(httpx.post(url + "/generate", json={
-        "input_ids": [3, 4, 5], "sampling_params": long, "rid": "moe-rl-mine"}, timeout=120).json()))  # fmt: skip
+    requester = threading.Thread(
+        target=lambda: mine.update(
+            httpx.post(
+                url + "/generate",
+                json={"input_ids": [3, 4, 5], "sampling_params": long, "rid": "moe-rl-mine"},
+                timeout=120,
+            ).json()
+        )
+    )
     bystander.start(), requester.start()
     time.sleep(0.5)  # both decoding
     engine._unfinished = {"moe-rl-mine"}  # what an interrupted generate() leaves
@@ -149,20 +178,34 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
     checkpoint's exported weights."""
     url = demo_weights_on(real_sglang, demo_cache)
     run = tmp_path / "run"
-    code = moe_rl("train", *SMALL, f"warm_start.cache_dir={demo_cache}", f"train.run_dir={run}", "train.steps=2",
-                  "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", f"rollout.weight_sync={sync}",
-                  f"routing.replay={replay}", "rollout.sync_bucket_mb=0.05", log=tmp_path / "train.log")  # fmt: skip
+    code = moe_rl(
+        "train",
+        *SMALL,
+        f"warm_start.cache_dir={demo_cache}",
+        f"train.run_dir={run}",
+        "train.steps=2",
+        "rollout.engine=sglang",
+        f"rollout.sglang_urls=[{url}]",
+        f"rollout.weight_sync={sync}",
+        f"routing.replay={replay}",
+        "rollout.sync_bucket_mb=0.05",
+        log=tmp_path / "train.log",
+    )
     assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
     if sync != "disk":  # SGLang 0.5.23 takes each bucket as one flat tensor
-        assert re.search(r"weights 2 (sent|handed) to 1 server\(s\) in \d+ flattened bucket", (tmp_path / "train.log").read_text())
+        assert re.search(
+            r"weights 2 (sent|handed) to 1 server\(s\) in \d+ flattened bucket", (tmp_path / "train.log").read_text()
+        )
     metrics = rows(run)
     assert sorted(metrics) == [1, 2] and metrics[2]["train/grad_norm"] > 0
     assert httpx.get(url + "/model_info", timeout=30).json()["weight_version"] == "2"
     for step in (1, 2):
         assert metrics[step]["train/logp_mismatch_mean"] < 2e-2  # bf16 server vs fp32 trainer
     drift = [metrics[s]["routing/train_vs_rollout/changed_frac/mean"] for s in (1, 2)]
-    print(f"\n[real sglang] {replay}/{sync}: log-prob mismatch mean {[metrics[s]['train/logp_mismatch_mean'] for s in (1, 2)]}, "
-          f"train-vs-rollout routing changed {drift}")
+    print(
+        f"\n[real sglang] {replay}/{sync}: log-prob mismatch mean {[metrics[s]['train/logp_mismatch_mean'] for s in (1, 2)]}, "
+        f"train-vs-rollout routing changed {drift}"
+    )
     if replay == "r3":
         assert drift == [0.0, 0.0]  # the trainer ran on the server's routing
     else:
@@ -170,7 +213,9 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
     final = str(run / "checkpoints" / "step_000002" / "model")
     greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(1,))
     prompts = prompt_ids(demo_cache)
-    assert greedy_tokens(url, prompts) == [s.output_ids for [s] in LocalEngine(final).generate(prompts, 1, greedy, seed=0)]
+    assert greedy_tokens(url, prompts) == [
+        s.output_ids for [s] in LocalEngine(final).generate(prompts, 1, greedy, seed=0)
+    ]
     if sync == "distributed":  # and equal to a server started afresh on those weights
         fresh = start_sglang(final, tmp_path / "fresh", real=True)
         try:
@@ -187,9 +232,20 @@ def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp
     the policy's and the environment's tokens."""
     url = demo_weights_on(real_sglang, demo_cache)
     run = tmp_path / "run"
-    code = moe_rl("train", *SMALL, f"warm_start.cache_dir={demo_cache}", f"train.run_dir={run}", "train.steps=2",
-                  "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", "rollout.weight_sync=disk", "routing.replay=r3",
-                  "rollout.generate_fn=multi_turn_fns:two_turns", log=tmp_path / "train.log", tests_importable=True)  # fmt: skip
+    code = moe_rl(
+        "train",
+        *SMALL,
+        f"warm_start.cache_dir={demo_cache}",
+        f"train.run_dir={run}",
+        "train.steps=2",
+        "rollout.engine=sglang",
+        f"rollout.sglang_urls=[{url}]",
+        "rollout.weight_sync=disk",
+        "routing.replay=r3",
+        "rollout.generate_fn=multi_turn_fns:two_turns",
+        log=tmp_path / "train.log",
+        tests_importable=True,
+    )
     assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
     metrics = rows(run)
     for step in (1, 2):
@@ -198,15 +254,17 @@ def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp
         assert row["routing/train_vs_rollout/changed_frac/mean"] == 0.0
         assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0.0
         assert row["train/logp_mismatch_mean"] < 2e-2  # bf16 server vs fp32 trainer
-    print(f"\n[real sglang] multi-turn r3: turns {[metrics[s]['rollout/multi_turn/turns_mean'] for s in (1, 2)]}, "
-          f"log-prob mismatch mean {[metrics[s]['train/logp_mismatch_mean'] for s in (1, 2)]}")
+    print(
+        f"\n[real sglang] multi-turn r3: turns {[metrics[s]['rollout/multi_turn/turns_mean'] for s in (1, 2)]}, "
+        f"log-prob mismatch mean {[metrics[s]['train/logp_mismatch_mean'] for s in (1, 2)]}"
+    )
 
 
 def _a_killed_server_is_a_rollout_error(server) -> None:
     """A server killed (SIGKILL, all its processes) under a client: generate() ends in a
     RolloutError naming it after its retries, not a hang or an httpx traceback."""
     engine = SGLangEngine([server.url], num_layers=2, top_k=2, max_retries=1, backoff_s=0.1, timeout_s=60)
-    engine.weight_version  # read while it lives
+    _ = engine.weight_version  # read while it lives
     os.killpg(server.process.pid, signal.SIGKILL)
     with pytest.raises(RolloutError, match=server.url.replace(".", r"\.")):
         engine.generate([[3, 4, 5]] * 2, 2, SamplingParams(max_new_tokens=6, temperature=1.0), seed=0)
@@ -218,14 +276,39 @@ def test_drift_and_eval_against_real_sglang(real_sglang, demo_cache, tmp_path):
     model = demo_model_dir(demo_cache)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS[:3]))
-    code = moe_rl("drift", "--engine", url, "--checkpoint", model, "--prompts", str(prompts), "--samples", "2",
-                  "--max-new-tokens", "6", "--out", str(tmp_path / "drift"), log=tmp_path / "drift.log")  # fmt: skip
+    code = moe_rl(
+        "drift",
+        "--engine",
+        url,
+        "--checkpoint",
+        model,
+        "--prompts",
+        str(prompts),
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(tmp_path / "drift"),
+        log=tmp_path / "drift.log",
+    )
     assert code == 0, (tmp_path / "drift.log").read_text()[-3000:]
     report = json.loads((tmp_path / "drift" / "drift.json").read_text())
     assert report["engine_weight_version"] == "demo" and report["samples"] == 6
     assert 0 <= report["metrics"]["changed_frac"]["mean"] < 0.1 and report["logp_mismatch"]["logp_mismatch_max"] < 0.25
-    code = moe_rl("eval", "--checkpoint", model, "--engine", url, "--out", str(tmp_path / "eval"), *SMALL,
-                  "data.eval_task=arithmetic", "data.eval_max_prompts=8", log=tmp_path / "eval.log")  # fmt: skip
+    code = moe_rl(
+        "eval",
+        "--checkpoint",
+        model,
+        "--engine",
+        url,
+        "--out",
+        str(tmp_path / "eval"),
+        *SMALL,
+        "data.eval_task=arithmetic",
+        "data.eval_max_prompts=8",
+        log=tmp_path / "eval.log",
+    )
     assert code == 0, (tmp_path / "eval.log").read_text()[-3000:]
     scalars = json.loads((tmp_path / "eval" / "eval.json").read_text())["scalars"]
     assert 0.0 <= scalars["eval/pass@1"] <= 1.0, scalars
@@ -237,10 +320,31 @@ def test_compare_against_real_sglang(real_sglang, demo_cache, tmp_path):
     url = demo_weights_on(real_sglang, demo_cache)
     config = Path(__file__).parents[1] / "configs" / "compare" / "demo.yaml"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "compare", "--config", str(config), "--only", "grpo,grpo_r3", *SMALL,
-                          f"warm_start.cache_dir={demo_cache}", "train.steps=2", "train.eval_every=0", "data.eval_max_prompts=4",
-                          "rollout.engine=sglang", f"rollout.sglang_urls=[{url}]", "rollout.precision=fp32"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "compare",
+            "--config",
+            str(config),
+            "--only",
+            "grpo,grpo_r3",
+            *SMALL,
+            f"warm_start.cache_dir={demo_cache}",
+            "train.steps=2",
+            "train.eval_every=0",
+            "data.eval_max_prompts=4",
+            "rollout.engine=sglang",
+            f"rollout.sglang_urls=[{url}]",
+            "rollout.precision=fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "run one at a time" in out.stdout
     report = (tmp_path / "runs" / "compare" / "report.md").read_text()
@@ -256,11 +360,21 @@ def test_a_launched_server_dies_with_its_killed_trainer(demo_cache, tmp_path):
     from parallel.launch import free_port
 
     def launch(run: Path, steps: int) -> subprocess.Popen:
-        args = [*SMALL, f"warm_start.cache_dir={demo_cache}", f"train.run_dir={run}", f"train.steps={steps}",
-                "rollout.engine=sglang", "rollout.launch_server=true", f"rollout.server_python={SGLANG_PYTHON}",
-                f"rollout.server_port={free_port()}", "routing.replay=r3"]  # fmt: skip
+        args = [
+            *SMALL,
+            f"warm_start.cache_dir={demo_cache}",
+            f"train.run_dir={run}",
+            f"train.steps={steps}",
+            "rollout.engine=sglang",
+            "rollout.launch_server=true",
+            f"rollout.server_python={SGLANG_PYTHON}",
+            f"rollout.server_port={free_port()}",
+            "routing.replay=r3",
+        ]
         log = open(run.parent / f"{run.name}.log", "w")
-        return subprocess.Popen([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *args], stdout=log, stderr=log)
+        return subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *args], stdout=log, stderr=log
+        )
 
     def server_pid(run: Path, timeout_s: float = 400) -> int:
         deadline = time.monotonic() + timeout_s

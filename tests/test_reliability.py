@@ -14,8 +14,16 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "warm_start.steps=20",
-        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=8", "routing.after_update_pass=false"]  # fmt: skip
+TINY = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=5",
+    "warm_start.steps=20",
+    "warm_start.batch_size=16",
+    "train.progress=false",
+    "algorithm.micro_batch_size=8",
+    "routing.after_update_pass=false",
+]
 
 
 FAULTY = str(Path(__file__).with_name("faulty_run.py"))  # moe-rl with faults injected through test seams
@@ -83,9 +91,13 @@ def same_weights(a: Path, b: Path) -> bool:
     return set(wa.keys()) == set(wb.keys()) and all(wa.get(k).equal(wb.get(k)) for k in wa.keys())
 
 
-def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, straight_run, uninterrupted, tmp_path: Path) -> None:
+def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(
+    base, straight_run, uninterrupted, tmp_path: Path
+) -> None:
     args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2")
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+    )
     metrics, saved = tmp_path / "metrics.jsonl", tmp_path / "checkpoints" / "step_000002" / "meta.json"
     # step 2's checkpoint is written in the background and committed after a later step
     wait_for(lambda: saved.is_file() and len(metrics.read_text().splitlines()) >= 3)
@@ -103,16 +115,29 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(base, straight_r
     assert same_weights(tmp_path / final, straight_run / final)
 
 
-def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight_run, uninterrupted, tmp_path: Path) -> None:
+def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(
+    base, straight_run, uninterrupted, tmp_path: Path
+) -> None:
     import shutil
 
     # a run that stopped after step 2 (its checkpoint is the uninterrupted run's)
     shutil.copytree(straight_run / "checkpoints" / "step_000002", tmp_path / "checkpoints" / "step_000002")
-    args = cmd("train", *base, f"train.run_dir={tmp_path}", "train.steps=4", "train.save_every=2", faults=("--checkpoint-delay-s", "60"))
+    args = cmd(
+        "train",
+        *base,
+        f"train.run_dir={tmp_path}",
+        "train.steps=4",
+        "train.save_every=2",
+        faults=("--checkpoint-delay-s", "60"),
+    )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     # written by every rank's writer, not yet committed
-    wait_for(lambda: any((tmp / "dist" / ".metadata").is_file() for tmp in (tmp_path / "checkpoints").glob(".tmp_step_000004.*")))
+    wait_for(
+        lambda: any(
+            (tmp / "dist" / ".metadata").is_file() for tmp in (tmp_path / "checkpoints").glob(".tmp_step_000004.*")
+        )
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "checkpoints" / "step_000004").exists()
@@ -128,7 +153,13 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(base, straight
 def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_exits(base, tmp_path: Path) -> None:
     """Ctrl-C reaches the launcher; each rank must see it once (a second one means "stop now")."""
     args = cmd("train", "--nproc", "2", *base, f"train.run_dir={tmp_path}", "train.steps=50")
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     metrics = tmp_path / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1)
     proc.send_signal(signal.SIGINT)
@@ -172,7 +203,9 @@ def test_a_dead_rank_stops_the_job_and_is_named() -> None:
     launcher = f"import sys; from parallel.launch import spawn_local; sys.exit(spawn_local(2, ['-c', {DEAD_RANK!r}]))"
     out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120)
     assert time.monotonic() - start < 60
-    assert out.returncode != 0 and "[moe-rl] rank 1 was killed by SIGKILL: stopping the job" in out.stderr, out.stderr[-2000:]
+    assert out.returncode != 0 and "[moe-rl] rank 1 was killed by SIGKILL: stopping the job" in out.stderr, out.stderr[
+        -2000:
+    ]
 
 
 def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path, caplog) -> None:
@@ -197,7 +230,9 @@ def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path, cap
     from moe_rl.config import ConfigError, load_config
     from moe_rl.trainer.trainer import Trainer
 
-    with pytest.raises(ConfigError, match="data.task: .* holds no usable problems"):  # before any process group or model
+    with pytest.raises(
+        ConfigError, match="data.task: .* holds no usable problems"
+    ):  # before any process group or model
         Trainer(load_config(None, [*base, f"train.run_dir={tmp_path / 'e'}", f"data.task={empty}"]))
 
 

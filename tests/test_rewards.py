@@ -116,7 +116,8 @@ def test_failing_rewards_score_zero_are_counted_and_never_raise(workers: int) ->
             RewardSpec("text", f"{here}:_text"),
             RewardSpec("no_answer", "math_correct"),
         ],
-        timeout_s=0.2 if workers == 0 else 2.0,  # a worker's round trip must never come near it, even on a loaded machine
+        # a worker's round trip must never come near it, even on a loaded machine
+        timeout_s=0.2 if workers == 0 else 2.0,
         workers=workers,
     )
     start = time.monotonic()
@@ -154,7 +155,9 @@ def test_pool_keeps_an_answer_that_came_while_another_worker_was_replaced() -> N
 
 def test_in_process_rewards_share_one_thread_until_a_call_hangs() -> None:
     CALLING_THREADS.clear()
-    scorer = RewardScorer([RewardSpec("id", f"{__name__}:_thread_id"), RewardSpec("hangs", f"{__name__}:_hangs")], timeout_s=0.2)
+    scorer = RewardScorer(
+        [RewardSpec("id", f"{__name__}:_thread_id"), RewardSpec("hangs", f"{__name__}:_hangs")], timeout_s=0.2
+    )
     scorer.score([sample("a"), sample("b"), sample("c")])  # id x3 on one thread; hangs: the first call times out
     scorer.score([sample("d")])
     first, later = CALLING_THREADS[:3], CALLING_THREADS[3]
@@ -183,7 +186,10 @@ def test_a_reward_is_warmed_up_on_its_thread_before_the_first_score() -> None:
 
 def test_math_correct_warm_up_leaves_results_unchanged() -> None:
     math_correct.warm_up()
-    assert math_correct(RewardInput("q", "\\boxed{13}", "13")) == 1.0 and math_correct(RewardInput("q", "\\boxed{1c1}", "13")) == 0.0
+    assert (
+        math_correct(RewardInput("q", "\\boxed{13}", "13")) == 1.0
+        and math_correct(RewardInput("q", "\\boxed{1c1}", "13")) == 0.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from moe_rl.rollout.sglang import SGLangEngine, _HttpTurns, weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
 from moe_rl.rollout.weight_sync import DistributedSync
 from parallel.launch import free_port
-from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
+from parallel.weight_update_group import join_weight_update_group
 from sglang_test_server import weights_digest
 
 SERVER = STAND_IN_SERVER
@@ -37,7 +37,10 @@ PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("rollout")
-    return {"v0": save_tiny_checkpoint(root / "v0", "qwen3_moe", seed=11), "v1": save_tiny_checkpoint(root / "v1", "qwen3_moe", seed=12)}
+    return {
+        "v0": save_tiny_checkpoint(root / "v0", "qwen3_moe", seed=11),
+        "v1": save_tiny_checkpoint(root / "v1", "qwen3_moe", seed=12),
+    }
 
 
 def start_server(model_path: str, log_dir: Path) -> SGLangServer:
@@ -86,9 +89,13 @@ def test_generate_logprobs_routing_and_distinct_seeds(servers, ckpts) -> None:
 
 def test_server_rules_and_client_errors(servers) -> None:
     url = servers[0].url
-    bad = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "best_of": 3}})
+    bad = httpx.post(
+        url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "best_of": 3}}
+    )
     assert bad.status_code == 400 and "best_of" in bad.text
-    outside = httpx.post(url + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": [], "group_name": "g"})
+    outside = httpx.post(
+        url + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
+    )
     assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
     engine = engine_for(servers[:1], max_retries=3, backoff_s=0.01)
     with pytest.raises(RolloutError, match="refused the request \\(HTTP 400\\)"):
@@ -96,7 +103,9 @@ def test_server_rules_and_client_errors(servers) -> None:
 
         async def post():
             async with httpx.AsyncClient() as client:
-                return await engine._post_with_retries(client, "/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}})
+                return await engine._post_with_retries(
+                    client, "/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}
+                )
 
         asyncio.run(post())
     assert engine.retries == 0, "4xx must not be retried"
@@ -113,8 +122,8 @@ def test_update_weights_from_disk_and_stale_version(servers, ckpts) -> None:
     engine = engine_for(servers)
     engine.update_weights_from_disk(ckpts["v1"], "1")
     try:
-        (sample,), = engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)
-        (ref,), = LocalEngine(ckpts["v1"]).generate(PROMPTS[:1], 1, PARAMS, seed=3)
+        ((sample,),) = engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)
+        ((ref,),) = LocalEngine(ckpts["v1"]).generate(PROMPTS[:1], 1, PARAMS, seed=3)
         assert sample.weight_version == "1" and sample.output_ids == ref.output_ids
         # a server that changed version behind the trainer's back is detected
         control(servers[1], "/update_weights_from_disk", {"model_path": ckpts["v1"], "weight_version": "7"})
@@ -131,12 +140,24 @@ def test_a_server_refusing_the_weight_group_is_reported_at_once(servers) -> None
     engine = engine_for(servers)
     port = free_port()
     start = time.monotonic()
-    with pytest.raises(RolloutError, match=re.escape(f"{servers[0].url}/init_weights_update_group failed") + ".*injected refusal"):
+    with pytest.raises(
+        RolloutError, match=re.escape(f"{servers[0].url}/init_weights_update_group failed") + ".*injected refusal"
+    ):
         engine.init_weights_update_group(
-            "127.0.0.1", port, "refused", "gloo",
-            join=lambda world_size: join_weight_update_group(backend="gloo", address="127.0.0.1", port=port, world_size=world_size,
-                                                             rank=0, group_name="refused", timeout_s=10),
-        )  # fmt: skip
+            "127.0.0.1",
+            port,
+            "refused",
+            "gloo",
+            join=lambda world_size: join_weight_update_group(
+                backend="gloo",
+                address="127.0.0.1",
+                port=port,
+                world_size=world_size,
+                rank=0,
+                group_name="refused",
+                timeout_s=10,
+            ),
+        )
     assert time.monotonic() - start < 8  # (the join alone would wait its 10 s)
     assert "refused" not in control(servers[0], "/_test/stats")["weight_groups"]
 
@@ -146,7 +167,9 @@ def test_a_refused_weight_update_leaves_no_server_paused_or_in_a_session(servers
     sessions are closed again and every server generates."""
     engine = engine_for(servers)
     assert control(servers[1], "/begin_weight_update")["success"]  # left open by someone else
-    with pytest.raises(RolloutError, match=re.escape(f"{servers[1].url}/begin_weight_update failed") + ".*already open"):
+    with pytest.raises(
+        RolloutError, match=re.escape(f"{servers[1].url}/begin_weight_update failed") + ".*already open"
+    ):
         with engine.weight_update("never"):
             raise AssertionError("the update body must not run")
     for server in servers:  # no session open anywhere, nobody paused
@@ -182,13 +205,21 @@ def test_buckets_are_packed_aligned_and_never_span_two_stages() -> None:
     wider elements first. A pipeline stage's tensors go in buckets of their own, packed by
     that stage's sender; unpacking gives back every tensor exactly."""
     gen = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(3, generator=gen), "b.router.expert_bias": torch.randn(5, generator=gen), "c": torch.randn(2, 3, generator=gen),
-               "d": torch.randn(7, generator=gen), "e.router.expert_bias": torch.randn(1, generator=gen)}  # fmt: skip
+    tensors = {
+        "a": torch.randn(3, generator=gen),
+        "b.router.expert_bias": torch.randn(5, generator=gen),
+        "c": torch.randn(2, 3, generator=gen),
+        "d": torch.randn(7, generator=gen),
+        "e.router.expert_bias": torch.randn(1, generator=gen),
+    }
     stages = {"a": 0, "b.router.expert_bias": 0, "c": 0, "d": 1, "e.router.expert_bias": 1}
     entries = [WeightEntry(stages[k] * 2, k, ((k, tuple(t.shape)),), t.dtype, stages[k]) for k, t in tensors.items()]
     plan = plan_buckets(entries, 10**6, torch.bfloat16, senders=[0, 2])  # expert biases keep fp32
     assert [(b.stage, b.sender) for b in plan] == [(0, 0), (1, 2)]
-    assert [[t.name for t in b.tensors] for b in plan] == [["b.router.expert_bias", "a", "c"], ["e.router.expert_bias", "d"]]
+    assert [[t.name for t in b.tensors] for b in plan] == [
+        ["b.router.expert_bias", "a", "c"],
+        ["e.router.expert_bias", "d"],
+    ]
     for bucket in plan:
         assert all(t.start % t.dtype.itemsize == 0 for t in bucket.tensors)
         assert bucket.nbytes == sum(tensors[t.name].numel() * t.dtype.itemsize for t in bucket.tensors)
@@ -196,9 +227,16 @@ def test_buckets_are_packed_aligned_and_never_span_two_stages() -> None:
         for name, place in bucket.unpack(flat):
             place.copy_(tensors[name])
         for name, got in bucket.unpack(flat.clone()):
-            assert torch.equal(got, tensors[name].to(got.dtype)) and got.dtype == (torch.float32 if "bias" in name else torch.bfloat16)
+            assert torch.equal(got, tensors[name].to(got.dtype)) and got.dtype == (
+                torch.float32 if "bias" in name else torch.bfloat16
+            )
     # at most 20 bytes: a (6) | b (20) | c (12), then the stage ends | d (14) + e (4)
-    assert [[t.name[0] for t in b.tensors] for b in plan_buckets(entries, 20, torch.bfloat16)] == [["a"], ["b"], ["c"], ["e", "d"]]
+    assert [[t.name[0] for t in b.tensors] for b in plan_buckets(entries, 20, torch.bfloat16)] == [
+        ["a"],
+        ["b"],
+        ["c"],
+        ["e", "d"],
+    ]
 
 
 def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> None:
@@ -228,8 +266,13 @@ def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> N
         flat = torch.cat([v1.tensors[t.name].reshape(-1).view(torch.uint8) for t in first.tensors])
         with pytest.raises(RolloutError, match="weight update failed: weight update lacks"):  # half a model is refused
             with engine.weight_update("2"):
-                engine.update_weights_from_distributed([(t.name, t.dtype, t.shape) for t in first.tensors], lambda: sync._send(first, flat),
-                                                       group_name=sync.link.group_names[0], weight_version="2", flattened=True)  # fmt: skip
+                engine.update_weights_from_distributed(
+                    [(t.name, t.dtype, t.shape) for t in first.tensors],
+                    lambda: sync._send(first, flat),
+                    group_name=sync.link.group_names[0],
+                    weight_version="2",
+                    flattened=True,
+                )
         engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)  # not left paused
     finally:
         sync.close()
@@ -238,7 +281,9 @@ def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> N
     try:
         older.push(CheckpointWeights(ckpts["v0"]), "0")
         assert older.broadcasts == len(v1.tensors) and not older.link.flattened
-        assert [control(s, "/_test/weights_digest")["digest"] for s in servers] == [weights_digest(LocalEngine(ckpts["v0"]).model)] * 2
+        assert [control(s, "/_test/weights_digest")["digest"] for s in servers] == [
+            weights_digest(LocalEngine(ckpts["v0"]).model)
+        ] * 2
     finally:
         older.close()
         control(servers[1], "/_test/faults", {})
@@ -279,9 +324,10 @@ def test_multi_turn_requests_keep_their_prompts_server() -> None:
     """A request that continues an earlier one's tokens (its next turn, or another sample of
     its prompt) goes to that one's server; others take the servers in turn."""
     turns = _HttpTurns(SGLangEngine(["http://a", "http://b", "http://c"]), None, [], False, "v")
-    assert [turns.server_for(ids) for ids in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3, 9, 8], [4, 5, 6], [7], [1, 2], [1, 2, 3, 9])] == [
-        0, 0, 1, 0, 1, 2, 0, 0
-    ]  # fmt: skip
+    assert [
+        turns.server_for(ids)
+        for ids in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3, 9, 8], [4, 5, 6], [7], [1, 2], [1, 2, 3, 9])
+    ] == [0, 0, 1, 0, 1, 2, 0, 0]
 
 
 def test_prefix_hashes_follow_the_polynomial_recurrence() -> None:
@@ -334,7 +380,11 @@ def test_servers_before_0_5_23_are_asked_the_deprecated_info_names(servers) -> N
     try:
         assert httpx.get(servers[0].url + "/model_info").status_code == 404
         engine = engine_for(servers)
-        assert engine.read_weight_version() == "default" and engine.server_ranks() == [1, 1] and engine.returns_routed_experts()
+        assert (
+            engine.read_weight_version() == "default"
+            and engine.server_ranks() == [1, 1]
+            and engine.returns_routed_experts()
+        )
     finally:
         for server in servers:
             control(server, "/_test/faults", {})
@@ -343,13 +393,19 @@ def test_servers_before_0_5_23_are_asked_the_deprecated_info_names(servers) -> N
 def test_a_server_that_never_becomes_healthy_is_reported_with_its_log_tail(tmp_path) -> None:
     hang = [sys.executable, "-c", "import time; print('loading weights 3/7', flush=True); time.sleep(600)"]
     server = SGLangServer(ServerSettings(model_path="x", port=free_port(), launch_command=hang), tmp_path)
-    with pytest.raises(RolloutError, match="not healthy after 2s \\(rollout.server_start_timeout_s\\)(.|\n)*loading weights 3/7"):
+    with pytest.raises(
+        RolloutError, match="not healthy after 2s \\(rollout.server_start_timeout_s\\)(.|\n)*loading weights 3/7"
+    ):
         server.wait_healthy(timeout_s=2)
     assert server.process.poll() is not None  # stopped
 
 
 def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
-    settings = ServerSettings(model_path="x", port=free_port(), launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"])
+    settings = ServerSettings(
+        model_path="x",
+        port=free_port(),
+        launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"],
+    )
     server = SGLangServer(settings, tmp_path)
     with pytest.raises(RolloutError, match="exited with code 3(.|\\n)*boom: no GPU"):
         server.wait_healthy(timeout_s=60)
@@ -372,7 +428,7 @@ def test_wrong_replies_are_retried_then_reported(servers, fault: str) -> None:
     url = servers[0].url
     engine = SGLangEngine([url], num_layers=2, top_k=2, num_experts=4, max_retries=2, backoff_s=0.01)
     control(servers[0], "/_test/faults", {"reply_fault": fault, "reply_fault_count": 1})
-    (sample,), = engine.generate(PROMPTS[:1], 1, PARAMS, seed=6, return_routed_experts=True)
+    ((sample,),) = engine.generate(PROMPTS[:1], 1, PARAMS, seed=6, return_routed_experts=True)
     assert engine.retries == 1 and sample.finish_reason in ("stop", "length") and sample.output_logprobs[0] is not None
     control(servers[0], "/_test/faults", {"reply_fault": fault, "reply_fault_count": 5})
     with pytest.raises(RolloutError, match="failed after 3 attempts"):
@@ -401,7 +457,9 @@ def test_local_engine_draws_follow_the_filtered_distribution() -> None:
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     probs = _filtered_probs(logits, top_p=0.9, top_k=3)  # token 3 and one more are cut
-    draws = torch.cat([_draw(probs, _uniforms(np.array([seed], dtype=np.uint64), step)) for seed in range(400) for step in range(50)])
+    draws = torch.cat(
+        [_draw(probs, _uniforms(np.array([seed], dtype=np.uint64), step)) for seed in range(400) for step in range(50)]
+    )
     freq = torch.bincount(draws, minlength=5).double() / draws.numel()
     assert torch.all(freq[probs[0] == 0] == 0)  # never a truncated token
     torch.testing.assert_close(freq, probs[0].double(), atol=0.015, rtol=0)  # 20,000 draws: ~3 standard errors
@@ -416,14 +474,23 @@ def test_local_engine_sample_does_not_depend_on_its_batch(ckpts) -> None:
     together = engine.generate_rows([[1, 2, 3], [4, 5, 6], [1, 2, 3]], [5, 6, 7], PARAMS, routed=False)
     alone = engine.generate_rows([[4, 5, 6]], [6], PARAMS, routed=False)
     assert together[1].output_ids == alone[0].output_ids
-    torch.testing.assert_close(torch.tensor(together[1].output_logprobs), torch.tensor(alone[0].output_logprobs), atol=1e-5, rtol=0)
-    assert together[0].output_ids != together[2].output_ids or together[0].output_logprobs != together[2].output_logprobs
+    torch.testing.assert_close(
+        torch.tensor(together[1].output_logprobs), torch.tensor(alone[0].output_logprobs), atol=1e-5, rtol=0
+    )
+    assert (
+        together[0].output_ids != together[2].output_ids or together[0].output_logprobs != together[2].output_logprobs
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_local_engine_matches_the_trainer(ckpts, temperature) -> None:
     script = Path(__file__).with_name("rollout_parity_checks.py")
-    out = subprocess.run([sys.executable, "-W", "ignore", str(script), ckpts["v0"], str(temperature)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), ckpts["v0"], str(temperature)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_diff"] <= 1e-4
@@ -501,7 +568,8 @@ def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
     stale.stdout.readline()  # listening
     pid_file = tmp_path / f"sglang-{port}.pid"
     pid_file.write_text(json.dumps({"pid": stale.pid, "command": stale_command}))
-    server = SGLangServer(ServerSettings(model_path=ckpts["v0"], port=port, launch_command=SERVER), tmp_path)  # not "port in use"
+    # not "port in use"
+    server = SGLangServer(ServerSettings(model_path=ckpts["v0"], port=port, launch_command=SERVER), tmp_path)
     try:
         assert stale.poll() == -signal.SIGTERM
         assert json.loads(pid_file.read_text())["pid"] == server.process.pid
@@ -532,8 +600,12 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
     assert uuid.encode() in base64.b64decode(payload)
     (tmp_path / "payload").write_text(payload)
-    child = ("import sys, torch; from moe_rl.rollout.weight_sync import deserialize_sglang_payload; "
-             "t = deserialize_sglang_payload(open(sys.argv[1]).read())['flattened_tensor']; print(t.view(torch.float32).sum().item())")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    child = (
+        "import sys, torch; from moe_rl.rollout.weight_sync import deserialize_sglang_payload; "
+        "t = deserialize_sglang_payload(open(sys.argv[1]).read())['flattened_tensor']; print(t.view(torch.float32).sum().item())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) == float(sum(range(1000)))

@@ -13,7 +13,12 @@ import torch
 import torch.multiprocessing as mp
 
 from moe_rl.algorithms import AGG_MODES, policy_loss
-from moe_rl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_metrics, mismatch_sums, rollout_correction
+from moe_rl.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    mismatch_metrics,
+    mismatch_sums,
+    rollout_correction,
+)
 
 B, T = 5, 4
 LENGTHS = [4, 2, 3, 1, 0]
@@ -49,8 +54,16 @@ def hand(name: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     return weights, keep
 
 
-CASES = [("token_tis", {}), ("token_tis", {"upper": 1.2}), ("seq_tis", {}), ("seq_tis", {"seq_ratio": "mean", "upper": 1.1}),
-         ("token_mis", {}), ("icepop", {}), ("seq_mis", {}), ("reject", {"threshold": 0.05})]  # fmt: skip
+CASES = [
+    ("token_tis", {}),
+    ("token_tis", {"upper": 1.2}),
+    ("seq_tis", {}),
+    ("seq_tis", {"seq_ratio": "mean", "upper": 1.1}),
+    ("token_mis", {}),
+    ("icepop", {}),
+    ("seq_mis", {}),
+    ("reject", {"threshold": 0.05}),
+]
 
 
 @pytest.mark.parametrize("name, params", CASES)
@@ -62,7 +75,9 @@ def test_weights_and_kept_tokens_equal_the_formulas(name: str, params: dict) -> 
     torch.testing.assert_close(c.keep, torch.tensor(keep, dtype=torch.float64))
     assert not c.weights.requires_grad
     kept = c.keep.sum() / mask.sum()
-    assert 0 < kept <= 1 and (kept < 1) == (name in ("token_mis", "icepop", "seq_mis", "reject"))  # the batch has outliers
+    assert 0 < kept <= 1 and (kept < 1) == (
+        name in ("token_mis", "icepop", "seq_mis", "reject")
+    )  # the batch has outliers
 
 
 def test_every_registered_correction_is_tested() -> None:
@@ -87,7 +102,9 @@ def test_weighted_loss_value_gradient_and_normaliser(name: str) -> None:
     the gradient w * A * rho / N on unclipped kept tokens (0 on dropped ones)."""
     old, rollout, mask = batch(seed=1)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
-    logp = (old + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).requires_grad_(True)
+    logp = (
+        old + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ).requires_grad_(True)
     c = rollout_correction(name, old, rollout, mask)
     kept = mask * c.keep
     loss, _ = policy_loss("grpo", logp, old, adv, kept, token_weights=c.weights, num_tokens=kept.sum())
@@ -105,13 +122,17 @@ def test_weighted_loss_value_gradient_and_normaliser(name: str) -> None:
 def test_micro_batches_sum_to_the_full_batch_with_a_correction(loss_name: str, agg: str) -> None:
     old, rollout, mask = batch(seed=3)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
-    logp = (old + 0.01 * torch.randn(B, T, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).requires_grad_(True)
+    logp = (
+        old + 0.01 * torch.randn(B, T, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ).requires_grad_(True)
     c = rollout_correction("seq_mis", old, rollout, mask)
     kept = mask * c.keep
     counts = dict(num_tokens=kept.sum(), num_seqs=(kept.sum(-1) > 0).sum())
     full, _ = policy_loss(loss_name, logp, old, adv, kept, agg=agg, token_weights=c.weights, **counts)
-    parts = sum(policy_loss(loss_name, logp[s], old[s], adv[s], kept[s], agg=agg, token_weights=c.weights[s], **counts)[0]
-                for s in (slice(0, 2), slice(2, 5)))  # fmt: skip
+    parts = sum(
+        policy_loss(loss_name, logp[s], old[s], adv[s], kept[s], agg=agg, token_weights=c.weights[s], **counts)[0]
+        for s in (slice(0, 2), slice(2, 5))
+    )
     assert parts.item() == pytest.approx(full.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(torch.autograd.grad(parts, logp)[0], torch.autograd.grad(full, logp)[0])
 
@@ -132,7 +153,14 @@ def test_diagnostics_equal_their_formulas() -> None:
     assert m["is_weight_mean"] == pytest.approx(float(w.mean())) and m["is_weight_max"] == pytest.approx(float(w.max()))
     assert m["is_ess"] == pytest.approx(float(w.sum() ** 2 / (n * (w**2).sum())))
     assert m["truncated_frac"] == pytest.approx(float((lr.exp() > 1.5).double().mean())) and m["truncated_frac"] > 0
-    rejected = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, rollout, mask, rollout_correction("reject", old, rollout, mask, threshold=0.05)).items()})
+    rejected = mismatch_metrics(
+        {
+            k: float(v)
+            for k, v in mismatch_sums(
+                old, rollout, mask, rollout_correction("reject", old, rollout, mask, threshold=0.05)
+            ).items()
+        }
+    )
     assert 0 < rejected["rejected_seq_frac"] < 1 and rejected["dropped_token_frac"] > 0
     same = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, old, mask).items()})
     assert same["kl_k3"] == 0 and same["is_ess"] == pytest.approx(1.0) and same["log_ppl_ratio"] == 0
@@ -143,7 +171,9 @@ def test_sapo_value_and_gradient() -> None:
     r = 1 the gradient is the policy gradient's ``-A / N``."""
     old, _, mask = batch(seed=6)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
-    logp = (old + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)).requires_grad_(True)
+    logp = (
+        old + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    ).requires_grad_(True)
     loss, _ = policy_loss("sapo", logp, old, adv, mask, agg="token-mean")
     expected = 0.0
     for i in range(B):
@@ -166,7 +196,9 @@ def _dp_worker(rank: int, port: int, out: dict) -> None:
     from parallel.distributed import destroy_distributed, init_distributed
     from parallel.layout import ParallelLayout
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
     init_distributed(ParallelLayout())
     try:
         old, rollout, mask = batch(seed=8)
@@ -176,7 +208,9 @@ def _dp_worker(rank: int, port: int, out: dict) -> None:
         tokens, seqs = kept_counts(SimpleNamespace(micro_batches=[mb], num_tokens=None, num_seqs=None), corrected=True)
         adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)[rows]
         logp = (old[rows] + 0.05).requires_grad_(True)
-        loss, _ = policy_loss("grpo", logp, old[rows], adv, mask[rows] * c.keep, token_weights=c.weights, num_tokens=tokens, num_seqs=seqs)
+        loss, _ = policy_loss(
+            "grpo", logp, old[rows], adv, mask[rows] * c.keep, token_weights=c.weights, num_tokens=tokens, num_seqs=seqs
+        )
         out[rank] = (float(loss), torch.autograd.grad(loss, logp)[0], tokens)
     finally:
         destroy_distributed()
@@ -205,9 +239,18 @@ def test_two_data_parallel_ranks_equal_one_process() -> None:
     "overrides, message",
     [
         (["algorithm.rollout_correction=tis"], "algorithm.rollout_correction='tis' is not valid"),
-        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_correction_params.lower=0.5"], "lower is not a parameter"),
-        (["algorithm.rollout_correction=token_mis", "algorithm.rollout_correction_params.lower=3"], "lower=3 must be below upper"),
-        (["algorithm.rollout_correction=reject", "algorithm.rollout_correction_params.estimator=k4"], "estimator='k4' is not valid"),
+        (
+            ["algorithm.rollout_correction=token_tis", "algorithm.rollout_correction_params.lower=0.5"],
+            "lower is not a parameter",
+        ),
+        (
+            ["algorithm.rollout_correction=token_mis", "algorithm.rollout_correction_params.lower=3"],
+            "lower=3 must be below upper",
+        ),
+        (
+            ["algorithm.rollout_correction=reject", "algorithm.rollout_correction_params.estimator=k4"],
+            "estimator='k4' is not valid",
+        ),
         (["algorithm.rollout_correction=token_tis", "algorithm.old_logprobs=rollout"], "folded in"),
         (["algorithm.rollout_correction_params.upper=2"], "rollout_correction is none"),
         (["algorithm.loss=sapo", "algorithm.loss_params.tau_neg=0"], "tau_neg=0"),
@@ -223,6 +266,12 @@ def test_config_errors_name_the_setting(overrides: list[str], message: str) -> N
 def test_a_correction_configured_from_the_command_line() -> None:
     from moe_rl.config import load_config
 
-    cfg = load_config(None, ["algorithm.rollout_correction=reject", "algorithm.rollout_correction_params.threshold=1e-3",
-                             "algorithm.rollout_correction_params.seq_agg=mean"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "algorithm.rollout_correction=reject",
+            "algorithm.rollout_correction_params.threshold=1e-3",
+            "algorithm.rollout_correction_params.seq_agg=mean",
+        ],
+    )
     assert cfg.algorithm.rollout_correction_params == {"threshold": 1e-3, "seq_agg": "mean"}

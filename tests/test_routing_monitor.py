@@ -17,7 +17,9 @@ from moe_rl.models.tiny import save_tiny_checkpoint
 def results(tmp_path_factory) -> dict[str, dict]:
     hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("mon") / "hf", "qwen3_moe", seed=6)
     script = Path(__file__).with_name("routing_monitor_checks.py")
-    out = subprocess.run([sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
     return {r["mode"]: r for r in lines}
@@ -53,7 +55,10 @@ def test_routing_is_kept_compact_and_router_distributions_only_for_router_kl(res
         assert kept["index_dtypes"] == ["torch.uint8"] and kept["old_probs_kept"] == [True, True]  # 4 experts: 1 byte
         assert kept["replay_dtypes"] == ([] if mode == "none" else ["torch.uint8"])
         assert "router_kl" in results[mode]["old_vs_new"]
-    assert results["r3_sampled"]["kept"]["old_probs_kept"] == [False, False] and "router_kl" not in results["r3_sampled"]["old_vs_new"]
+    assert (
+        results["r3_sampled"]["kept"]["old_probs_kept"] == [False, False]
+        and "router_kl" not in results["r3_sampled"]["old_vs_new"]
+    )
 
 
 def test_replay_from_compact_indices_equals_int64_replay(results) -> None:
@@ -69,5 +74,8 @@ def test_metrics_on_a_sample_of_tokens_estimate_all_of_them(results) -> None:
     assert sampled["kept"]["observed_tokens"] == [5, 5]
     # ... weighted so that counts estimate all tokens: 2 micro-batches x 15 positions x k=2 per layer
     assert [sum(row) for row in sampled["load"]["expert_load"]] == pytest.approx([60.0, 60.0])
-    assert sampled["replayed"]["any_layer_changed_frac"] == 0.0 and sampled["train_vs_rollout"]["changed_frac"] == [0.0, 0.0]
+    assert sampled["replayed"]["any_layer_changed_frac"] == 0.0 and sampled["train_vs_rollout"]["changed_frac"] == [
+        0.0,
+        0.0,
+    ]
     assert 0 < sampled["old_vs_new"]["any_layer_changed_frac"] <= 1

@@ -12,8 +12,13 @@ import torch
 
 from moe_rl.routing.drift import drift_metrics, load_metrics
 from moe_rl.routing.encoding import (
-    decode_routed_experts, encode_routed_experts, expert_index_dtype, load_routing, repeats_an_expert, save_routing,
-)  # fmt: skip
+    decode_routed_experts,
+    encode_routed_experts,
+    expert_index_dtype,
+    load_routing,
+    repeats_an_expert,
+    save_routing,
+)
 from moe_rl.routing.monitor import sampled_tokens
 from moe_rl.routing.replay import ReplayError, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
@@ -33,8 +38,13 @@ def test_sglang_encoding_round_trip_and_layout() -> None:
         decode_routed_experts(text, num_layers=4, top_k=2)
 
 
-@pytest.mark.parametrize("num_experts, dtype", [(8, torch.uint8), (256, torch.uint8), (257, torch.int16), (32768, torch.int16), (32769, torch.int32)])
-def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(num_experts: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "num_experts, dtype",
+    [(8, torch.uint8), (256, torch.uint8), (257, torch.int16), (32768, torch.int16), (32769, torch.int32)],
+)
+def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(
+    num_experts: int, dtype: torch.dtype
+) -> None:
     import base64
 
     import numpy as np
@@ -43,13 +53,16 @@ def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(num_e
 
     assert expert_index_dtype(num_experts) == dtype
     gen = torch.Generator().manual_seed(num_experts)
-    top = [0, num_experts - 1, min(255, num_experts - 1), min(256, num_experts - 1)]  # edge ids: 255 and 256 where they exist
-    idx = torch.randint(0, num_experts - 3, (30, 3, 1), generator=gen) + torch.randperm(4, generator=gen)  # 4 distinct per token
+    # edge ids: 255 and 256 where they exist
+    top = [0, num_experts - 1, min(255, num_experts - 1), min(256, num_experts - 1)]
+    # 4 distinct per token
+    idx = torch.randint(0, num_experts - 3, (30, 3, 1), generator=gen) + torch.randperm(4, generator=gen)
     idx[0, 0] = torch.tensor(sorted(set(top)) + [e for e in range(1, 4) if e not in top][: 4 - len(set(top))])
     text = base64.b64encode(idx.to(torch.int32).numpy().astype("<i4").tobytes()).decode()
     engine = SGLangEngine(["http://127.0.0.1:1"], num_layers=3, top_k=4, num_experts=num_experts)
     got = engine._decode_routing(text, positions=30)
-    reference = torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<i4").reshape(30, 3, 4).copy())  # SGLang's own layout
+    # SGLang's own layout
+    reference = torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<i4").reshape(30, 3, 4).copy())
     assert got.dtype == dtype and torch.equal(got.to(torch.int32), reference)
     with pytest.raises(ValueError, match="outside"):
         decode_routed_experts(text, 3, 4, num_experts=int(idx.max()))
@@ -61,7 +74,9 @@ def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(num_e
     with pytest.raises(ValueError, match="repeats an expert"):
         engine._decode_routing(encode_routed_experts(repeated), positions=30)
     replay = engine_routing_to_replay([got], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts)
-    wide = engine_routing_to_replay([reference.long()], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts)
+    wide = engine_routing_to_replay(
+        [reference.long()], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts
+    )
     assert replay[0].dtype == dtype and all(torch.equal(a.long(), b.long()) for a, b in zip(replay, wide))
 
 
@@ -69,12 +84,16 @@ def test_metrics_sample_the_stated_share_of_tokens_deterministically() -> None:
     mask = (torch.arange(150) % 3 != 0).float()  # 100 tokens count
     picked = sampled_tokens(mask, 0.25, seed=7)
     assert len(picked) == 25 and bool((mask[picked] > 0).all()) and torch.equal(picked, picked.sort().values.unique())
-    assert torch.equal(picked, sampled_tokens(mask, 0.25, seed=7)) and not torch.equal(picked, sampled_tokens(mask, 0.25, seed=8))
-    assert len(sampled_tokens(mask, 0.001, seed=7)) == 1 and torch.equal(sampled_tokens(mask, 1.0, seed=7), mask.nonzero().flatten())
+    assert torch.equal(picked, sampled_tokens(mask, 0.25, seed=7)) and not torch.equal(
+        picked, sampled_tokens(mask, 0.25, seed=8)
+    )
+    assert len(sampled_tokens(mask, 0.001, seed=7)) == 1 and torch.equal(
+        sampled_tokens(mask, 1.0, seed=7), mask.nonzero().flatten()
+    )
 
 
 def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:
-    k, layers_all = 2, 3
+    k = 2
     seq_a = torch.tensor([[[1, 2], [3, 4], [5, 6]], [[7, 0], [1, 3], [2, 4]]])  # 2 positions
     seq_b = torch.tensor([[[6, 5], [4, 3], [2, 1]]])  # 1 position
     out = engine_routing_to_replay([seq_a, seq_b], seq_len=4, layer_numbers=[0, 2], top_k=k, num_experts=8)
@@ -84,7 +103,9 @@ def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:
     expected_l0 = torch.tensor([[1, 2], [6, 5], [7, 0], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]])
     assert torch.equal(out[0], expected_l0)
     assert torch.equal(out[1][0], torch.tensor([5, 6])) and torch.equal(out[1][2], torch.tensor([2, 4]))
-    sp = engine_routing_to_replay([seq_a, seq_b], 4, [0, 2], k, num_experts=8, tp_rank=1, tp_size=2, sequence_parallel=True)
+    sp = engine_routing_to_replay(
+        [seq_a, seq_b], 4, [0, 2], k, num_experts=8, tp_rank=1, tp_size=2, sequence_parallel=True
+    )
     assert torch.equal(sp[0], expected_l0[4:])
     long_pad = engine_routing_to_replay([seq_b], seq_len=33, layer_numbers=[0], top_k=2, num_experts=8)[0][1:]
     assert torch.equal(torch.bincount(long_pad.flatten(), minlength=8), torch.full((8,), 8))  # every expert alike
@@ -112,7 +133,15 @@ def test_stats_in_one_process_equal_the_plain_metrics() -> None:
     got = stats.reduce()
     ref = {**drift_metrics(a, b, probs_a=pa, probs_b=pb, mask=mask), **load_metrics(a, 6, mask)}
     assert got["drift_layers"].tolist() == layers and got["load_layers"].tolist() == layers
-    for key in ("changed_frac", "expert_change_frac", "any_layer_changed_frac", "router_kl", "expert_load", "expert_load_cv", "expert_load_entropy"):
+    for key in (
+        "changed_frac",
+        "expert_change_frac",
+        "any_layer_changed_frac",
+        "router_kl",
+        "expert_load",
+        "expert_load_cv",
+        "expert_load_entropy",
+    ):
         torch.testing.assert_close(got[key].double(), ref[key].double(), msg=key)
     # expert disagreement: per layer and expert, the tokens whose two top-k sets hold it once
     onehot = lambda x: torch.zeros(40, 3, 6).scatter_(-1, x, 1.0)  # noqa: E731
@@ -130,7 +159,10 @@ def test_stats_split_token_values_by_routing_change() -> None:
     for part in (slice(0, 11), slice(11, 30)):
         stats.add_drift([0, 1], a[part], b[part], torch.ones(30)[part])
     clipped = (torch.arange(30) % 2).double()
-    stats.add_token_values(("logp_mismatch", "clip_frac"), [torch.stack([mismatch[p], clipped[p], response[p]]) for p in (slice(0, 11), slice(11, 30))])
+    stats.add_token_values(
+        ("logp_mismatch", "clip_frac"),
+        [torch.stack([mismatch[p], clipped[p], response[p]]) for p in (slice(0, 11), slice(11, 30))],
+    )
     got = stats.reduce(replicas=2)
     changed = (torch.sort(a, -1).values != torch.sort(b, -1).values).any(-1).any(-1).double()
     assert 0 < changed.sum() < 30
@@ -160,11 +192,18 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
 
     a = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]]])
     b = torch.tensor([[[0, 2], [2, 3]], [[1, 2], [0, 3]]])
-    metrics = {**drift_metrics(a, b), **load_metrics(a, 4), "drift_layers": torch.tensor([1, 3]), "load_layers": torch.tensor([1, 3])}
+    metrics = {
+        **drift_metrics(a, b),
+        **load_metrics(a, 4),
+        "drift_layers": torch.tensor([1, 3]),
+        "load_layers": torch.tensor([1, 3]),
+    }
     with SummaryWriter(str(tmp_path)) as writer:
         written = log_routing(writer, 7, metrics)
         split = {"logp_mismatch_routing_changed": torch.tensor(0.25), "expert_disagreement": torch.ones(2, 4) / 4}
-        log_routing(writer, 7, {**drift_metrics(a, b), **split, "drift_layers": torch.tensor([1, 3])}, group="train_vs_rollout")
+        log_routing(
+            writer, 7, {**drift_metrics(a, b), **split, "drift_layers": torch.tensor([1, 3])}, group="train_vs_rollout"
+        )
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "histograms": 0}).Reload()
     scalars = set(events.Tags()["scalars"])
     for tag in (
@@ -183,7 +222,9 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
     assert events.Scalars("routing/changed_frac/layer_1")[0].step == 7
     assert written["routing/expert_change_frac/layer_1"] == pytest.approx(0.25)
     assert {"routing/expert_load/layer_1", "routing/expert_load/layer_3"} <= set(events.Tags()["histograms"])
-    assert {"routing/expert_load_heatmap", "routing/train_vs_rollout/expert_disagreement_heatmap"} <= set(events.Tags()["images"])
+    assert {"routing/expert_load_heatmap", "routing/train_vs_rollout/expert_disagreement_heatmap"} <= set(
+        events.Tags()["images"]
+    )
 
 
 def moe_rl(*args: str) -> subprocess.CompletedProcess:
@@ -218,7 +259,9 @@ def two_checkpoints(tmp_path_factory):
         tensors[k] = tensors[k] + 0.05 * torch.randn(tensors[k].shape, generator=gen)
     save_file(tensors, str(Path(b) / "model.safetensors"), metadata={"format": "pt"})
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": torch.randint(0, 64, (10,), generator=gen).tolist()}) + "\n" for _ in range(4)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": torch.randint(0, 64, (10,), generator=gen).tolist()}) + "\n" for _ in range(4))
+    )
     return a, b, str(prompts)
 
 
@@ -245,7 +288,15 @@ def test_drift_command_on_saved_routing_files(tmp_path: Path) -> None:
     save_routing(tmp_path / "step1.safetensors", idx)
     save_routing(tmp_path / "step2.safetensors", other)
     assert torch.equal(load_routing(tmp_path / "step1.safetensors")["indices"], idx.int())
-    out = moe_rl("drift", "--a", str(tmp_path / "step1.safetensors"), "--b", str(tmp_path / "step2.safetensors"), "--out", str(tmp_path / "r"))
+    out = moe_rl(
+        "drift",
+        "--a",
+        str(tmp_path / "step1.safetensors"),
+        "--b",
+        str(tmp_path / "step2.safetensors"),
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert out.returncode == 0, out.stderr
     metrics = json.loads((tmp_path / "r" / "drift.json").read_text())["metrics"]
     assert metrics["changed_frac"]["layers"] == [pytest.approx(1 / 3), 0.0]
@@ -261,11 +312,23 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
     assert missing.returncode == 2 and "--prompts is needed" in missing.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [1, 2]}\n')
-    engine = ["--engine", "http://127.0.0.1:1", "--checkpoint", a, "--prompts", str(prompts), "--out", str(tmp_path / "z")]
+    engine = [
+        "--engine",
+        "http://127.0.0.1:1",
+        "--checkpoint",
+        a,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "z"),
+    ]
     for args, message in [
         (["--a", a, *engine], "give either --a and --b"),
         (["--a", a, "--out", str(tmp_path / "z")], "--a and --b go together"),
-        (["--a", a, "--b", a, "--prompts", str(prompts), "--nproc", "2", "--out", str(tmp_path / "z")], "apply to --engine mode"),
+        (
+            ["--a", a, "--b", a, "--prompts", str(prompts), "--nproc", "2", "--out", str(tmp_path / "z")],
+            "apply to --engine mode",
+        ),
         (["--engine", "127.0.0.1:1", *engine[2:]], "needs http:// or https://"),
         ([*engine, "--samples", "0"], "--samples=0 must be >= 1"),
         ([*engine[:2], *engine[4:]], "--engine needs --checkpoint and --prompts"),
@@ -278,8 +341,12 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
 def test_seed_table_mean_and_spread() -> None:
     from moe_rl.report import seed_table
 
-    summary = {"grpo_s1": {"final": 1.0, "clip_frac": 0.1}, "grpo_s2": {"final": 2.0, "clip_frac": 0.3},
-               "gmpo_s1": {"final": 1.5}, "gmpo_s2": {"final": 1.5}}  # fmt: skip
+    summary = {
+        "grpo_s1": {"final": 1.0, "clip_frac": 0.1},
+        "grpo_s2": {"final": 2.0, "clip_frac": 0.3},
+        "gmpo_s1": {"final": 1.5},
+        "gmpo_s2": {"final": 1.5},
+    }
     lines = seed_table(summary, [1, 2])
     grpo = next(l for l in lines if l.startswith("| grpo |"))
     assert "1.50 ± 0.71 (1.00..2.00)" in grpo and "0.200 ± 0.14" in grpo

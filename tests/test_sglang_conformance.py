@@ -29,8 +29,17 @@ def post(server, path: str, body: dict | None = None) -> httpx.Response:
 
 
 def test_generate_reply_has_the_fields_the_client_reads(server):
-    reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True,
-                                       "logprob_start_len": len(PROMPT), "rid": "conformance-1"})  # fmt: skip
+    reply = post(
+        server,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": GREEDY,
+            "return_logprob": True,
+            "logprob_start_len": len(PROMPT),
+            "rid": "conformance-1",
+        },
+    )
     assert reply.status_code == 200, reply.text
     body = reply.json()
     meta, output = body["meta_info"], body["output_ids"]
@@ -41,12 +50,17 @@ def test_generate_reply_has_the_fields_the_client_reads(server):
     assert meta["weight_version"] == "demo" and meta["weight_versions"][0]["version"] == "demo"
     assert meta["input_token_logprobs"] == []
     entries = meta["output_token_logprobs"]
-    assert [e[1] for e in entries] == output and all(isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in entries)
+    assert [e[1] for e in entries] == output and all(
+        isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in entries
+    )
 
 
 def test_routed_experts_cover_every_position_but_the_last(server):
-    reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}).json()
-    experts = decode_routed_experts(reply["meta_info"]["routed_experts"], 2, 2)  # the built-in model: 2 layers, top-2 of 8
+    reply = post(
+        server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}
+    ).json()
+    # the built-in model: 2 layers, top-2 of 8
+    experts = decode_routed_experts(reply["meta_info"]["routed_experts"], 2, 2)
     assert experts.shape == (len(PROMPT) + len(reply["output_ids"]) - 1, 2, 2)
     assert int(experts.min()) >= 0 and int(experts.max()) < 8 and bool((experts[..., 0] != experts[..., 1]).all())
 
@@ -54,13 +68,26 @@ def test_routed_experts_cover_every_position_but_the_last(server):
 def test_routed_experts_from_a_start_position(server):
     """``routed_experts_start_len`` (what a multi-turn client asks for after its first
     turn): the rows from that position on; past the input, HTTP 400."""
-    full = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}).json()
-    part = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
-                                      "routed_experts_start_len": 3}).json()  # fmt: skip
+    full = post(
+        server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}
+    ).json()
+    part = post(
+        server,
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True, "routed_experts_start_len": 3},
+    ).json()
     whole, tail = (decode_routed_experts(r["meta_info"]["routed_experts"], 2, 2) for r in (full, part))
     assert part["output_ids"] == full["output_ids"] and torch.equal(tail, whole[3:])
-    refused = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True,
-                                         "routed_experts_start_len": len(PROMPT) + 1})  # fmt: skip
+    refused = post(
+        server,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": GREEDY,
+            "return_routed_experts": True,
+            "routed_experts_start_len": len(PROMPT) + 1,
+        },
+    )
     assert refused.status_code == 400 and "routed_experts_start_len" in refused.json()["error"]["message"]
 
 
@@ -89,7 +116,9 @@ def test_online_weight_updates_need_a_session(server):
 
 
 def test_info_endpoints_new_and_deprecated_names(server):
-    model_info, old_model_info = (httpx.get(server.url + p, timeout=30).json() for p in ("/model_info", "/get_model_info"))
+    model_info, old_model_info = (
+        httpx.get(server.url + p, timeout=30).json() for p in ("/model_info", "/get_model_info")
+    )
     assert model_info["weight_version"] == old_model_info["weight_version"] == "demo"
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert (info["tp_size"], info["dp_size"], info["pp_size"], info["enable_return_routed_experts"]) == (1, 1, 1, True)
@@ -137,11 +166,22 @@ def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, dem
     (weights_file,) = changed.glob("*.safetensors")
     tensors = load_file(weights_file)
     gen = torch.Generator().manual_seed(0)
-    tensors = {k: torch.randn(v.shape, generator=gen) if k.endswith(("lm_head.weight", "embed_tokens.weight")) else v for k, v in tensors.items()}
+    tensors = {
+        k: torch.randn(v.shape, generator=gen) if k.endswith(("lm_head.weight", "embed_tokens.weight")) else v
+        for k, v in tensors.items()
+    }
     save_file(tensors, weights_file, metadata={"format": "pt"})
-    prompts = {"input_ids": [PROMPT, [9, 4, 2], [1, 5, 7, 3, 8]], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    prompts = {
+        "input_ids": [PROMPT, [9, 4, 2], [1, 5, 7, 3, 8]],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+    }
     before = [r["output_ids"] for r in post(server, "/generate", prompts).json()]
-    assert post(server, "/update_weights_from_disk", {"model_path": str(changed), "weight_version": "from-disk"}).status_code == 200
+    assert (
+        post(
+            server, "/update_weights_from_disk", {"model_path": str(changed), "weight_version": "from-disk"}
+        ).status_code
+        == 200
+    )
     from_disk = [r["output_ids"] for r in post(server, "/generate", prompts).json()]
     assert from_disk != before  # the new weights show
     demo_weights_on(server, demo_cache)
@@ -151,7 +191,14 @@ def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, dem
         for name in ("flat-a", "flat-b"):
             port = free_port()
             join = lambda world_size, port=port, name=name: join_weight_update_group(  # noqa: E731
-                backend="gloo", address="127.0.0.1", port=port, world_size=world_size, rank=0, group_name=name, timeout_s=120)
+                backend="gloo",
+                address="127.0.0.1",
+                port=port,
+                world_size=world_size,
+                rank=0,
+                group_name=name,
+                timeout_s=120,
+            )
             groups.append(engine.init_weights_update_group("127.0.0.1", port, name, "gloo", join))
         with engine.weight_update("flat"):
             for group, name, part in zip(groups, ("flat-a", "flat-b"), (names[::2], names[1::2])):
@@ -159,15 +206,28 @@ def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, dem
                 engine.update_weights_from_distributed(
                     [(k, tensors[k].dtype, tensors[k].shape) for k in part],
                     lambda flat=flat, group=group: torch.distributed.broadcast(flat, group=group, group_src=0),
-                    group_name=name, weight_version="flat", flattened=True,
-                )  # fmt: skip
-            unaligned = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [1]], "group_name": "flat-a",
-                         "load_format": "flattened_bucket", "flush_cache": False}  # fmt: skip
+                    group_name=name,
+                    weight_version="flat",
+                    flattened=True,
+                )
+            unaligned = {
+                "names": ["a", "b"],
+                "dtypes": ["bfloat16", "float32"],
+                "shapes": [[3], [1]],
+                "group_name": "flat-a",
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+            }
             refused = post(server, "/update_weights_from_distributed", unaligned)
             assert refused.status_code == 400 and refused.json()["success"] is False
             assert "Unaligned received tensor b: byte offset 6, dtype torch.float32" in refused.json()["message"]
         assert [r["output_ids"] for r in post(server, "/generate", prompts).json()] == from_disk
-        assert post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"]["weight_version"] == "flat"
+        assert (
+            post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"][
+                "weight_version"
+            ]
+            == "flat"
+        )
     finally:
         for name in ("flat-a", "flat-b"):
             engine.destroy_weights_update_group(name)

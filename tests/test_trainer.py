@@ -14,13 +14,22 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
-TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "warm_start.steps=20",
-        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=8"]  # fmt: skip
+TINY = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=5",
+    "warm_start.steps=20",
+    "warm_start.batch_size=16",
+    "train.progress=false",
+    "algorithm.micro_batch_size=8",
+]
 
 
 def moe_rl(*args: str, cwd: Path | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -58,17 +67,33 @@ def chat_model_and_data(cache: str, root: Path) -> list[str]:
         pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
         rows = [{"question": f"{a}+{b}=", "meta": {"solution": str(a + b)}} for a, b in pairs]
         pq.write_table(pa.Table.from_pylist(rows), root / f"{name}.parquet")
-    return [f"model.hf_dir={model}", f"data.task={root / 'train.parquet'}", "data.prompt_key=question",
-            "data.answer_key=meta.solution", "data.chat_template=true", "data.system_prompt=Add.",
-            f"data.eval_task={root / 'heldout.parquet'}", "data.eval_samples=2", "train.eval_every=2"]  # fmt: skip
+    return [
+        f"model.hf_dir={model}",
+        f"data.task={root / 'train.parquet'}",
+        "data.prompt_key=question",
+        "data.answer_key=meta.solution",
+        "data.chat_template=true",
+        "data.system_prompt=Add.",
+        f"data.eval_task={root / 'heldout.parquet'}",
+        "data.eval_samples=2",
+        "train.eval_every=2",
+    ]
 
 
 def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
     """Parquet data with its own field names, a chat template, evaluation on held-out
     problems, a warmup + cosine learning rate, DAPO dynamic sampling and R2: a run resumed
     from its step-2 checkpoint continues exactly as the uninterrupted run."""
-    common = [*TINY, *chat_model_and_data(cache, tmp_path), "routing.replay=r2", "optim.lr=1e-3", "optim.min_lr=1e-4",
-              "optim.lr_schedule=cosine", "optim.warmup_steps=1", "rollout.filter_zero_std_groups=true"]  # fmt: skip
+    common = [
+        *TINY,
+        *chat_model_and_data(cache, tmp_path),
+        "routing.replay=r2",
+        "optim.lr=1e-3",
+        "optim.min_lr=1e-4",
+        "optim.lr_schedule=cosine",
+        "optim.warmup_steps=1",
+        "rollout.filter_zero_std_groups=true",
+    ]
     straight = moe_rl("train", *common, f"train.run_dir={tmp_path / 'a'}", "train.steps=4", "train.save_every=2")
     assert straight.returncode == 0, straight.stderr[-3000:]
     # a run that stopped after step 2: the straight run's checkpoint, and its log (which
@@ -81,16 +106,33 @@ def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
-    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     for step in (3, 4):
-        for key in ("train/loss", "train/grad_norm", "reward/total", "train/clip_frac", "routing/expert_change_frac/mean",
-                    "train/lr", "data/kept_group_frac"):  # fmt: skip
+        for key in (
+            "train/loss",
+            "train/grad_norm",
+            "reward/total",
+            "train/clip_frac",
+            "routing/expert_change_frac/mean",
+            "train/lr",
+            "data/kept_group_frac",
+        ):
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
     for step in range(1, 5):  # warmup 1 step, then cosine towards min_lr (reached one step after the last)
-        assert a[step]["train/lr"] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 4)), rel=1e-6)
+        assert a[step]["train/lr"] == pytest.approx(
+            1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 4)), rel=1e-6
+        )
     # evaluated before training, every 2 steps and at the end; identically after the resume
     assert [s for s in sorted(a) if "eval/pass@1" in a[s]] == [0, 2, 4] and a[4]["eval/prompts"] == 4
-    assert {k: v for k, v in a[4].items() if k.startswith("eval/")} == {k: v for k, v in b[4].items() if k.startswith("eval/")}
+    assert {k: v for k, v in a[4].items() if k.startswith("eval/")} == {
+        k: v for k, v in b[4].items() if k.startswith("eval/")
+    }
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last=2, no temporary left
     _eval_and_export_match_the_trainer(tmp_path / "b" / "checkpoints" / "step_000004", b[4], tmp_path)
@@ -119,22 +161,41 @@ def _eval_and_export_match_the_trainer(checkpoint: Path, logged: dict, tmp_path:
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in ("1+2=", "7+5=", "9+9=")]  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in ("1+2=", "7+5=", "9+9=")
+    ]
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(tokenizer.eos_token_id,))
     engine_out = [g[0].output_ids for g in LocalEngine(str(tmp_path / "hf")).generate(ids, 1, greedy, seed=0)]
     for prompt, got in zip(ids, engine_out):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()  # fmt: skip
+            ref = model.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=6,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :].tolist()
         assert got == ref, (tokenizer.decode(prompt), got, ref)
 
 
 def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", "29641", "--module", "moe_rl.train",
-           *TINY, f"warm_start.cache_dir={cache}", "parallel.ep=2", "train.steps=2", f"train.run_dir={tmp_path / 'ds'}"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        "29641",
+        "--module",
+        "moe_rl.train",
+        *TINY,
+        f"warm_start.cache_dir={cache}",
+        "parallel.ep=2",
+        "train.steps=2",
+        f"train.run_dir={tmp_path / 'ds'}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = rows(tmp_path / "ds")
@@ -144,30 +205,59 @@ def test_two_process_deepspeed_launch_with_ep2(cache, tmp_path: Path) -> None:
 
 
 def test_compare_writes_report_from_logs(cache, tmp_path: Path) -> None:
-    out = moe_rl("compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--only", "grpo,grpo_r2", *TINY,
-                 f"warm_start.cache_dir={cache}", "train.steps=2", "data.eval_max_prompts=4", "data.eval_samples=2", cwd=tmp_path)  # fmt: skip
+    out = moe_rl(
+        "compare",
+        "--config",
+        str(ROOT / "configs/compare/demo.yaml"),
+        "--only",
+        "grpo,grpo_r2",
+        *TINY,
+        f"warm_start.cache_dir={cache}",
+        "train.steps=2",
+        "data.eval_max_prompts=4",
+        "data.eval_samples=2",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "runs/compare/report.md").read_text()
     assert "| grpo |" in report and "| grpo_r2 |" in report and "## The papers' claims" in report
-    evaluated = [line for line in report.split("## Held-out evaluation")[1].split("## Cost")[0].splitlines() if line.startswith("| grpo")]
-    assert len(evaluated) == 2 and all(line.endswith("| 2 |") for line in evaluated)  # evaluated at steps 0 and 2 (the end)
+    evaluated = [
+        line
+        for line in report.split("## Held-out evaluation")[1].split("## Cost")[0].splitlines()
+        if line.startswith("| grpo")
+    ]
+    assert len(evaluated) == 2 and all(
+        line.endswith("| 2 |") for line in evaluated
+    )  # evaluated at steps 0 and 2 (the end)
     assert (tmp_path / "runs/compare/plots/reward.png").is_file()
     from moe_rl.report import read_scalars
 
     r2 = read_scalars(tmp_path / "runs/compare/grpo_r2")
     assert set(r2["routing/replayed/changed_frac/mean"].values()) == {0.0}
     # R2 leaves no token whose routing changed since the old policy; without replay the second update has some
-    assert set(r2["train/tokens/routing_changed"].values()) == {0.0} and min(r2["train/tokens/routing_same"].values()) > 0
+    assert (
+        set(r2["train/tokens/routing_changed"].values()) == {0.0} and min(r2["train/tokens/routing_same"].values()) > 0
+    )
     assert max(read_scalars(tmp_path / "runs/compare/grpo")["train/tokens/routing_changed"].values()) > 0
     assert len(r2["reward/total"]) == 2
 
 
 def test_kl_entropy_and_rollout_old_logprobs(cache, tmp_path: Path) -> None:
     # 4 prompts x 5 samples = 20 in micro-batches of at most 8: 3 micro-batches of 7 rows, one row empty
-    out = moe_rl("train", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'k'}", "train.steps=2",
-                 "rollout.group_size=5",
-                 "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "algorithm.old_logprobs=rollout",
-                 "algorithm.loss=gmpo", "algorithm.advantage=gdpo", "routing.metrics=false")  # fmt: skip
+    out = moe_rl(
+        "train",
+        *TINY,
+        f"warm_start.cache_dir={cache}",
+        f"train.run_dir={tmp_path / 'k'}",
+        "train.steps=2",
+        "rollout.group_size=5",
+        "algorithm.kl_coef=0.1",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.old_logprobs=rollout",
+        "algorithm.loss=gmpo",
+        "algorithm.advantage=gdpo",
+        "routing.metrics=false",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = rows(tmp_path / "k")
     assert metrics[1]["train/kl_ref"] >= 0.0 and metrics[2]["train/kl_ref"] > 0.0  # the policy moved off the reference
@@ -210,9 +300,20 @@ def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path
     layout, layout_setting = SGLANG_RUNS[replay]
     urls = ",".join(s.url for s in sglang_servers)
     before = [httpx.get(server.url + "/_test/stats").json() for server in sglang_servers]
-    out = moe_rl("train", "--nproc", "2", *TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
-                 layout_setting, "rollout.engine=sglang", f"rollout.sglang_urls=[{urls}]",
-                 "rollout.sync_bucket_mb=0.05", f"routing.replay={replay}")  # fmt: skip
+    out = moe_rl(
+        "train",
+        "--nproc",
+        "2",
+        *TINY,
+        f"warm_start.cache_dir={cache}",
+        f"train.run_dir={tmp_path / 'run'}",
+        "train.steps=2",
+        layout_setting,
+        "rollout.engine=sglang",
+        f"rollout.sglang_urls=[{urls}]",
+        "rollout.sync_bucket_mb=0.05",
+        f"routing.replay={replay}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
     for server, earlier in zip(sglang_servers, before):
@@ -224,7 +325,9 @@ def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path
         assert updates == 3 and requests >= 3 * 2, stats  # 3 syncs, >1 bucket each
         sent = stats["update_requests"][len(earlier["update_requests"]) :]
         # each bucket one flat broadcast; pp2: each stage's first rank sends its own (a group each)
-        assert all(r["flattened"] for r in sent) and len({r["group"] for r in sent}) == (2 if layout == "pp2" else 1), sent
+        assert all(r["flattened"] for r in sent) and len({r["group"] for r in sent}) == (2 if layout == "pp2" else 1), (
+            sent
+        )
         assert stats["weight_groups"] == [], stats  # the trainer's weight-update group was torn down at its end
     if replay == "none":  # the servers now serve the last checkpoint: in fp32 they route as the trainer does
         _engine_drift_is_zero(sglang_servers[0].url, tmp_path / "run" / "checkpoints" / "step_000002", tmp_path)
@@ -252,8 +355,17 @@ def start_test_servers(cache: str, tmp_path: Path, count: int, **settings) -> li
     model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
     from conftest import STAND_IN_SERVER
 
-    every = [ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True,
-                            launch_command=STAND_IN_SERVER, **settings) for _ in range(count)]  # fmt: skip
+    every = [
+        ServerSettings(
+            model_path=model_dir,
+            port=free_port(),
+            return_routed_experts=True,
+            deterministic=True,
+            launch_command=STAND_IN_SERVER,
+            **settings,
+        )
+        for _ in range(count)
+    ]
     return [SGLangServer(s, tmp_path / "logs") for s in every]
 
 
@@ -269,20 +381,38 @@ def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -
     (server,) = start_test_servers(cache, tmp_path, 1, memory_saver=True)
     try:
         server.wait_healthy(timeout_s=120)
-        args = [*TINY, f"warm_start.cache_dir={cache}", f"train.run_dir={tmp_path / 'run'}", "train.steps=2", "train.save_every=1",
-                "rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=tensor",
-                "rollout.colocate=true", "rollout.sync_bucket_mb=0.05"]  # fmt: skip
+        args = [
+            *TINY,
+            f"warm_start.cache_dir={cache}",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.steps=2",
+            "train.save_every=1",
+            "rollout.engine=sglang",
+            f"rollout.sglang_urls=[{server.url}]",
+            "rollout.weight_sync=tensor",
+            "rollout.colocate=true",
+            "rollout.sync_bucket_mb=0.05",
+        ]
         # output to a file, not a pipe: on CPU, torch's shared-memory manager (which the
         # tensor sync starts) outlives the trainer while the server holds its connection
         with open(tmp_path / "train.log", "w") as log:
-            code = subprocess.run([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *args], stdout=log, stderr=log, timeout=400).returncode
+            code = subprocess.run(
+                [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *args],
+                stdout=log,
+                stderr=log,
+                timeout=400,
+            ).returncode
         assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
         stats = httpx.get(server.url + "/_test/stats").json()
         final = LocalEngine(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"))
         assert httpx.get(server.url + "/_test/weights_digest").json()["digest"] == weights_digest(final.model)
     finally:
         server.stop()
-    turn = [["release", ["cuda_graph", "kv_cache", "weights"]], ["resume", ["weights"]], ["resume", ["cuda_graph", "kv_cache"]]]
+    turn = [
+        ["release", ["cuda_graph", "kv_cache", "weights"]],
+        ["resume", ["weights"]],
+        ["resume", ["cuda_graph", "kv_cache"]],
+    ]
     # at start (the server gives its memory back before the trainer builds its state, then
     # takes it back around the first sync), then per step the update and each checkpoint
     # (its optimizer state is brought back for it)
@@ -298,25 +428,72 @@ def _engine_drift_is_zero(url: str, checkpoint: Path, tmp_path: Path) -> None:
     """`moe-rl drift --engine` on 2 processes (EP=2) against an fp32 server with the same weights."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "What is 7 + 1?"}\n')
-    out = moe_rl("drift", "--engine", url, "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--samples", "3",
-                 "--max-new-tokens", "8", "--out", str(tmp_path / "drift"), "--nproc", "2", "--ep", "2")  # fmt: skip
+    out = moe_rl(
+        "drift",
+        "--engine",
+        url,
+        "--checkpoint",
+        str(checkpoint),
+        "--prompts",
+        str(prompts),
+        "--samples",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(tmp_path / "drift"),
+        "--nproc",
+        "2",
+        "--ep",
+        "2",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "drift" / "drift.json").read_text())
     assert report["engine_weight_version"] == "2" and report["samples"] == 6 and report["layout"]["ep"] == 2
     assert report["metrics"]["changed_frac"]["layers"] == [0.0] * len(report["layers"])
-    assert report["metrics"]["any_layer_changed_frac"]["mean"] == 0.0 and report["logp_mismatch"]["logp_mismatch_max"] < 1e-4
+    assert (
+        report["metrics"]["any_layer_changed_frac"]["mean"] == 0.0
+        and report["logp_mismatch"]["logp_mismatch_max"] < 1e-4
+    )
 
 
-FAMILY_RUNS = [f"{family}-{mode}:1,1,1,1:{mode}+{family}:3" for family in ("qwen2", "olmoe", "glm", "dsv3") for mode in ("r2", "r3")]
+FAMILY_RUNS = [
+    f"{family}-{mode}:1,1,1,1:{mode}+{family}:3"
+    for family in ("qwen2", "olmoe", "glm", "dsv3")
+    for mode in ("r2", "r3")
+]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer_layouts_worker.py), in this order
     # (+dyn: micro-batches packed under a budget of 24 tokens, smaller than the one-process reference's derived default)
-    2: ["tp2-r2:2,1,1,2:r2", "tp2etp1-r3:2,1,1,1:r3", "ep2-r3+dyn:1,1,2,1:r3+dyn", "pp2-kl+dyn:1,2,1,1:kl+dyn", "ep2-mt:1,1,2,1:mt",
+    2: [
+        "tp2-r2:2,1,1,2:r2",
+        "tp2etp1-r3:2,1,1,1:r3",
+        "ep2-r3+dyn:1,1,2,1:r3+dyn",
+        "pp2-kl+dyn:1,2,1,1:kl+dyn",
+        "ep2-mt:1,1,2,1:mt",
         "pp2-r3l3:1,2,1,1:r3+l3",  # 3 layers on 2 pipeline stages: 2 + 1
         # checkpoints resumed under other layouts (pp2 -> one process; ep2 x dp2, distributed optimizer -> tp2 x dp2)
-        "pp2-save:1,2,1,1:none:2:save=one-from-pp2", "ep2-save:1,1,2,1:none:2:save=tp2dp2-from-ep2"],
-    1: ["one-none4:1,1,1,1:none:4", "one-from-pp2:1,1,1,1:none:4", "one-r2:1,1,1,1:r2", "one-r3:1,1,1,1:r3", "one-kl:1,1,1,1:kl", "one-kl2:1,1,1,1:kl:2", "one-kldev2:1,1,1,1:kldev:2",
-        "one-async3:1,1,1,1:r3+async:3", "one-mt:1,1,1,1:mt", "one-r3l3:1,1,1,1:r3+l3", *FAMILY_RUNS],
-    4: ["tp2dp2-from-ep2:2,1,1,2:none:4", "pp2ep2-r2:1,2,2,1:r2", "tp2ep2etp1-r3:2,1,2,1:r3", "tp2ep2etp2-kl:2,1,2,2:kl"],
+        "pp2-save:1,2,1,1:none:2:save=one-from-pp2",
+        "ep2-save:1,1,2,1:none:2:save=tp2dp2-from-ep2",
+    ],
+    1: [
+        "one-none4:1,1,1,1:none:4",
+        "one-from-pp2:1,1,1,1:none:4",
+        "one-r2:1,1,1,1:r2",
+        "one-r3:1,1,1,1:r3",
+        "one-kl:1,1,1,1:kl",
+        "one-kl2:1,1,1,1:kl:2",
+        "one-kldev2:1,1,1,1:kldev:2",
+        "one-async3:1,1,1,1:r3+async:3",
+        "one-mt:1,1,1,1:mt",
+        "one-r3l3:1,1,1,1:r3+l3",
+        *FAMILY_RUNS,
+    ],
+    4: [
+        "tp2dp2-from-ep2:2,1,1,2:none:4",
+        "pp2ep2-r2:1,2,2,1:r2",
+        "tp2ep2etp1-r3:2,1,2,1:r3",
+        "tp2ep2etp2-kl:2,1,2,2:kl",
+    ],
 }
 
 
@@ -356,10 +533,14 @@ def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path)
     host, device = (json.loads((layout_runs / f"one-{v}.json").read_text()) for v in ("kl2", "kldev2"))
     assert host["train/kl_ref"] == device["train/kl_ref"] > 0 and host["train/loss"] == device["train/loss"]
     assert host["train/grad_norm"] == device["train/grad_norm"]  # and the policy's own weights came back exactly
-    assert host["reward/total"] == device["reward/total"]  # the rollout engine got the trained weights, not the reference
+    assert (
+        host["reward/total"] == device["reward/total"]
+    )  # the rollout engine got the trained weights, not the reference
 
 
-@pytest.mark.parametrize("run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n] if ":save=" not in r and "-from-" not in r])
+@pytest.mark.parametrize(
+    "run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n] if ":save=" not in r and "-from-" not in r]
+)
 def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: str) -> None:
     """Same model, data and seed: rank 0's rollouts are identical, and the first update's
     loss, grad norm and KL agree with the one-process run to float error."""
@@ -377,14 +558,27 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
     if variant == "r2":  # the update pass used the recorded experts (the logged row has the routing tags)
         assert row["routing/replayed/changed_frac/mean"] == 0.0
     if variant == "mt":  # environment tokens went to each rank with their samples' loss masks
-        assert row["rollout/multi_turn/environment_tokens_mean"] == ref_row["rollout/multi_turn/environment_tokens_mean"] > 0
+        assert (
+            row["rollout/multi_turn/environment_tokens_mean"]
+            == ref_row["rollout/multi_turn/environment_tokens_mean"]
+            > 0
+        )
         assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0.0
     # train-inference drift, and the rollout mismatch split by it, gathered over the layout's token slices
     assert row["routing/train_vs_rollout/changed_frac/mean"] == ref_row["routing/train_vs_rollout/changed_frac/mean"]
-    assert row["routing/train_vs_rollout/logp_mismatch/mean"] == pytest.approx(got["train/logp_mismatch_mean"], rel=1e-6, abs=1e-12)
+    assert row["routing/train_vs_rollout/logp_mismatch/mean"] == pytest.approx(
+        got["train/logp_mismatch_mean"], rel=1e-6, abs=1e-12
+    )
     # ... each response token counted once, whichever ranks hold it (pipeline stages, TP ranks)
-    counted = row["routing/train_vs_rollout/routing_same_tokens/mean"] + row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0)
-    assert counted == ref_row["routing/train_vs_rollout/routing_same_tokens/mean"] + ref_row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0) > 0
+    counted = row["routing/train_vs_rollout/routing_same_tokens/mean"] + row.get(
+        "routing/train_vs_rollout/routing_changed_tokens/mean", 0
+    )
+    assert (
+        counted
+        == ref_row["routing/train_vs_rollout/routing_same_tokens/mean"]
+        + ref_row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0)
+        > 0
+    )
 
 
 @pytest.mark.parametrize("run", ["one-from-pp2", "tp2dp2-from-ep2"])
@@ -417,7 +611,10 @@ def test_three_steps_of_each_family_with_replay(layout_runs: Path, run: str) -> 
         if mode == "r3":
             assert row["routing/train_vs_rollout/changed_frac/mean"] == 0.0
             assert row["train/logp_mismatch_mean"] < 1e-4
-        if family in ("glm", "dsv3"):  # one update per step: every expert's bias moves by exactly the rate (or 0 at a tie)
+        if family in (
+            "glm",
+            "dsv3",
+        ):  # one update per step: every expert's bias moves by exactly the rate (or 0 at a tie)
             assert 0.005 < row["routing/expert_bias_delta/mean"] <= 0.01 + 1e-6
         else:
             assert "routing/expert_bias_delta/mean" not in row

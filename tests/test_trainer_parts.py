@@ -29,14 +29,20 @@ def sample(prompt: list[int], output: list[int], seed: int = 0) -> Sample:
 
 
 def experience() -> Experience:
-    samples = [sample([5, 6], [7, 8, 9], 0), sample([5, 6], [7], 1), sample([4, 4, 4], [3, 2], 2), sample([4, 4, 4], [], 3)]
+    samples = [
+        sample([5, 6], [7, 8, 9], 0),
+        sample([5, 6], [7], 1),
+        sample([4, 4, 4], [3, 2], 2),
+        sample([4, 4, 4], [], 3),
+    ]
     return Experience(samples, torch.zeros(4, 1), ["r"], torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
 def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     exp = experience()
-    batch = build_train_batch(exp, 7, fixed_plan([0, 2, 3], 4, 2), seq_len_multiple=4, pad_id=0,
-                              device=torch.device("cpu"), with_routing=True)  # fmt: skip
+    batch = build_train_batch(
+        exp, 7, fixed_plan([0, 2, 3], 4, 2), seq_len_multiple=4, pad_id=0, device=torch.device("cpu"), with_routing=True
+    )
     assert batch.step == 7 and batch.num_tokens == 6.0 and batch.num_seqs == 3.0
     # another rank has 4 samples: this one gets as many micro-batches, topped up with an empty row
     assert [mb.sample_indices for mb in batch.micro_batches] == [[0, 2], [3, -1]]
@@ -55,24 +61,36 @@ def test_micro_batches_place_every_token_where_its_log_prob_is() -> None:
     assert [r.shape[0] for r in first.routed_experts] == [4, 4]
     assert second.routed_experts[1].shape == (0, 2, 2) and (second.input_ids[1] == 0).all()
     assert first.old_logp is None and first.ref_logp is None
-    without = build_train_batch(exp, 0, fixed_plan([0], 1, 2), seq_len_multiple=1, pad_id=0,
-                                device=torch.device("cpu"), with_routing=False)  # fmt: skip
+    without = build_train_batch(
+        exp, 0, fixed_plan([0], 1, 2), seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False
+    )
     assert without.micro_batches[0].routed_experts is None and without.micro_batches[0].input_ids.shape == (1, 5)
 
 
-@pytest.mark.parametrize("rows, micro_batch_size, shape", [(20, 8, (3, 7)), (40, 32, (2, 20)), (16, 8, (2, 8)), (5, 32, (1, 5))])
+@pytest.mark.parametrize(
+    "rows, micro_batch_size, shape", [(20, 8, (3, 7)), (40, 32, (2, 20)), (16, 8, (2, 8)), (5, 32, (1, 5))]
+)
 def test_any_batch_splits_into_equal_micro_batches(rows: int, micro_batch_size: int, shape: tuple[int, int]) -> None:
     samples = [sample([1, 2], [3] * (1 + i % 3), i) for i in range(rows)]
     exp = Experience(samples, torch.zeros(rows, 1), ["r"], torch.linspace(-1, 1, rows))
     for indices in (list(range(rows)), list(range(rows - 1))):  # this rank's share, or one fewer
-        batch = build_train_batch(exp, 0, fixed_plan(indices, rows, micro_batch_size),
-                                  seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
+        batch = build_train_batch(
+            exp,
+            0,
+            fixed_plan(indices, rows, micro_batch_size),
+            seq_len_multiple=1,
+            pad_id=0,
+            device=torch.device("cpu"),
+            with_routing=False,
+        )
         assert (len(batch.micro_batches), batch.micro_batches[0].input_ids.shape[0]) == shape
         assert all(mb.input_ids.shape == batch.micro_batches[0].input_ids.shape for mb in batch.micro_batches)
         assert sorted(i for mb in batch.micro_batches for i in mb.sample_indices if i >= 0) == indices
 
 
-@pytest.mark.parametrize("loss, params", [("grpo", {}), ("gspo", {}), ("gmpo", {}), ("grpo", {"agg": "seq-mean-token-sum"})])
+@pytest.mark.parametrize(
+    "loss, params", [("grpo", {}), ("gspo", {}), ("gmpo", {}), ("grpo", {"agg": "seq-mean-token-sum"})]
+)
 def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) -> None:
     """Ragged micro-batches with empty rows give exactly the loss (and gradient) of one batch."""
     rows = 7
@@ -81,8 +99,15 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) 
     algo = AlgorithmConfig(loss=loss, loss_params=params)
 
     def total(micro_batch_size: int) -> tuple[float, torch.Tensor]:
-        batch = build_train_batch(exp, 0, fixed_plan(list(range(rows)), rows, micro_batch_size),
-                                  seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=False)  # fmt: skip
+        batch = build_train_batch(
+            exp,
+            0,
+            fixed_plan(list(range(rows)), rows, micro_batch_size),
+            seq_len_multiple=1,
+            pad_id=0,
+            device=torch.device("cpu"),
+            with_routing=False,
+        )
         objective = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)
         weights = torch.zeros(rows, max(exp.lengths) - 1, requires_grad=True)
         value = 0.0
@@ -105,8 +130,15 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(loss: str, params: dict) 
 def objective_inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     exp = experience()
-    batch = build_train_batch(exp, 0, fixed_plan([0, 1, 2], 3, 3), seq_len_multiple=1, pad_id=0,
-                              device=torch.device("cpu"), with_routing=False)  # fmt: skip
+    batch = build_train_batch(
+        exp,
+        0,
+        fixed_plan([0, 1, 2], 3, 3),
+        seq_len_multiple=1,
+        pad_id=0,
+        device=torch.device("cpu"),
+        with_routing=False,
+    )
     mb = batch.micro_batches[0]
     logp = (-torch.rand(mb.mask.shape, generator=gen)).requires_grad_()
     entropy = torch.rand(mb.mask.shape, generator=gen)
@@ -118,7 +150,16 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     mb.old_logp = logp.detach() + 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
     algo = AlgorithmConfig(loss="grpo", loss_params={"eps_high": 0.28})
     loss, metrics = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
-    ref, _ = policy_loss("grpo", logp, mb.old_logp, mb.advantages, mb.mask, eps_high=0.28, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+    ref, _ = policy_loss(
+        "grpo",
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        mb.mask,
+        eps_high=0.28,
+        num_tokens=batch.num_tokens,
+        num_seqs=batch.num_seqs,
+    )
     torch.testing.assert_close(loss, ref)
     masked = mb.mask.bool()
     torch.testing.assert_close(metrics["log_ratio"], (logp.detach() - mb.old_logp)[masked])
@@ -129,7 +170,9 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
 
 def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
     batch, mb, logp, entropy = objective_inputs(1)
-    loss, metrics = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
+    loss, metrics = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(
+        torch.stack([logp, entropy], -1), mb
+    )
     diff = [(float(logp.detach()[i, t]) - float(mb.rollout_logp[i, t])) for i, t in mb.mask.nonzero().tolist()]
     assert float(metrics["mismatch_sum"]) == pytest.approx(sum(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_max"]) == pytest.approx(max(abs(d) for d in diff), rel=1e-6)
@@ -147,13 +190,17 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     mb.ref_logp = logp.detach() - 0.1
     le = torch.stack([logp, entropy], -1)
     plain, _ = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(le, mb)
-    kl, metrics = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(le, mb)
+    kl, metrics = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(
+        le, mb
+    )
     # k1 = logp - ref = 0.1 on every response token, token-mean over the step's 6 tokens
     tokens = float(mb.mask.sum())
     assert float((kl - plain).detach()) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
     assert float(metrics["kl_ref"]) == pytest.approx(0.1, rel=1e-5)
     bonus, _ = PolicyObjective(AlgorithmConfig(entropy_coef=0.2), batch.num_tokens, batch.num_seqs)(le, mb)
-    assert float((plain - bonus).detach()) == pytest.approx(0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5)
+    assert float((plain - bonus).detach()) == pytest.approx(
+        0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5
+    )
 
 
 def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
@@ -164,7 +211,11 @@ def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
     from moe_rl.trainer.objective import kept_counts
 
     batch, mb, logp, entropy = objective_inputs(4)
-    mb.old_logp = mb.rollout_logp + torch.tensor([[0.0, 0.9, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, -0.05, 0.0, 0.0]])[:, : mb.mask.shape[1]] * mb.mask
+    mb.old_logp = (
+        mb.rollout_logp
+        + torch.tensor([[0.0, 0.9, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, -0.05, 0.0, 0.0]])[:, : mb.mask.shape[1]]
+        * mb.mask
+    )
     mb.correction = rollout_correction("token_mis", mb.old_logp, mb.rollout_logp, mb.mask, upper=2.0)
     assert 0 < mb.correction.keep.sum() < mb.mask.sum()  # exp(0.9) > 2: one token dropped
     tokens, seqs = kept_counts(batch, corrected=True)
@@ -172,7 +223,16 @@ def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
     algo = AlgorithmConfig(loss="grpo", entropy_coef=0.1)
     loss, metrics = PolicyObjective(algo, tokens, seqs)(torch.stack([logp, entropy], -1), mb)
     kept = mb.mask * mb.correction.keep
-    ref, _ = policy_loss("grpo", logp, mb.old_logp, mb.advantages, kept, token_weights=mb.correction.weights, num_tokens=tokens, num_seqs=seqs)
+    ref, _ = policy_loss(
+        "grpo",
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        kept,
+        token_weights=mb.correction.weights,
+        num_tokens=tokens,
+        num_seqs=seqs,
+    )
     ref = ref - 0.1 * (entropy * kept).sum() / tokens
     torch.testing.assert_close(loss, ref)
     assert metrics["tokens"] == kept.sum()
@@ -229,12 +289,16 @@ def test_local_engine_rounds_weights_to_its_precision(tmp_path: Path) -> None:
     update = {k: reader.get(k) + 1e-3 for k in reader.keys()}  # HF checkpoint names, as the trainer sends them
     rounded.update_weights(update, "1")
     norm = "model.norm.weight"
-    torch.testing.assert_close(rounded.model.state_dict()[norm], update[norm].to(torch.bfloat16).float(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        rounded.model.state_dict()[norm], update[norm].to(torch.bfloat16).float(), rtol=0, atol=0
+    )
     assert rounded.weight_version == "1"
 
 
 def test_config_sections_are_the_layout_and_optimizer_types() -> None:
-    cfg = load_config(None, ["parallel.tp=2", "parallel.ep=2", "optim.lr=1e-5", "optim.extra={decoupled_weight_decay: false}"])
+    cfg = load_config(
+        None, ["parallel.tp=2", "parallel.ep=2", "optim.lr=1e-5", "optim.extra={decoupled_weight_decay: false}"]
+    )
     assert isinstance(cfg.parallel, ParallelLayout) and isinstance(cfg.optim, OptimSettings)
     assert cfg.parallel.seq_len_multiple == 2 and ParallelLayout().seq_len_multiple == 1
     assert cfg.optim.lr == 1e-5 and cfg.optim.extra == {"decoupled_weight_decay": False}
@@ -252,7 +316,10 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
     env = ServerSettings(model_path="m", gpus=(4, 5)).environment()
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
     with pytest.raises(ConfigError, match="fewer GPUs than rollout.server_tp=2"):
-        load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"])
+        load_config(
+            None,
+            ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"],
+        )
 
 
 def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) -> None:
@@ -261,18 +328,33 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
     from moe_rl.rollout.server import CPU_SERVER_ARGS
     from moe_rl.trainer.rollout_setup import server_settings
 
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.launch_server=true", f"rollout.server_python={sys.executable}",
-                             "rollout.server_args=[--max-total-tokens, '8192']"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.launch_server=true",
+            f"rollout.server_python={sys.executable}",
+            "rollout.server_args=[--max-total-tokens, '8192']",
+        ],
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = server_settings(cfg, "model-dir")
     command = cpu.command()
-    assert command[:3] == [sys.executable, "-m", "sglang.launch_server"] and "--enable-deterministic-inference" not in command
+    assert (
+        command[:3] == [sys.executable, "-m", "sglang.launch_server"]
+        and "--enable-deterministic-inference" not in command
+    )
     start = command.index("--device")
-    assert tuple(command[start : start + len(CPU_SERVER_ARGS)]) == CPU_SERVER_ARGS and command[-2:] == ["--max-total-tokens", "8192"]
+    assert tuple(command[start : start + len(CPU_SERVER_ARGS)]) == CPU_SERVER_ARGS and command[-2:] == [
+        "--max-total-tokens",
+        "8192",
+    ]
     assert cpu.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = server_settings(cfg, "model-dir")
-    assert "--enable-deterministic-inference" not in gpu.command() and "--device" not in gpu.command()  # off by default: slower
+    assert (
+        "--enable-deterministic-inference" not in gpu.command() and "--device" not in gpu.command()
+    )  # off by default: slower
     cfg.rollout.server_deterministic = True
     assert "--enable-deterministic-inference" in server_settings(cfg, "model-dir").command()
     assert gpu.environment().get("SGLANG_USE_CPU_ENGINE") == os.environ.get("SGLANG_USE_CPU_ENGINE")  # inherited only
@@ -306,7 +388,9 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     check_run_dir(cfg())  # new: fine
     step = tmp_path / "run" / "checkpoints" / "step_000004"
     step.mkdir(parents=True)
-    (step / "meta.json").write_text(json.dumps({"format": FORMAT, "step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))
+    (step / "meta.json").write_text(
+        json.dumps({"format": FORMAT, "step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()})
+    )
     check_run_dir(cfg("train.steps=50", "optim.lr=1e-5"))  # same run, more steps, another learning rate
     check_run_dir(cfg("parallel.tp=2", "parallel.ep=2"))  # ... or another layout (checkpoints reshard)
     with pytest.raises(ConfigError, match="already holds a run's checkpoints.*nothing was deleted"):
@@ -315,8 +399,12 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
         check_run_dir(cfg("algorithm.loss=gspo", "train.seed=2"))
     check_run_dir(cfg("algorithm.loss=gspo", "train.resume_anyway=true"))
     assert step.is_dir()
-    (step / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()}))  # format 1
-    with pytest.raises(ConfigError, match=f"checkpoint {step} was written by an earlier moe-rl.*model.hf_dir={step / 'model'}"):
+    (step / "meta.json").write_text(
+        json.dumps({"step": 4, "world_size": 1, "fingerprint": cfg().fingerprint()})
+    )  # format 1
+    with pytest.raises(
+        ConfigError, match=f"checkpoint {step} was written by an earlier moe-rl.*model.hf_dir={step / 'model'}"
+    ):
         check_run_dir(cfg())
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="cannot be created"):
@@ -328,13 +416,19 @@ def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> No
 
     from moe_rl.trainer.checkpoint import FORMAT, CheckpointMismatch, select_checkpoint
 
-    def make(step: int, meta: str | None = None, files: tuple[str, ...] = ("dist/metadata.json", "dist/.metadata", "dist/common.pt", "rng/rank_00000.pt")) -> Path:
+    def make(
+        step: int,
+        meta: str | None = None,
+        files: tuple[str, ...] = ("dist/metadata.json", "dist/.metadata", "dist/common.pt", "rng/rank_00000.pt"),
+    ) -> Path:
         path = tmp_path / "checkpoints" / f"step_{step:06d}"
         for sub in files:
             (path / sub).parent.mkdir(parents=True, exist_ok=True)
             (path / sub).write_text("x")
         path.mkdir(parents=True, exist_ok=True)
-        (path / "meta.json").write_text(meta if meta is not None else json.dumps({"format": FORMAT, "step": step, "world_size": 4}))
+        (path / "meta.json").write_text(
+            meta if meta is not None else json.dumps({"format": FORMAT, "step": step, "world_size": 4})
+        )
         return path
 
     good = make(2)  # another world size: resharded on load (its first rank's RNG file is the one read)
@@ -367,8 +461,11 @@ def test_token_budget_plans_balance_ranks_and_bound_micro_batches() -> None:
 
     def padding(plan_of_rank, pad_each: bool) -> float:
         longest_all = round_up(max(lengths), 8)
-        padded = sum(len(mb) * (round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if pad_each else longest_all)
-                     for plan in plan_of_rank for mb in plan)  # fmt: skip
+        padded = sum(
+            len(mb) * (round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) if pad_each else longest_all)
+            for plan in plan_of_rank
+            for mb in plan
+        )
         return 1 - sum(lengths) / padded
 
     fixed = [fixed_plan(range(r, 64, ranks), 16, 8) for r in range(ranks)]
@@ -385,20 +482,27 @@ def test_the_default_budget_pads_little_and_no_micro_batch_outgrows_fixed_rows()
     from moe_rl.trainer.packing import MicroBatchPlanner, derived_budget, fixed_plan, round_up, token_budget_plan
 
     gen = random.Random(0)
-    lengths = [min(512, max(32, int(gen.lognormvariate(5.0, 0.5)))) + min(8192, max(1, int(gen.lognormvariate(7.3, 0.9)))) for _ in range(256)]
+    lengths = [
+        min(512, max(32, int(gen.lognormvariate(5.0, 0.5)))) + min(8192, max(1, int(gen.lognormvariate(7.3, 0.9))))
+        for _ in range(256)
+    ]
     ranks, rows = 4, 8
     budget = derived_budget(lengths, rows, 8)
     assert budget == rows * round_up(-(-sum(lengths) // len(lengths)), 8) == derived_budget(lengths[::-1], rows, 8)
     plans = [token_budget_plan(lengths, r, ranks, budget, rows, 8) for r in range(ranks)]
     assert sorted(i for plan in plans for mb in plan for i in mb if i is not None) == list(range(256))
     assert len({len(plan) for plan in plans}) == 1
-    sizes = [len(mb) * round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) for plan in plans for mb in plan]
+    sizes = [
+        len(mb) * round_up(max([lengths[i] for i in mb if i is not None] or [2]), 8) for plan in plans for mb in plan
+    ]
     assert max(sizes) <= rows * round_up(max(lengths), 8)
     fixed = [fixed_plan(range(r, 256, ranks), 64, rows) for r in range(ranks)]
     fixed_padded = sum(len(mb) for plan in fixed for mb in plan) * round_up(max(lengths), 8)
     assert 1 - sum(lengths) / sum(sizes) <= 0.15 and 1 - sum(lengths) / fixed_padded > 0.5
     # the planner packs by the derived budget unless told otherwise (one process: rank 0 of 1)
-    assert MicroBatchPlanner(rows, seq_len_multiple=8).plan(lengths) == token_budget_plan(lengths, 0, 1, budget, rows, 8)
+    assert MicroBatchPlanner(rows, seq_len_multiple=8).plan(lengths) == token_budget_plan(
+        lengths, 0, 1, budget, rows, 8
+    )
     assert MicroBatchPlanner(rows, max_tokens=0).plan(lengths) == fixed_plan(range(256), 256, rows)
 
 
@@ -411,7 +515,9 @@ def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
     width = max(exp.lengths) - 1
 
     def total(plan) -> tuple[float, torch.Tensor]:
-        batch = build_train_batch(exp, 0, plan, seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=True)
+        batch = build_train_batch(
+            exp, 0, plan, seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=True
+        )
         objective = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)
         weights = torch.zeros(rows, width, requires_grad=True)
         value = 0.0
@@ -457,7 +563,11 @@ def test_tensorboard_scalars_of_a_step_are_one_event_and_read_back_by_tag(tmp_pa
     assert [(e.step, e.value) for e in events.Scalars("b/late")] == [(1, 0.5), (2, 1.0)]
     assert [e.step for e in events.Histograms("h")] == [1, 2]
     (path,) = tmp_path.glob("events.out.tfevents.*")
-    scalar_events = [e for e in LegacyEventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value[0].HasField("simple_value")]
+    scalar_events = [
+        e
+        for e in LegacyEventFileLoader(str(path)).Load()
+        if e.HasField("summary") and e.summary.value[0].HasField("simple_value")
+    ]
     assert [(e.step, len(e.summary.value)) for e in scalar_events] == [(1, 5), (1, 1), (2, 5), (2, 1)]
 
 

@@ -20,9 +20,18 @@ import json
 import sys
 from pathlib import Path
 
-TINY = ["rollout.prompts_per_step=4", "rollout.group_size=5", "rollout.max_new_tokens=5", "warm_start.steps=20",
-        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=4",
-        "algorithm.updates_per_batch=1", "routing.after_update_pass=false", "train.collective_timeout_min=45"]  # fmt: skip
+TINY = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=5",
+    "rollout.max_new_tokens=5",
+    "warm_start.steps=20",
+    "warm_start.batch_size=16",
+    "train.progress=false",
+    "algorithm.micro_batch_size=4",
+    "algorithm.updates_per_batch=1",
+    "routing.after_update_pass=false",
+    "train.collective_timeout_min=45",
+]
 VARIANTS = {
     "none": [],
     "r2": ["routing.replay=r2"],
@@ -34,7 +43,12 @@ VARIANTS = {
     # (a short warm start: these runs check mechanics, not learning)
     "qwen2": ["model.architecture=qwen2_moe", "warm_start.steps=4"],
     "olmoe": ["model.architecture=olmoe", "warm_start.steps=4"],
-    "glm": ["model.architecture=glm4_moe", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01", "routing.after_update_pass=true"],
+    "glm": [
+        "model.architecture=glm4_moe",
+        "warm_start.steps=4",
+        "routing.expert_bias_update_rate=0.01",
+        "routing.after_update_pass=true",
+    ],
     "dsv3": ["model.architecture=deepseek_v3", "warm_start.steps=4", "routing.expert_bias_update_rate=0.01"],
     # 3 layers: no even split over 2 pipeline stages (megatron-core's uneven stages, 2 + 1)
     "l3": ["model.num_layers=3", "warm_start.steps=4"],
@@ -53,7 +67,10 @@ def process_group_facts() -> dict:
     import torch.distributed as dist
 
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    return {"timeout_s": backend.options._timeout.total_seconds(), "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE")}
+    return {
+        "timeout_s": backend.options._timeout.total_seconds(),
+        "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE"),
+    }
 
 
 def main() -> None:
@@ -73,8 +90,16 @@ def main() -> None:
         steps, save_for = rest[:1], rest[1].removeprefix("save=") if len(rest) > 1 else None
         tp, pp, ep, etp = layout.split(",")
         chosen = [o for part in variant.split("+") for o in VARIANTS[part]]
-        overrides = [*TINY, *chosen, f"warm_start.cache_dir={cache}", f"train.run_dir={out / name}",
-                     f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]  # fmt: skip
+        overrides = [
+            *TINY,
+            *chosen,
+            f"warm_start.cache_dir={cache}",
+            f"train.run_dir={out / name}",
+            f"parallel.tp={tp}",
+            f"parallel.pp={pp}",
+            f"parallel.ep={ep}",
+            f"parallel.etp={etp}",
+        ]
         RouterReplay.clear_global_router_replay_instances()  # the previous run's model
         with Trainer(load_config(None, overrides)) as trainer:
             last = int(steps[0]) if steps else 1

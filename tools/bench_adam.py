@@ -58,8 +58,10 @@ def main() -> None:
         "turns": {k: [round(t, 4) for t in v] for k, v in times.items()},
     }
     result["time_ratio_fused_over_foreach"] = result["fused_step_s"] / result["foreach_step_s"]
-    print(f"Adam step, {params / 1e6:.0f}M fp32 parameters: fused {result['fused_step_s']:.3f}s vs foreach "
-          f"{result['foreach_step_s']:.3f}s = {result['time_ratio_fused_over_foreach']:.2f}x (median of {args.repeats} turns)")  # fmt: skip
+    print(
+        f"Adam step, {params / 1e6:.0f}M fp32 parameters: fused {result['fused_step_s']:.3f}s vs foreach "
+        f"{result['foreach_step_s']:.3f}s = {result['time_ratio_fused_over_foreach']:.2f}x (median of {args.repeats} turns)"
+    )
     print("BENCH_JSON " + json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

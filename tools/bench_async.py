@@ -25,10 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(mode: str, seed: int, steps: int, out: Path) -> list[dict]:
     run_dir = out / f"{mode}-{seed}"
-    overrides = [f"train.steps={steps}", f"train.seed={seed}", f"train.run_dir={run_dir}", "train.progress=false",
-                 "algorithm.old_logprobs=rollout", f"rollout.async_rollouts={'true' if mode == 'async' else 'false'}"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *overrides], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    overrides = [
+        f"train.steps={steps}",
+        f"train.seed={seed}",
+        f"train.run_dir={run_dir}",
+        "train.progress=false",
+        "algorithm.old_logprobs=rollout",
+        f"rollout.async_rollouts={'true' if mode == 'async' else 'false'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", "train", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{mode} seed {seed} failed:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -38,7 +48,11 @@ def summary(rows: list[list[dict]]) -> dict:
     step_times = [r["perf/step_time_s"] for runs in rows for r in runs[1:]]
     rewards = [statistics.mean(r["reward/total"] for r in runs) for runs in rows]
     last = [statistics.mean(r["reward/total"] for r in runs[-5:]) for runs in rows]
-    return {"median_step_s": statistics.median(step_times), "reward_per_step": statistics.mean(rewards), "last5_reward": statistics.mean(last)}
+    return {
+        "median_step_s": statistics.median(step_times),
+        "reward_per_step": statistics.mean(rewards),
+        "last5_reward": statistics.mean(last),
+    }
 
 
 def main() -> None:
@@ -55,8 +69,10 @@ def main() -> None:
             print(f"{mode:5s} seed {seed}: done", flush=True)
     table = {mode: summary(rows) for mode, rows in results.items()}
     for mode, row in table.items():
-        print(f"{mode:5s}: median step {row['median_step_s']:.3f} s, reward per step {row['reward_per_step']:.3f}, "
-              f"last 5 steps {row['last5_reward']:.3f}")  # fmt: skip
+        print(
+            f"{mode:5s}: median step {row['median_step_s']:.3f} s, reward per step {row['reward_per_step']:.3f}, "
+            f"last 5 steps {row['last5_reward']:.3f}"
+        )
     print(f"async / sync step time: {table['async']['median_step_s'] / table['sync']['median_step_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))

@@ -53,7 +53,9 @@ def new_format(policy, root: Path, step: int, background: bool) -> tuple[float, 
     from moe_rl.trainer.checkpoint import Checkpointer, TrainingState
     from parallel.layout import ParallelLayout
 
-    ckpt = Checkpointer(root, keep_last=1, layout=ParallelLayout(), model_files=(policy.hf_config, None), async_save=background)
+    ckpt = Checkpointer(
+        root, keep_last=1, layout=ParallelLayout(), model_files=(policy.hf_config, None), async_save=background
+    )
     state = TrainingState(policy.model, policy.optimizer, policy.optim_settings)
     start = time.perf_counter()
     final = ckpt.save(step, state, {})
@@ -84,7 +86,13 @@ def main() -> None:
     policy.update(random_batches(1024, seq=256), lambda le, mb: (-le[..., 0].mean(), {}))  # Adam state exists
     params = sum(p.numel() for p in policy.model.parameters())
     work = Path(tempfile.mkdtemp(prefix="bench_checkpoint-"))
-    times: dict[str, list[float]] = {"format 1": [], "sync": [], "async blocked": [], "async commit": [], "async written": []}
+    times: dict[str, list[float]] = {
+        "format 1": [],
+        "sync": [],
+        "async blocked": [],
+        "async commit": [],
+        "async written": [],
+    }
     sizes: dict[str, int] = {}
     try:
         new_format(policy, work / "warm", 0, background=True)  # the writer pool's one-time start, not counted
@@ -108,16 +116,24 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "params": params, "repeats": args.repeats, "seconds": med, "runs": times, "bytes": sizes,
+        "params": params,
+        "repeats": args.repeats,
+        "seconds": med,
+        "runs": times,
+        "bytes": sizes,
         "blocked_over_sync": med["async blocked"] / med["sync"],
         "blocked_over_format1": med["async blocked"] / med["format 1"],
-    }  # fmt: skip
+    }
     gb = 1e9
     print(f"checkpoint of a {params / 1e6:.0f}M-parameter policy (fp32 weights + Adam), median of {args.repeats}:")
-    print(f"  format 1 (HF weights + torch.save optimizer, sync): {med['format 1']:.2f}s, {sizes['format 1'] / gb:.2f} GB")
+    print(
+        f"  format 1 (HF weights + torch.save optimizer, sync): {med['format 1']:.2f}s, {sizes['format 1'] / gb:.2f} GB"
+    )
     print(f"  dist_checkpointing, sync:                          {med['sync']:.2f}s, {sizes['dist'] / gb:.2f} GB")
-    print(f"  dist_checkpointing, async: blocked {med['async blocked']:.2f}s ({100 * result['blocked_over_sync']:.0f}% of sync; commit {med['async commit']:.2f}s), "
-          f"written after {med['async written']:.2f}s")  # fmt: skip
+    print(
+        f"  dist_checkpointing, async: blocked {med['async blocked']:.2f}s ({100 * result['blocked_over_sync']:.0f}% of sync; commit {med['async commit']:.2f}s), "
+        f"written after {med['async written']:.2f}s"
+    )
     print("BENCH_JSON " + json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

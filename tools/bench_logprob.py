@@ -44,8 +44,18 @@ def main() -> None:
     (logp.sum() + entropy.sum()).backward()
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print("BENCH_JSON " + json.dumps({"variant": args.variant, "seconds": elapsed, "peak_rss_mib": peak / 1024,
-                                      "growth_mib": (peak - before) / 1024}), flush=True)  # fmt: skip
+    print(
+        "BENCH_JSON "
+        + json.dumps(
+            {
+                "variant": args.variant,
+                "seconds": elapsed,
+                "peak_rss_mib": peak / 1024,
+                "growth_mib": (peak - before) / 1024,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def main() -> None:
             loss.backward()
             times[name].append(time.perf_counter() - start)
 
-    print(f"policy loss forward+backward, [{b}, {t}] float32, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
+    print(
+        f"policy loss forward+backward, [{b}, {t}] float32, {torch.get_num_threads()} threads, median of {args.repeats}"
+    )
     print(f"{'loss':<14}{'ms':>10}{'x grpo':>9}{'Mtok/s':>9}")
     base = statistics.median(times["grpo"])
     rows = {}

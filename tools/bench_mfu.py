@@ -22,8 +22,17 @@ from pathlib import Path
 import torch
 
 warnings.filterwarnings("ignore")
-SIZE = dict(hidden_size=512, moe_intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-            head_dim=64, num_experts=16, num_experts_per_tok=4, vocab_size=32000)  # fmt: skip
+SIZE = dict(
+    hidden_size=512,
+    moe_intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    vocab_size=32000,
+)
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -77,7 +86,10 @@ def random_batches(tokens: int, seq: int = 512, device: torch.device | str = "cp
     from moe_rl.models.forward import MicroBatch
 
     gen = torch.Generator().manual_seed(0)
-    return [MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, seq), generator=gen).to(device)) for _ in range(tokens // (2 * seq))]
+    return [
+        MicroBatch(torch.randint(0, SIZE["vocab_size"], (2, seq), generator=gen).to(device))
+        for _ in range(tokens // (2 * seq))
+    ]
 
 
 def parse_args(doc: str, tokens: int) -> argparse.Namespace:
@@ -123,17 +135,33 @@ def main() -> None:
     flops = 8 * active * tokens + attention  # old pass 2N + update 6N per token, plus attention scores
     mfu = flops / seconds / (peak * 1e9)
     print(f"model: {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token); {tokens} tokens per step")
-    print(f"fp32 matmul rate, same run: {peak:.0f} GFLOP/s; RL step {seconds:.2f} s = {tokens / seconds:.0f} tokens/s, MFU {mfu:.1%}")
+    print(
+        f"fp32 matmul rate, same run: {peak:.0f} GFLOP/s; RL step {seconds:.2f} s = {tokens / seconds:.0f} tokens/s, MFU {mfu:.1%}"
+    )
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     print(table)
     if args.json:
-        top = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in
-               sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]]  # fmt: skip
-        Path(args.json).write_text(json.dumps({"total_params": total, "active_params": active, "tokens": tokens,
-                                               "matmul_gflops": peak, "step_s": seconds, "mfu": mfu, "top_ops": top}, indent=2))  # fmt: skip
+        top = [
+            {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        ]
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "total_params": total,
+                    "active_params": active,
+                    "tokens": tokens,
+                    "matmul_gflops": peak,
+                    "step_s": seconds,
+                    "mfu": mfu,
+                    "top_ops": top,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -89,24 +89,51 @@ def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
             turns.done()
 
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        max_completion_length=NEW_TOKENS, max_steps=steps, learning_rate=2e-4, logging_steps=100, report_to=[],
-        bf16=False, use_cpu=True, loss_type="dapo", gradient_checkpointing=False, save_strategy="no", beta=0.0,
-        temperature=1.0, dataloader_num_workers=0, seed=1,
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[correct], args=args, train_dataset=data, processing_class=tokenizer,
-                          callbacks=[Timer()])  # fmt: skip
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP,
+        max_completion_length=NEW_TOKENS,
+        max_steps=steps,
+        learning_rate=2e-4,
+        logging_steps=100,
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        loss_type="dapo",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        beta=0.0,
+        temperature=1.0,
+        dataloader_num_workers=0,
+        seed=1,
+    )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[correct],
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
     trainer.train()
     return {"step_times": times, "response_tokens": lengths}
 
 
 def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
     overrides = [
-        f"model.hf_dir={model_dir}", f"train.run_dir={run_dir}", f"train.steps={steps}", "train.progress=false",
-        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={NEW_TOKENS}",
-        "algorithm.updates_per_batch=1", "routing.metrics=false", "algorithm.micro_batch_size=32",
-        "reward.rewards=[{name: correct, fn: math_correct}]", "reward.conditionals=[]",
-    ]  # fmt: skip
+        f"model.hf_dir={model_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.progress=false",
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        f"rollout.max_new_tokens={NEW_TOKENS}",
+        "algorithm.updates_per_batch=1",
+        "routing.metrics=false",
+        "algorithm.micro_batch_size=32",
+        "reward.rewards=[{name: correct, fn: math_correct}]",
+        "reward.conditionals=[]",
+    ]
     from moe_rl import tags
     from moe_rl.cli import main
     from moe_rl.trainer.trainer import Trainer
@@ -125,7 +152,10 @@ def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
     if code != 0:
         raise SystemExit(code)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {"step_times": [r["perf/step_time_s"] for r in rows], "response_tokens": [r[tags.RESPONSE_LENGTH_MEAN] for r in rows]}
+    return {
+        "step_times": [r["perf/step_time_s"] for r in rows],
+        "response_tokens": [r[tags.RESPONSE_LENGTH_MEAN] for r in rows],
+    }
 
 
 def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "moe-rl") -> dict:
@@ -137,9 +167,25 @@ def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "mo
         go_r, go[side] = os.pipe()
         finished[side], done_w = os.pipe()
         logs[side] = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-W", "ignore", __file__, "--side", side, "--model", model_dir, "--steps", str(steps),
-               "--turns", f"{go_r},{done_w}", "--steps-per-turn", str(steps_per_turn)]  # fmt: skip
-        procs[side] = subprocess.Popen(cmd, pass_fds=(go_r, done_w), stdout=logs[side], stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-W",
+            "ignore",
+            __file__,
+            "--side",
+            side,
+            "--model",
+            model_dir,
+            "--steps",
+            str(steps),
+            "--turns",
+            f"{go_r},{done_w}",
+            "--steps-per-turn",
+            str(steps_per_turn),
+        ]
+        procs[side] = subprocess.Popen(
+            cmd, pass_fds=(go_r, done_w), stdout=logs[side], stderr=subprocess.STDOUT, text=True
+        )
         os.close(go_r)
         os.close(done_w)
     try:
@@ -196,14 +242,20 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--steps-per-turn", type=int, default=3, help="with --side both: >= 2, and --steps > 2x it")
-    p.add_argument("--first", choices=["moe-rl", "trl"], default="moe-rl", help="with --side both: the side that starts")
+    p.add_argument(
+        "--first", choices=["moe-rl", "trl"], default="moe-rl", help="with --side both: the side that starts"
+    )
     p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both
     args = p.parse_args()
     if args.side == "both":
         if args.steps_per_turn < 2 or args.steps <= 2 * args.steps_per_turn:
-            p.error("--side both needs --steps-per-turn >= 2 and --steps > 2 x --steps-per-turn (a turn's first step, "
-                    "the first turn and the last are not counted)")  # fmt: skip
-        print("BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn, args.first)), flush=True)
+            p.error(
+                "--side both needs --steps-per-turn >= 2 and --steps > 2 x --steps-per-turn (a turn's first step, "
+                "the first turn and the last are not counted)"
+            )
+        print(
+            "BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn, args.first)), flush=True
+        )
         return
     turns = Turns(args.turns, args.steps_per_turn)
     if args.side == "trl":

@@ -59,9 +59,13 @@ def main() -> None:
     memory = {  # the second model lives on the model's device; the host mode's buffers in host memory
         "device": {"device_bytes": nbytes(second.state_dict().values()), "host_bytes": 0, "cuda_allocated": dev_alloc},
         "host": {"device_bytes": nbytes(held) - on_host, "host_bytes": on_host, "cuda_allocated": host_alloc},
-    }  # fmt: skip
+    }
 
-    passes = {"policy": lambda: policy.logprobs(batches), "device": lambda: dev.logprobs(batches), "host": lambda: host.logprobs(batches)}
+    passes = {
+        "policy": lambda: policy.logprobs(batches),
+        "device": lambda: dev.logprobs(batches),
+        "host": lambda: host.logprobs(batches),
+    }
     for run in passes.values():  # warm-up
         with torch.no_grad():
             run()
@@ -77,10 +81,14 @@ def main() -> None:
     print(f"model stage: {stage / mib:.0f} MiB; {args.tokens} tokens; device {device}")
     for mode in ("device", "host"):
         m = memory[mode]
-        print(f"reference={mode:<6} device {m['device_bytes'] / mib:7.0f} MiB  host {m['host_bytes'] / mib:7.0f} MiB  "
-              f"pass {seconds[mode] * 1e3:7.0f} ms = {seconds[mode] / seconds['policy']:.2f}x the policy's log-prob pass")  # fmt: skip
+        print(
+            f"reference={mode:<6} device {m['device_bytes'] / mib:7.0f} MiB  host {m['host_bytes'] / mib:7.0f} MiB  "
+            f"pass {seconds[mode] * 1e3:7.0f} ms = {seconds[mode] / seconds['policy']:.2f}x the policy's log-prob pass"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"stage_bytes": stage, "tokens": args.tokens, "memory": memory, "seconds": seconds}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"stage_bytes": stage, "tokens": args.tokens, "memory": memory, "seconds": seconds}, indent=2)
+        )
 
 
 if __name__ == "__main__":

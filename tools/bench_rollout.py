@@ -1,6 +1,6 @@
 """Local-engine generation throughput (tokens/s) on a tiny random MoE, CPU.
 
-    .venv/bin/python tools/bench_rollout.py [--prompts 8] [--n 8] [--new-tokens 64]
+.venv/bin/python tools/bench_rollout.py [--prompts 8] [--n 8] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ def main() -> None:
     start = time.perf_counter()
     engine.generate(prompts, args.n, params, seed=1, return_routed_experts=args.routed)
     wall = time.perf_counter() - start
-    print(f"local engine: {args.prompts} prompts x {args.n} samples, <= {args.new_tokens} new tokens, "
-          f"routed_experts={'on' if args.routed else 'off'}: {engine.tokens_generated} tokens in {wall:.2f}s "
-          f"= {engine.tokens_generated / wall:.0f} tokens/s")
+    print(
+        f"local engine: {args.prompts} prompts x {args.n} samples, <= {args.new_tokens} new tokens, "
+        f"routed_experts={'on' if args.routed else 'off'}: {engine.tokens_generated} tokens in {wall:.2f}s "
+        f"= {engine.tokens_generated / wall:.0f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

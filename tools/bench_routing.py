@@ -78,12 +78,16 @@ def routing_data(repeats: int) -> dict:
 
     t, l, k, e = (QWEN3_30B[x] for x in ("tokens", "layers", "top_k", "experts"))
     gen = torch.Generator().manual_seed(0)
-    routed = torch.rand(t * l, e, generator=gen).argsort(-1)[:, :k].view(t, l, k)  # distinct experts per token and layer
+    # distinct experts per token and layer
+    routed = torch.rand(t * l, e, generator=gen).argsort(-1)[:, :k].view(t, l, k)
     encoded = base64.b64encode(routed.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
     reply = json.dumps({"meta_info": {"routed_experts": encoded}}).encode()
     engine = SGLangEngine(["http://127.0.0.1:1"], num_layers=l, top_k=k, num_experts=e)
-    decoders = {"now": lambda: engine._decode_routing(encoded, t), "before": lambda: _previous_decode(encoded, t, l, k, e),
-                "json.loads of the reply (unchanged, for scale)": lambda: json.loads(reply)}  # fmt: skip
+    decoders = {
+        "now": lambda: engine._decode_routing(encoded, t),
+        "before": lambda: _previous_decode(encoded, t, l, k, e),
+        "json.loads of the reply (unchanged, for scale)": lambda: json.loads(reply),
+    }
     times = {name: [] for name in decoders}
     for _ in range(repeats):
         for name, decode in decoders.items():
@@ -95,21 +99,36 @@ def routing_data(repeats: int) -> dict:
     per_token = lambda x: x.numel() * x.element_size() / t  # noqa: E731
     replay_now = engine_routing_to_replay([now], t + 1, list(range(l)), k, num_experts=e)  # R3's kept replay indices
     replay_before = [x.to(torch.int64) for x in replay_now]  # before: the whole micro-batch in int64
-    out = {"shape": QWEN3_30B, "base64_mb": len(encoded) / 1e6, "decode_ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
-           "bytes_per_token": {"sample: rank 0, and each rank's share (host)": (per_token(now), per_token(before)),
-                               "R3 replay indices, kept for the step (device)": (sum(map(per_token, replay_now)), sum(map(per_token, replay_before))),
-                               "drift: old pass top-k, natural + used (device) *": (2 * per_token(now), 2 * per_token(now) * 8),
-                               "drift: old pass router distributions (host) *": (0, 4 * l * e),
-                               "  ... with routing.after_update_pass (router_kl) *": (4 * l * e, 4 * l * e)}}  # fmt: skip
-    print(f"\nrouting data of one {t}-token response, {l} layers x top-{k} of {e} experts (Qwen3-30B-A3B), "
-          f"{out['base64_mb']:.1f} MB of base64; median of {repeats}")
+    out = {
+        "shape": QWEN3_30B,
+        "base64_mb": len(encoded) / 1e6,
+        "decode_ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
+        "bytes_per_token": {
+            "sample: rank 0, and each rank's share (host)": (per_token(now), per_token(before)),
+            "R3 replay indices, kept for the step (device)": (
+                sum(map(per_token, replay_now)),
+                sum(map(per_token, replay_before)),
+            ),
+            "drift: old pass top-k, natural + used (device) *": (2 * per_token(now), 2 * per_token(now) * 8),
+            "drift: old pass router distributions (host) *": (0, 4 * l * e),
+            "  ... with routing.after_update_pass (router_kl) *": (4 * l * e, 4 * l * e),
+        },
+    }
+    print(
+        f"\nrouting data of one {t}-token response, {l} layers x top-{k} of {e} experts (Qwen3-30B-A3B), "
+        f"{out['base64_mb']:.1f} MB of base64; median of {repeats}"
+    )
     print(f"{'rank-0 decode + checks (shape, range, repeats)':<70}{'now':>10}{'before':>10}")
     print(f"{'  ms':<70}{out['decode_ms']['now']:>10.1f}{out['decode_ms']['before']:>10.1f}")
-    print(f"{'  json.loads of the reply (unchanged, for scale), ms':<70}{out['decode_ms']['json.loads of the reply (unchanged, for scale)']:>10.1f}")
+    print(
+        f"{'  json.loads of the reply (unchanged, for scale), ms':<70}{out['decode_ms']['json.loads of the reply (unchanged, for scale)']:>10.1f}"
+    )
     print(f"{'bytes per token kept':<70}{'now':>10}{'before':>10}")
     for name, (a, b) in out["bytes_per_token"].items():
         print(f"{name:<70}{a:>10.0f}{b:>10.0f}")
-    print("* element sizes x this shape (now: only with the after-update pass; the small model's figures are measured below)")
+    print(
+        "* element sizes x this shape (now: only with the after-update pass; the small model's figures are measured below)"
+    )
     return out
 
 
@@ -117,7 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")
-    parser.add_argument("--decode-only", action="store_true", help="only the routing-data figures at Qwen3-30B-A3B's shape")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only the routing-data figures at Qwen3-30B-A3B's shape"
+    )
     args = parser.parse_args()
     data = routing_data(max(args.repeats, 5))
     if args.decode_only:
@@ -138,8 +159,17 @@ def main() -> None:
     from parallel.layout import ParallelLayout
     from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
-    size = dict(hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=16, num_experts=16, num_experts_per_tok=4, vocab_size=512)
+    size = dict(
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        vocab_size=512,
+    )
     hf_dir = save_tiny_checkpoint(tempfile.mkdtemp() + "/hf", "qwen3_moe", seed=0, **size)
     hf_config = load_hf_config(hf_dir)
     layout = ParallelLayout()
@@ -173,15 +203,20 @@ def main() -> None:
         optimizer = build_optimizer([ddp], settings)
         monitor = (
             RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts, measure=drift)
-            if (mode != "none" or drift) else None
-        )  # fmt: skip
+            if (mode != "none" or drift)
+            else None
+        )
         passes = monitor or _NoMonitor()
 
         def step(ddp=ddp, optimizer=optimizer, passes=passes, drift=drift, after=after):
             with passes.old_pass(batches, engine_routing) as hooks:
                 run_microbatches([ddp], batches, hooks=hooks)
             with passes.update_pass() as hooks:
-                train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks))
+                train_step(
+                    [ddp],
+                    optimizer,
+                    lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks),
+                )
             if after:
                 with passes.after_update_pass() as hooks:
                     run_microbatches([ddp], batches, hooks=hooks)
@@ -197,8 +232,10 @@ def main() -> None:
             step()
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain"])
-    print(f"RL step (old-log-prob pass + update + Adam), {tokens} tokens, {hf_config.num_hidden_layers} MoE layers x "
-          f"{hf_config.num_experts} experts (top-{hf_config.num_experts_per_tok}), 1 CPU process, median of {args.repeats}")
+    print(
+        f"RL step (old-log-prob pass + update + Adam), {tokens} tokens, {hf_config.num_hidden_layers} MoE layers x "
+        f"{hf_config.num_experts} experts (top-{hf_config.num_experts_per_tok}), 1 CPU process, median of {args.repeats}"
+    )
     print(f"{'variant':<28}{'ms/step':>10}{'x plain':>9}")
     rows = {}
     for name in variants:
@@ -218,9 +255,21 @@ def main() -> None:
             expert += n if ".experts." in key else 0
         active = total - expert + expert * hf_config.num_experts_per_tok / hf_config.num_experts
         with open(args.json, "w") as f:
-            json.dump({"variants": rows, "tokens": tokens, "active_params": active, "total_params": total,
-                       "seq_len": batches[0].input_ids.shape[1], "layers": hf_config.num_hidden_layers,
-                       "attn_dim": hf_config.num_attention_heads * hf_config.head_dim, "probe_memory": probe, "routing_data": data}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "variants": rows,
+                    "tokens": tokens,
+                    "active_params": active,
+                    "total_params": total,
+                    "seq_len": batches[0].input_ids.shape[1],
+                    "layers": hf_config.num_hidden_layers,
+                    "attn_dim": hf_config.num_attention_heads * hf_config.head_dim,
+                    "probe_memory": probe,
+                    "routing_data": data,
+                },
+                f,
+                indent=2,
+            )
 
 
 def probe_memory(hf_config, hf_dir: str, layout) -> list[dict]:
@@ -255,18 +304,33 @@ def probe_memory(hf_config, hf_dir: str, layout) -> list[dict]:
             assert not monitor.probe.captured
         return nbytes(indices), host, sum(t.numel() * 8 for t in indices) + host
 
-    print(f"\nrouting kept by the drift metrics per step (micro-batches of 4 x 128 tokens, {hf_config.num_hidden_layers} layers x "
-          f"{hf_config.num_experts} experts), KB: now (defaults) vs before; now without router KL; now on a quarter of the tokens")
+    print(
+        f"\nrouting kept by the drift metrics per step (micro-batches of 4 x 128 tokens, {hf_config.num_hidden_layers} layers x "
+        f"{hf_config.num_experts} experts), KB: now (defaults) vs before; now without router KL; now on a quarter of the tokens"
+    )
     print(f"{'micro-batches':>14}{'device':>9}{'host':>9}{'before':>9}{'no KL':>9}{'quarter':>9}")
     rows = []
     for n in (2, 4, 8):
-        batches = [MicroBatch(torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(i))) for i in range(n)]
+        batches = [
+            MicroBatch(torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(i))) for i in range(n)
+        ]
         device, host, before = old_pass(batches)
         no_kl = sum(old_pass(batches, router_kl=False)[:2])
         quarter = sum(old_pass(batches, sample_frac=0.25)[:2])
-        rows.append({"micro_batches": n, "old_device_bytes": device, "old_host_bytes": host, "new_kept_bytes": 0,
-                     "before_bytes": before, "no_router_kl_bytes": no_kl, "quarter_tokens_bytes": quarter})  # fmt: skip
-        print(f"{n:>14}{device / 1024:>9.0f}{host / 1024:>9.0f}{before / 1024:>9.0f}{no_kl / 1024:>9.0f}{quarter / 1024:>9.0f}")
+        rows.append(
+            {
+                "micro_batches": n,
+                "old_device_bytes": device,
+                "old_host_bytes": host,
+                "new_kept_bytes": 0,
+                "before_bytes": before,
+                "no_router_kl_bytes": no_kl,
+                "quarter_tokens_bytes": quarter,
+            }
+        )
+        print(
+            f"{n:>14}{device / 1024:>9.0f}{host / 1024:>9.0f}{before / 1024:>9.0f}{no_kl / 1024:>9.0f}{quarter / 1024:>9.0f}"
+        )
     return rows
 
 

@@ -39,26 +39,52 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = {"previous": {"flattened": False, "per_stage": False}, "current": {"flattened": None, "per_stage": True}}
-SIZE = dict(hidden_size=256, moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=16,
-            num_experts_per_tok=2, vocab_size=8000)  # fmt: skip
+SIZE = dict(
+    hidden_size=256,
+    moe_intermediate_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=2,
+    vocab_size=8000,
+)
 
 
 def qwen3_moe_hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     """(HF checkpoint name, shape, pipeline stage of 2) of every tensor a Qwen3-MoE sync sends."""
-    hidden, layers, experts = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["num_local_experts"]
-    heads, kv, head = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    hidden, layers, experts = (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg.get("num_experts") or cfg["num_local_experts"],
+    )
+    heads, kv, head = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg.get("head_dim") or hidden // cfg["num_attention_heads"],
+    )
     inter = cfg["moe_intermediate_size"]
     out = [("model.embed_tokens.weight", (cfg["vocab_size"], hidden), 0)]
     for i in range(layers):
         stage, p = int(i >= layers // 2), f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (heads * head, hidden), stage), (p + "self_attn.k_proj.weight", (kv * head, hidden), stage),
-                (p + "self_attn.v_proj.weight", (kv * head, hidden), stage), (p + "self_attn.o_proj.weight", (hidden, heads * head), stage),
-                (p + "self_attn.q_norm.weight", (head,), stage), (p + "self_attn.k_norm.weight", (head,), stage),
-                (p + "input_layernorm.weight", (hidden,), stage), (p + "post_attention_layernorm.weight", (hidden,), stage),
-                (p + "mlp.gate.weight", (experts, hidden), stage)]  # fmt: skip
+        out += [
+            (p + "self_attn.q_proj.weight", (heads * head, hidden), stage),
+            (p + "self_attn.k_proj.weight", (kv * head, hidden), stage),
+            (p + "self_attn.v_proj.weight", (kv * head, hidden), stage),
+            (p + "self_attn.o_proj.weight", (hidden, heads * head), stage),
+            (p + "self_attn.q_norm.weight", (head,), stage),
+            (p + "self_attn.k_norm.weight", (head,), stage),
+            (p + "input_layernorm.weight", (hidden,), stage),
+            (p + "post_attention_layernorm.weight", (hidden,), stage),
+            (p + "mlp.gate.weight", (experts, hidden), stage),
+        ]
         for e in range(experts):
             q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (inter, hidden), stage), (q + "up_proj.weight", (inter, hidden), stage), (q + "down_proj.weight", (hidden, inter), stage)]
+            out += [
+                (q + "gate_proj.weight", (inter, hidden), stage),
+                (q + "up_proj.weight", (inter, hidden), stage),
+                (q + "down_proj.weight", (hidden, inter), stage),
+            ]
     out += [("model.norm.weight", (hidden,), 1)]
     if not cfg.get("tie_word_embeddings", False):
         out += [("lm_head.weight", (cfg["vocab_size"], hidden), 1)]
@@ -72,10 +98,15 @@ def planned_figures(cfg: dict, bucket_mb: float, senders: tuple[int, int] = (0, 
 
     from moe_rl.models.weight_buckets import WeightEntry, plan_buckets
 
-    entries = [WeightEntry(senders[stage], name, ((name, shape),), torch.float32, stage) for name, shape, stage in qwen3_moe_hf_tensors(cfg)]
+    entries = [
+        WeightEntry(senders[stage], name, ((name, shape),), torch.float32, stage)
+        for name, shape, stage in qwen3_moe_hf_tensors(cfg)
+    ]
     out = {}
     for mode, how in MODES.items():
-        plan = plan_buckets(entries, int(bucket_mb * 2**20), torch.bfloat16, list(senders) if how["per_stage"] else [0, 0])
+        plan = plan_buckets(
+            entries, int(bucket_mb * 2**20), torch.bfloat16, list(senders) if how["per_stage"] else [0, 0]
+        )
         out[mode] = _plan_figures(plan, len(entries), flattened=how["flattened"] is not False)
     return out
 
@@ -167,8 +198,13 @@ def memory_worker(hf_dir: str, bucket_mb: float, out: str) -> None:
     seconds = time.perf_counter() - start
     if rank() == 0:
         total = weights.streamer.total_bytes(torch.bfloat16) / 2**20
-        result = {"bucket_mb": bucket_mb or "whole", "buckets": buckets, "extra_mb": round(sampler.extra_mb, 1),
-                  "model_mb_bf16": round(total, 1), "seconds": round(seconds, 2)}  # fmt: skip
+        result = {
+            "bucket_mb": bucket_mb or "whole",
+            "buckets": buckets,
+            "extra_mb": round(sampler.extra_mb, 1),
+            "model_mb_bf16": round(total, 1),
+            "seconds": round(seconds, 2),
+        }
         Path(out).write_text(json.dumps(result))
     destroy_distributed()
 
@@ -197,7 +233,9 @@ def worker(hf_dir: str, url: str, bucket_mb: float, syncs: int, out: str) -> Non
     engine = SGLangEngine([url], weight_version="default") if rank() == 0 else None
     results = {}
     for mode, how in MODES.items():
-        sync = DistributedSync(engine, bucket_bytes=bucket_bytes, dtype=torch.bfloat16, backend="gloo", timeout_s=300, **how)
+        sync = DistributedSync(
+            engine, bucket_bytes=bucket_bytes, dtype=torch.bfloat16, backend="gloo", timeout_s=300, **how
+        )
         seconds = []
         for i in range(syncs + 1):  # the first also connects: not timed
             barrier()
@@ -207,9 +245,13 @@ def worker(hf_dir: str, url: str, bucket_mb: float, syncs: int, out: str) -> Non
             seconds.append(time.perf_counter() - start)
         broadcasts = sum(all_gather_objects(sync.broadcasts)) // (syncs + 1)
         plan = weights.plan(bucket_bytes, torch.bfloat16, per_stage=how["per_stage"])
-        results[mode] = {**_plan_figures(plan, len(real), flattened=sync.link.flattened), "measured_broadcasts": broadcasts,
-                         "seconds": statistics.median(seconds[1:]), "senders": len(sync.link.group_names),
-                         "groups": sorted(sync.link.group_names.values())}  # fmt: skip
+        results[mode] = {
+            **_plan_figures(plan, len(real), flattened=sync.link.flattened),
+            "measured_broadcasts": broadcasts,
+            "seconds": statistics.median(seconds[1:]),
+            "senders": len(sync.link.group_names),
+            "groups": sorted(sync.link.group_names.values()),
+        }
         sync.close()
     if rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -228,17 +270,26 @@ def measure(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp())
     hf_dir = save_tiny_checkpoint(tmp / "hf", "qwen3_moe", seed=0, num_hidden_layers=args.layers, **SIZE)
     stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    settings = ServerSettings(model_path=hf_dir, port=free_port(), device="cuda", launch_command=stand_in)  # "cuda": no CPU flags
+    # "cuda": no CPU flags
+    settings = ServerSettings(model_path=hf_dir, port=free_port(), device="cuda", launch_command=stand_in)
     with SGLangServer(settings, tmp / "logs") as server:
         server.wait_healthy(timeout_s=300)
         out = tmp / "result.json"
-        argv = [str(Path(__file__).resolve()), "--worker", hf_dir, server.url, str(args.bucket_mb), str(args.syncs), str(out)]
+        argv = [
+            str(Path(__file__).resolve()),
+            "--worker",
+            hf_dir,
+            server.url,
+            str(args.bucket_mb),
+            str(args.syncs),
+            str(out),
+        ]
         code = spawn_local(2, argv, timeout_s=1800)
         if code != 0:
             raise SystemExit(f"the trainer processes failed with exit code {code}")
         requests = httpx.get(server.url + "/_test/stats", timeout=30).json()["update_requests"]
     results = json.loads(out.read_text())
-    for mode, r in results.items():  # a mode's requests came through its own groups
+    for r in results.values():  # a mode's requests came through its own groups
         groups = set(r.pop("groups"))
         got = [request for request in requests if request["group"] in groups]
         r["server_update_requests"] = len(got) // (args.syncs + 1)
@@ -255,8 +306,17 @@ def measure_memory(layers: int, buckets: str) -> list[dict]:
     from parallel.launch import spawn_local
 
     tmp = Path(tempfile.mkdtemp())
-    size = dict(hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=layers, num_attention_heads=16,
-                num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4, vocab_size=32000)  # fmt: skip
+    size = dict(
+        hidden_size=1024,
+        moe_intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=32000,
+    )
     hf_dir = str(tmp / "hf")
     tiny_config("qwen3_moe", **size).save_pretrained(hf_dir)  # the config is all the workers need
     rows = []
@@ -264,13 +324,21 @@ def measure_memory(layers: int, buckets: str) -> list[dict]:
         out = tmp / f"r{bucket_mb}.json"
         # glibc returns large frees to the OS at once (else its moving mmap threshold keeps them in RSS)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
-        code = spawn_local(2, [str(Path(__file__).resolve()), "--memory-worker", hf_dir, str(bucket_mb), str(out)], timeout_s=900, env=env)
+        code = spawn_local(
+            2,
+            [str(Path(__file__).resolve()), "--memory-worker", hf_dir, str(bucket_mb), str(out)],
+            timeout_s=900,
+            env=env,
+        )
         if code != 0:
             raise SystemExit(f"worker for bucket {bucket_mb} MiB failed with exit code {code}")
         rows.append(json.loads(out.read_text()))
         r = rows[-1]
-        print(f"bucket {str(r['bucket_mb']):>6} MiB: {r['buckets']:3d} bucket(s), rank 0 extra peak {r['extra_mb']:8.1f} MiB "
-              f"of a {r['model_mb_bf16']:.0f} MiB model (bf16), {r['seconds']:.2f} s", flush=True)  # fmt: skip
+        print(
+            f"bucket {str(r['bucket_mb']):>6} MiB: {r['buckets']:3d} bucket(s), rank 0 extra peak {r['extra_mb']:8.1f} MiB "
+            f"of a {r['model_mb_bf16']:.0f} MiB model (bf16), {r['seconds']:.2f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -280,7 +348,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the measured model (MiB)")
     parser.add_argument("--syncs", type=int, default=2, help="timed syncs per mode (after one that connects)")
     parser.add_argument("--json")
-    parser.add_argument("--memory", metavar="MIB,MIB", help="instead: rank 0's peak extra memory for these bucket sizes (EP=2)")
+    parser.add_argument(
+        "--memory", metavar="MIB,MIB", help="instead: rank 0's peak extra memory for these bucket sizes (EP=2)"
+    )
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,7 +368,10 @@ def main() -> None:
     measured = measure(args)
     config = json.loads((ROOT / "configs" / "examples" / "qwen3_30b_a3b.config.json").read_text())
     planned = planned_figures(config, 512.0)
-    _print_rows(f"measured: random Qwen3-MoE, {args.layers} layers, pp=2, {args.bucket_mb:g} MiB buckets, bf16, 1 stand-in server", measured)
+    _print_rows(
+        f"measured: random Qwen3-MoE, {args.layers} layers, pp=2, {args.bucket_mb:g} MiB buckets, bf16, 1 stand-in server",
+        measured,
+    )
     _print_rows("planned: Qwen3-30B-A3B, pp=2 (stage 1's first rank is rank 8), 512 MiB buckets, bf16", planned)
     summary = {"measured": measured, "qwen3_30b_a3b_planned": planned}
     print("BENCH_JSON " + json.dumps(summary, sort_keys=True))
@@ -308,11 +381,15 @@ def main() -> None:
 
 def _print_rows(title: str, rows: dict) -> None:
     print(title)
-    print(f"  {'':9} {'broadcasts':>10} {'requests':>8} {'GB/server rank':>14} {'GB to rank 0 from stage 1':>25} {'GB rank 0 sends':>15} {'s/sync':>7}")
+    print(
+        f"  {'':9} {'broadcasts':>10} {'requests':>8} {'GB/server rank':>14} {'GB to rank 0 from stage 1':>25} {'GB rank 0 sends':>15} {'s/sync':>7}"
+    )
     for mode, r in rows.items():
         seconds = f"{r['seconds']:7.2f}" if "seconds" in r else f"{'-':>7}"
-        print(f"  {mode:9} {r.get('measured_broadcasts', r['broadcasts']):>10} {r['update_requests']:>8} {r['gb_broadcast']:>14.4f} "
-              f"{r['gb_to_first_rank_from_other_stages']:>25.4f} {r['gb_first_rank_broadcasts']:>15.4f} {seconds}")  # fmt: skip
+        print(
+            f"  {mode:9} {r.get('measured_broadcasts', r['broadcasts']):>10} {r['update_requests']:>8} {r['gb_broadcast']:>14.4f} "
+            f"{r['gb_to_first_rank_from_other_stages']:>25.4f} {r['gb_first_rank_broadcasts']:>15.4f} {seconds}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,12 @@ def field_comments(cls: type) -> dict[str, str]:
     for number, line in enumerate(lines, 1):
         stripped = line.strip()
         name = stripped.split(":", 1)[0]
-        if ":" not in stripped or not name.isidentifier() or line.startswith((" " * 8, "\t\t")) or stripped.startswith(("def ", "@", "#")):
+        if (
+            ":" not in stripped
+            or not name.isidentifier()
+            or line.startswith((" " * 8, "\t\t"))
+            or stripped.startswith(("def ", "@", "#"))
+        ):
             continue
         above, k = [], number - 1
         while k in comments and lines[k - 1].strip().startswith("#"):
@@ -55,7 +60,11 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()
         if dataclasses.is_dataclass(value):
             return ""
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value] if isinstance(value, list) else value
+        value = (
+            [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+            if isinstance(value, list)
+            else value
+        )
     else:
         return ""
     text = json.dumps(value) if not isinstance(value, str) else (f'"{value}"' if value else '""')
@@ -73,7 +82,10 @@ def reference() -> str:
         for klass in reversed(cls.__mro__[:-1]):
             if dataclasses.is_dataclass(klass):
                 comments.update(field_comments(klass))
-        rows = [f"| `{section.name}.{f.name}` | `{_default(f)}` | {comments.get(f.name, '').replace('|', '/')} |" for f in dataclasses.fields(cls)]
+        rows = [
+            f"| `{section.name}.{f.name}` | `{_default(f)}` | {comments.get(f.name, '').replace('|', '/')} |"
+            for f in dataclasses.fields(cls)
+        ]
         parts.append(f"**`{section.name}`**\n\n| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
@@ -93,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     readme_path = ROOT / "README.md"
     if args.check:
         if readme_copy(readme_path.read_text()) != tables:
-            print("README.md's config reference differs from moe_rl/config.py: run python tools/config_reference.py --write", file=sys.stderr)
+            print(
+                "README.md's config reference differs from moe_rl/config.py: run python tools/config_reference.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.write:

@@ -51,8 +51,17 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "matmul", "parity", "train", "colocated", "big_moe", "logprob_memory", "kernels", "fusions")
-LIMITS_S = {"env": 60, "matmul": 60, "parity": 240, "train": 480, "colocated": 300, "big_moe": 180, "logprob_memory": 120, "kernels": 90,
-            "fusions": 180}  # fmt: skip
+LIMITS_S = {
+    "env": 60,
+    "matmul": 60,
+    "parity": 240,
+    "train": 480,
+    "colocated": 300,
+    "big_moe": 180,
+    "logprob_memory": 120,
+    "kernels": 90,
+    "fusions": 180,
+}
 
 
 def _device():
@@ -91,8 +100,14 @@ def _timed(fn, reps: int = 5, warmup: int = 1) -> float:
 
 
 def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 # ----------------------------------------------------------------------- stages
@@ -104,8 +119,12 @@ def stage_env(smoke: bool, work: Path) -> dict:
     out = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "cuda_version": torch.version.cuda}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=list(torch.cuda.get_device_capability()),
-                   bf16=torch.cuda.is_bf16_supported())  # fmt: skip
+        out.update(
+            gpu=props.name,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            capability=list(torch.cuda.get_device_capability()),
+            bf16=torch.cuda.is_bf16_supported(),
+        )
     for name in ("megatron.core", "transformers", "deepspeed", "transformer_engine", "sglang"):
         try:
             module = __import__(name, fromlist=["__version__"])
@@ -138,23 +157,54 @@ def stage_parity(smoke: bool, work: Path) -> dict:
     return out
 
 
-TINY_RUN = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=6", "warm_start.steps=20",
-            "warm_start.batch_size=32", "train.progress=false", "algorithm.updates_per_batch=2"]  # fmt: skip
+TINY_RUN = [
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "warm_start.steps=20",
+    "warm_start.batch_size=32",
+    "train.progress=false",
+    "algorithm.updates_per_batch=2",
+]
 
 
 def _train(run_dir: Path, cache: Path, steps: int, *extra: str) -> dict:
-    run = _cli("train", *TINY_RUN, f"train.steps={steps}", f"train.run_dir={run_dir}", f"warm_start.cache_dir={cache}", *extra, timeout=240)
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
-    keep = ("train/loss", "train/logp_mismatch_mean", "routing/train_vs_rollout/changed_frac/mean", "routing/replayed/changed_frac/mean",
-            "perf/step_time_s", "perf/peak_memory_mb")  # fmt: skip
-    return {"ok": run.returncode == 0, "steps": [r["step"] for r in rows], "last": {k: rows[-1].get(k) for k in keep} if rows else {},
-            "error": None if run.returncode == 0 else run.stderr[-800:]}  # fmt: skip
+    run = _cli(
+        "train",
+        *TINY_RUN,
+        f"train.steps={steps}",
+        f"train.run_dir={run_dir}",
+        f"warm_start.cache_dir={cache}",
+        *extra,
+        timeout=240,
+    )
+    rows = (
+        [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        if (run_dir / "metrics.jsonl").exists()
+        else []
+    )
+    keep = (
+        "train/loss",
+        "train/logp_mismatch_mean",
+        "routing/train_vs_rollout/changed_frac/mean",
+        "routing/replayed/changed_frac/mean",
+        "perf/step_time_s",
+        "perf/peak_memory_mb",
+    )
+    return {
+        "ok": run.returncode == 0,
+        "steps": [r["step"] for r in rows],
+        "last": {k: rows[-1].get(k) for k in keep} if rows else {},
+        "error": None if run.returncode == 0 else run.stderr[-800:],
+    }
 
 
 def stage_train(smoke: bool, work: Path) -> dict:
     cache = work / "cache"
-    out = {"r2": _train(work / "r2", cache, 3, "routing.replay=r2"),
-           "r3_recompute": _train(work / "r3", cache, 3, "routing.replay=r3", "routing.recompute_activations=true")}
+    out = {
+        "r2": _train(work / "r2", cache, 3, "routing.replay=r2"),
+        "r3_recompute": _train(work / "r3", cache, 3, "routing.replay=r3", "routing.recompute_activations=true"),
+    }
     out["r2_resumed"] = _train(work / "r2", cache, 4, "routing.replay=r2")
     out["ok"] = all(v["ok"] for v in out.values()) and out["r2_resumed"]["steps"] == [1, 2, 3, 4]
     return out
@@ -172,23 +222,59 @@ def stage_colocated(smoke: bool, work: Path) -> dict:
         return {"ok": False, "error": prepared.stderr[-1500:]}
     model = demo_model_dir(load_config(None, [*TINY_RUN, f"warm_start.cache_dir={cache}"]))
     stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    settings = ServerSettings(model_path=str(model), port=free_port(), return_routed_experts=True, deterministic=True,
-                              memory_saver=True, launch_command=stand_in)  # fmt: skip
+    settings = ServerSettings(
+        model_path=str(model),
+        port=free_port(),
+        return_routed_experts=True,
+        deterministic=True,
+        memory_saver=True,
+        launch_command=stand_in,
+    )
     server = SGLangServer(settings, work / "logs")
     try:
         server.wait_healthy(timeout_s=120)
-        args = ["train", *TINY_RUN, "train.steps=2", f"train.run_dir={work / 'run'}", f"warm_start.cache_dir={cache}", "rollout.engine=sglang",
-                f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=tensor", "rollout.colocate=true", "routing.replay=r3",
-                "routing.recompute_activations=true"]  # fmt: skip
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        with open(work / "train.log", "w") as log:  # a file, not a pipe: the tensor sync's shared-memory manager may outlive the run
-            code = subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], stdout=log, stderr=log, timeout=240, env=env, cwd=ROOT).returncode
+        args = [
+            "train",
+            *TINY_RUN,
+            "train.steps=2",
+            f"train.run_dir={work / 'run'}",
+            f"warm_start.cache_dir={cache}",
+            "rollout.engine=sglang",
+            f"rollout.sglang_urls=[{server.url}]",
+            "rollout.weight_sync=tensor",
+            "rollout.colocate=true",
+            "routing.replay=r3",
+            "routing.recompute_activations=true",
+        ]
+        env = {
+            **os.environ,
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
+        with open(
+            work / "train.log", "w"
+        ) as log:  # a file, not a pipe: the tensor sync's shared-memory manager may outlive the run
+            code = subprocess.run(
+                [sys.executable, "-m", "moe_rl.cli", *args], stdout=log, stderr=log, timeout=240, env=env, cwd=ROOT
+            ).returncode
     finally:
         server.stop()
-    rows = [json.loads(l) for l in (work / "run" / "metrics.jsonl").read_text().splitlines()] if (work / "run" / "metrics.jsonl").exists() else []
-    keep = ("train/loss", "train/logp_mismatch_max", "routing/train_vs_rollout/changed_frac/mean", "perf/peak_memory_mb")
-    return {"ok": code == 0 and len(rows) == 2, "last": {k: rows[-1].get(k) for k in keep} if rows else {},
-            "error": None if code == 0 else (work / "train.log").read_text()[-1500:]}  # fmt: skip
+    rows = (
+        [json.loads(l) for l in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+        if (work / "run" / "metrics.jsonl").exists()
+        else []
+    )
+    keep = (
+        "train/loss",
+        "train/logp_mismatch_max",
+        "routing/train_vs_rollout/changed_frac/mean",
+        "perf/peak_memory_mb",
+    )
+    return {
+        "ok": code == 0 and len(rows) == 2,
+        "last": {k: rows[-1].get(k) for k in keep} if rows else {},
+        "error": None if code == 0 else (work / "train.log").read_text()[-1500:],
+    }
 
 
 def stage_big_moe(smoke: bool, work: Path) -> dict:
@@ -205,9 +291,20 @@ def stage_big_moe(smoke: bool, work: Path) -> dict:
     sizes = (64, 2, 8, 2, 32, 512, 128, 2, 4, 2) if smoke else (1024, 16, 64, 8, 384, 32768, 2048, 4, 16, 4)
     h, layers, experts, k, ffn, vocab, seq, batch, heads, kv = sizes
     head_dim = h // heads
-    hf_config = tiny_config("qwen3_moe", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                            num_key_value_heads=kv, head_dim=head_dim, num_experts=experts, num_experts_per_tok=k,
-                            moe_intermediate_size=ffn, intermediate_size=4 * ffn, max_position_embeddings=seq)  # fmt: skip
+    hf_config = tiny_config(
+        "qwen3_moe",
+        vocab_size=vocab,
+        hidden_size=h,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=ffn,
+        intermediate_size=4 * ffn,
+        max_position_embeddings=seq,
+    )
     layout = ParallelLayout()
     init_distributed(layout, model_dims(hf_config), seed=0)
     try:
@@ -225,7 +322,9 @@ def stage_big_moe(smoke: bool, work: Path) -> dict:
             loss = -out[..., 0].mean() / batch
             return loss, {"loss": loss.detach()}
 
-        step = lambda: train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))  # noqa: E731
+        step = lambda: train_step(
+            [ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False)
+        )  # noqa: E731
         step()
         _peak_mb(reset=True)
         seconds = _timed(step, reps=3, warmup=0)
@@ -236,8 +335,14 @@ def stage_big_moe(smoke: bool, work: Path) -> dict:
     active = attention + layers * (h * experts + k * 3 * h * ffn) + vocab * h
     tokens = batch * seq
     flops = 6 * active * tokens + 12 * layers * heads * head_dim * seq * tokens / 2  # causal attention scores
-    return {"total_params": total, "active_params": active, "tokens": tokens, "step_s": seconds,
-            "tflops": flops / seconds / 1e12, "peak_mb": _peak_mb()}  # fmt: skip
+    return {
+        "total_params": total,
+        "active_params": active,
+        "tokens": tokens,
+        "step_s": seconds,
+        "tflops": flops / seconds / 1e12,
+        "peak_mb": _peak_mb(),
+    }
 
 
 def stage_logprob_memory(smoke: bool, work: Path) -> dict:
@@ -256,7 +361,9 @@ def stage_logprob_memory(smoke: bool, work: Path) -> dict:
         base = _peak_mb(reset=True)
         start = time.perf_counter()
         if variant == "chunked":
-            logp, entropy = vocab_parallel_logprobs(hidden_states, weight, targets, config=LogProbConfig(chunk_size=512))
+            logp, entropy = vocab_parallel_logprobs(
+                hidden_states, weight, targets, config=LogProbConfig(chunk_size=512)
+            )
         else:
             logits = (hidden_states @ weight.t()).float()
             logp_all = torch.log_softmax(logits, -1)
@@ -283,7 +390,9 @@ def _fp32_logits_check(weight, hidden_states, targets) -> dict:
     rounded = torch.log_softmax((h @ weight.t()).double(), -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
     ours, _ = vocab_parallel_logprobs(h, weight, t, config=LogProbConfig(chunk_size=512))
     return {
-        "path": "mm_out_dtype_fp32" if has_fp32_output_matmul(weight.device.type, weight.dtype) else ("fp32" if weight.dtype == torch.float32 else "upcast"),
+        "path": "mm_out_dtype_fp32"
+        if has_fp32_output_matmul(weight.device.type, weight.dtype)
+        else ("fp32" if weight.dtype == torch.float32 else "upcast"),
         "fp32_s": _timed(lambda: fp32_logits(h, weight)),
         "activation_dtype_s": _timed(lambda: h @ weight.t()),
         "logp_max_err": float((ours.double() - exact).abs().max()),
@@ -322,9 +431,18 @@ def stage_kernels(smoke: bool, work: Path) -> dict:
 
     upstream = torch.randn(rows, 2 * ffn, device=device)
     layer.weight.requires_grad_(True)
-    out: dict = {"grouped_mm": {"rows": rows, "experts": experts, "chosen_by_default": chosen, "loop_s": _timed(lambda: run(False))}}
+    out: dict = {
+        "grouped_mm": {
+            "rows": rows,
+            "experts": experts,
+            "chosen_by_default": chosen,
+            "loop_s": _timed(lambda: run(False)),
+        }
+    }
     try:
-        out["grouped_mm"].update(ok=True, max_diff=float((run(True) - run(False)).abs().max()), grouped_s=_timed(lambda: run(True)))
+        out["grouped_mm"].update(
+            ok=True, max_diff=float((run(True) - run(False)).abs().max()), grouped_s=_timed(lambda: run(True))
+        )
         out["grouped_mm"]["grad_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads(True), grads(False)))
     except Exception as e:  # noqa: BLE001 (a report)
         out["grouped_mm"].update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -345,9 +463,14 @@ def stage_kernels(smoke: bool, work: Path) -> dict:
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
             try:
                 with sdpa_kernel([backend]):
-                    call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)  # noqa: E731
+                    # noqa: E731
+                    call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
                     base = _peak_mb(reset=True)
-                    backends[backend.name] = {"ok": True, "seconds": _timed(call, reps=3), "peak_extra_mb": _peak_mb() - base}
+                    backends[backend.name] = {
+                        "ok": True,
+                        "seconds": _timed(call, reps=3),
+                        "peak_extra_mb": _peak_mb() - base,
+                    }
             except Exception as e:  # noqa: BLE001 (a report)
                 backends[backend.name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         out[f"sdpa_{name}"] = backends
@@ -367,11 +490,16 @@ def stage_fusions(smoke: bool, work: Path) -> dict:
     hf_config, layout = load_hf_config(hf_dir), ParallelLayout()
     gen = torch.Generator().manual_seed(0)
     lengths = [24, 17, 9] if smoke else [256, 200, 77, 128]
-    batches = [MicroBatch(torch.randint(0, 97, (len(lengths), max(lengths)), generator=gen), lengths=torch.tensor(lengths)) for _ in range(2)]
+    batches = [
+        MicroBatch(torch.randint(0, 97, (len(lengths), max(lengths)), generator=gen), lengths=torch.tensor(lengths))
+        for _ in range(2)
+    ]
     init_distributed(layout, model_dims(hf_config), seed=0)
     try:
-        out = {"transformer_engine": _transformer_engine_parity(hf_config, hf_dir, layout, batches),
-               "fused_adam": _fused_adam_against_foreach(hf_config, hf_dir, layout, batches, steps=3)}  # fmt: skip
+        out = {
+            "transformer_engine": _transformer_engine_parity(hf_config, hf_dir, layout, batches),
+            "fused_adam": _fused_adam_against_foreach(hf_config, hf_dir, layout, batches, steps=3),
+        }
     finally:
         destroy_distributed()
     out["ok"] = out["transformer_engine"]["ok"] and out["fused_adam"]["ok"]
@@ -399,7 +527,10 @@ def _logprobs_and_grads(hf_config, hf_dir, layout, batches, modules, dtype) -> t
     config = make_transformer_config(hf_config, layout, params_dtype=dtype, modules=modules)
     model = build_model(hf_config, config, modules=modules)
     load_hf_weights(model, hf_config, hf_dir)
-    te_modules = sum(type(m).__module__.startswith("transformer_engine") or type(m).__name__.startswith("TE") for m in model.modules())
+    te_modules = sum(
+        type(m).__module__.startswith("transformer_engine") or type(m).__name__.startswith("TE")
+        for m in model.modules()
+    )
     ddp = wrap_ddp(model, config, OptimSettings())
     logp = torch.cat([r["logprobs"].float() for r in run_microbatches([ddp], batches, forward_only=True)])
     ddp.zero_grad_buffer()
@@ -418,13 +549,17 @@ def _transformer_engine_parity(hf_config, hf_dir, layout, batches) -> dict:
         return {"ok": True, "ran": False, "why": "Transformer Engine does not import here (or no GPU)"}
     out: dict = {"ran": True}
     for dtype in (torch.float32, torch.bfloat16):
-        local, te = (_logprobs_and_grads(hf_config, hf_dir, layout, batches, LayerModules(transformer_impl=impl), dtype) for impl in ("local", "transformer_engine"))
+        local, te = (
+            _logprobs_and_grads(hf_config, hf_dir, layout, batches, LayerModules(transformer_impl=impl), dtype)
+            for impl in ("local", "transformer_engine")
+        )
         scale = max(float(g.abs().max()) for g in local[1].values())
         out[str(dtype).removeprefix("torch.")] = {
             "logp_max_diff": float((local[0] - te[0]).abs().max()),
             "grad_max_diff_over_max_grad": max(float((local[1][k] - te[1][k]).abs().max()) for k in local[1]) / scale,
-            "te_modules": te[2], "local_te_modules": local[2],
-        }  # fmt: skip
+            "te_modules": te[2],
+            "local_te_modules": local[2],
+        }
     fp32 = out["float32"]
     out["ok"] = fp32["te_modules"] > 0 and fp32["logp_max_diff"] < 1e-3 and fp32["grad_max_diff_over_max_grad"] < 1e-3
     return out
@@ -453,12 +588,23 @@ def _fused_adam_against_foreach(hf_config, hf_dir, layout, batches, steps: int) 
         optimizer = build_optimizer([ddp], settings)
         inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
         for _ in range(steps):
-            train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=_weighted_logp_loss, forward_only=False))
+            train_step(
+                [ddp],
+                optimizer,
+                lambda: run_microbatches([ddp], batches, loss_fn=_weighted_logp_loss, forward_only=False),
+            )
         name = "fused" if fused else "foreach"
         weights[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[name] = {"adam": sorted({type(o).__name__ for o in inner}), "step_s": _timed(optimizer.step, reps=5),
-                     "kernels": sorted({f"fused={g.get('fused')} foreach={g.get('foreach')}" for o in inner for g in o.param_groups})}  # fmt: skip
-    out["max_abs_diff"] = max(float((weights["fused"][n] - weights["foreach"][n]).abs().max()) for n in weights["fused"])
+        out[name] = {
+            "adam": sorted({type(o).__name__ for o in inner}),
+            "step_s": _timed(optimizer.step, reps=5),
+            "kernels": sorted(
+                {f"fused={g.get('fused')} foreach={g.get('foreach')}" for o in inner for g in o.param_groups}
+            ),
+        }
+    out["max_abs_diff"] = max(
+        float((weights["fused"][n] - weights["foreach"][n]).abs().max()) for n in weights["fused"]
+    )
     out["ok"] = out["max_abs_diff"] < 1e-5
     return out
 
@@ -490,7 +636,11 @@ def main() -> int:
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMITS_S[name], cwd=ROOT)
             lines = run.stdout.strip().splitlines()
-            result = json.loads(lines[-1]) if run.returncode == 0 and lines else {"ok": False, "error": (run.stdout + run.stderr)[-1500:]}
+            result = (
+                json.loads(lines[-1])
+                if run.returncode == 0 and lines
+                else {"ok": False, "error": (run.stdout + run.stderr)[-1500:]}
+            )
         except subprocess.TimeoutExpired:
             result = {"ok": False, "error": f"over the {LIMITS_S[name]} s limit"}
         result.setdefault("ok", True)
@@ -498,7 +648,12 @@ def main() -> int:
         results[name] = result
         print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s", flush=True)
         Path(args.out).write_text(json.dumps(results, indent=2))  # after every stage: nothing lost on a kill
-    if "big_moe" in results and "matmul" in results and results["big_moe"].get("tflops") and results["matmul"].get("tflops"):
+    if (
+        "big_moe" in results
+        and "matmul" in results
+        and results["big_moe"].get("tflops")
+        and results["matmul"].get("tflops")
+    ):
         results["big_moe"]["mfu_vs_measured_matmul"] = results["big_moe"]["tflops"] / results["matmul"]["tflops"]
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"[gpu_check] wrote {args.out}")

@@ -28,8 +28,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "warm_start.steps=20",
-        "warm_start.batch_size=16", "train.progress=false", "algorithm.micro_batch_size=8", "train.save_every=1"]  # fmt: skip
+TINY = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=5",
+    "warm_start.steps=20",
+    "warm_start.batch_size=16",
+    "train.progress=false",
+    "algorithm.micro_batch_size=8",
+    "train.save_every=1",
+]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
@@ -64,7 +72,9 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def kill_once(args: list[str], run_dir: Path, rng: random.Random, window_s: float, target: str) -> tuple[float, str, int]:
+def kill_once(
+    args: list[str], run_dir: Path, rng: random.Random, window_s: float, target: str
+) -> tuple[float, str, int]:
     """Start the run, wait for a new logged step, kill -9 at the ``target`` moment (random:
     within the next ``window_s``); (seconds since start, what it was doing, steps logged)."""
     before = len(logged_steps(run_dir))
@@ -98,14 +108,20 @@ def compare(a: Path, b: Path) -> list[str]:
     wa, wb = SafetensorsDir(ckpt_a / "model"), SafetensorsDir(ckpt_b / "model")
     if set(wa.keys()) != set(wb.keys()):
         problems.append("the checkpoints hold different tensors")
-    problems += [f"weights differ: {k}" for k in sorted(set(wa.keys()) & set(wb.keys())) if not wa.get(k).equal(wb.get(k))]
+    problems += [
+        f"weights differ: {k}" for k in sorted(set(wa.keys()) & set(wb.keys())) if not wa.get(k).equal(wb.get(k))
+    ]
     rows_a = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
     rows_b = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     if [r["step"] for r in rows_b] != [r["step"] for r in rows_a]:
         problems.append(f"logged steps differ: {[r['step'] for r in rows_b]}")
     skip = ("perf/",)  # timings differ from run to run
     for ra, rb in zip(rows_a, rows_b):
-        problems += [f"step {ra['step']} {k}: {ra[k]} vs {rb.get(k)}" for k in ra if not k.startswith(skip) and ra[k] != rb.get(k)]
+        problems += [
+            f"step {ra['step']} {k}: {ra[k]} vs {rb.get(k)}"
+            for k in ra
+            if not k.startswith(skip) and ra[k] != rb.get(k)
+        ]
     leftovers = [p.name for p in (b / "checkpoints").iterdir() if p.name.startswith(".")]
     return problems + ([f"left behind: {leftovers}"] if leftovers else [])
 
@@ -115,7 +131,9 @@ def start_server(model_dir: str, log_dir: Path):
     from parallel.launch import free_port
 
     command = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
-    settings = ServerSettings(model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True, launch_command=command)
+    settings = ServerSettings(
+        model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True, launch_command=command
+    )
     server = SGLangServer(settings, log_dir)
     server.wait_healthy(timeout_s=120)
     return server
@@ -142,22 +160,33 @@ def main() -> int:
         common += ["rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=disk"]
     try:
         finish("train", *common, f"train.run_dir={out / 'straight'}")
-        step_times = [json.loads(line)["perf/step_time_s"] for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]
+        step_times = [
+            json.loads(line)["perf/step_time_s"]
+            for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()
+        ]
         window = 2 * sorted(step_times)[len(step_times) // 2]
         rng, chaos = random.Random(args.seed), out / "chaos"
-        print(f"median step {window / 2:.2f} s; kills within {window:.2f} s of a logged step\n{'kill':>4} {'at s':>6}  {'doing':<17} steps logged")
+        print(
+            f"median step {window / 2:.2f} s; kills within {window:.2f} s of a logged step\n{'kill':>4} {'at s':>6}  {'doing':<17} steps logged"
+        )
         for i in range(args.kills):
             if len(logged_steps(chaos)) >= args.steps:
                 break
             targets = [t for t in args.targets.split(",") if t != "sync" or args.engine == "sglang"]
-            when, doing, steps = kill_once(["train", *common, f"train.run_dir={chaos}"], chaos, rng, window, targets[i % len(targets)])
+            when, doing, steps = kill_once(
+                ["train", *common, f"train.run_dir={chaos}"], chaos, rng, window, targets[i % len(targets)]
+            )
             print(f"{i + 1:>4} {when:>6.1f}  {doing:<17} {steps}", flush=True)
         finish("train", *common, f"train.run_dir={chaos}")
     finally:
         if server is not None:
             server.stop()
     problems = compare(out / "straight", chaos)
-    print("\n".join(problems[:20]) if problems else f"OK: after {args.kills} kills the final weights and {args.steps} logged steps equal the uninterrupted run's")
+    print(
+        "\n".join(problems[:20])
+        if problems
+        else f"OK: after {args.kills} kills the final weights and {args.steps} logged steps equal the uninterrupted run's"
+    )
     return 1 if problems else 0
 
 

@@ -48,7 +48,9 @@ class Layout:
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers per pipeline stage, as the trainer splits them."""
-        split = ParallelLayout(pp=self.pp, first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+        split = ParallelLayout(
+            pp=self.pp, first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers
+        )
         return split.stage_layers(num_layers)
 
     @property
@@ -71,7 +73,9 @@ def _parameter_sizes(config_json: str) -> tuple[bool, tuple[tuple[str, int], ...
     config = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return bool(getattr(config, "tie_word_embeddings", False)), tuple((n, p.numel()) for n, p in model.named_parameters())
+    return bool(getattr(config, "tie_word_embeddings", False)), tuple(
+        (n, p.numel()) for n, p in model.named_parameters()
+    )
 
 
 def count_params(hf_config: dict) -> ParamCounts:
@@ -99,7 +103,9 @@ def layer_params(hf_config: dict) -> list[tuple[int, int]]:
     return [(dense, expert) for dense, expert in layers]
 
 
-def stage_budget(counts: ParamCounts, layout: Layout, stage: int, layers: list[tuple[int, int]] | None = None) -> dict[str, float]:
+def stage_budget(
+    counts: ParamCounts, layout: Layout, stage: int, layers: list[tuple[int, int]] | None = None
+) -> dict[str, float]:
     """GB per rank of pipeline stage ``stage`` (dense parts split over TP, experts over EP x ETP):
     the stage's own decoder layers of ``layers`` (:func:`layer_params`), or without them an
     equal share of every layer's parameters."""
@@ -141,10 +147,15 @@ def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
     tp, ep = int(par.get("tp", 1)), int(par.get("ep", 1))
     etp = par.get("etp")
     layout = Layout(
-        world=world, tp=tp, pp=int(par.get("pp", 1)), ep=ep, etp=int(tp if etp is None else etp),
+        world=world,
+        tp=tp,
+        pp=int(par.get("pp", 1)),
+        ep=ep,
+        etp=int(tp if etp is None else etp),
         distributed_optimizer=bool(optim.get("use_distributed_optimizer", True)),
-        first_stage_layers=par.get("first_stage_layers"), last_stage_layers=par.get("last_stage_layers"),
-    )  # fmt: skip
+        first_stage_layers=par.get("first_stage_layers"),
+        last_stage_layers=par.get("last_stage_layers"),
+    )
     if world % (layout.tp * layout.pp) or world % (layout.ep * layout.etp * layout.pp):
         raise SystemExit(f"memory_budget: world {world} is not divisible by tp*pp / ep*etp*pp of {path}")
     return layout, str((cfg.get("model") or {}).get("hf_dir") or "")
@@ -164,13 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"memory_budget: cannot read {hf_path} ({e.strerror}): pass --hf-config") from None
     counts, layers = count_params(hf_config), layer_params(hf_config)
     total = sum(vars(counts).values())
-    print(f"{args.config}: {total / 1e9:.2f}B parameters ({counts.layers_expert / 1e9:.2f}B in routed experts); "
-          f"world {layout.world}, tp {layout.tp} pp {layout.pp} ep {layout.ep} etp {layout.etp}, dp {layout.dp}, "
-          f"expert dp {layout.expert_dp}, distributed optimizer {'on' if layout.distributed_optimizer else 'off'}")  # fmt: skip
+    print(
+        f"{args.config}: {total / 1e9:.2f}B parameters ({counts.layers_expert / 1e9:.2f}B in routed experts); "
+        f"world {layout.world}, tp {layout.tp} pp {layout.pp} ep {layout.ep} etp {layout.etp}, dp {layout.dp}, "
+        f"expert dp {layout.expert_dp}, distributed optimizer {'on' if layout.distributed_optimizer else 'off'}"
+    )
     for stage, stage_layers in enumerate(layout.stage_layers(len(layers))):
         b = stage_budget(counts, layout, stage, layers)
-        print(f"  stage {stage} ({stage_layers} layers): {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
-              f"{b['grads_GB']:.1f} GB + master/Adam {b['optimizer_GB']:.1f} GB = {b['total_GB']:.1f} GB static per GPU")  # fmt: skip
+        print(
+            f"  stage {stage} ({stage_layers} layers): {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
+            f"{b['grads_GB']:.1f} GB + master/Adam {b['optimizer_GB']:.1f} GB = {b['total_GB']:.1f} GB static per GPU"
+        )
     return 0
 
 

@@ -40,9 +40,7 @@ def compute_advantages(
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if r.shape[0] % group_size != 0:
-        raise ValueError(
-            f"batch of {r.shape[0]} rewards is not a whole number of groups of {group_size}"
-        )
+        raise ValueError(f"batch of {r.shape[0]} rewards is not a whole number of groups of {group_size}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     w = _as_weights(weights, r.shape[1], r)

@@ -162,7 +162,9 @@ def _metrics(
     return out
 
 
-def _reduce(per_token: Tensor, mask: Tensor, agg: str, num_tokens: Count, num_seqs: Count, token_weights: Tensor | None) -> Tensor:
+def _reduce(
+    per_token: Tensor, mask: Tensor, agg: str, num_tokens: Count, num_seqs: Count, token_weights: Tensor | None
+) -> Tensor:
     if token_weights is not None:  # a rollout correction's importance weights (detached)
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     return aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
@@ -357,4 +359,6 @@ def sapo_loss(
     per_token = -adv * (4.0 / tau) * gate
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     grad_weight = (4.0 * gate * (1.0 - gate)).detach()
-    return loss, _metrics(mask, log_ratio, grad_weight < 0.5, ratio, mask, gate_weight_mean=masked_mean(grad_weight, mask))
+    return loss, _metrics(
+        mask, log_ratio, grad_weight < 0.5, ratio, mask, gate_weight_mean=masked_mean(grad_weight, mask)
+    )

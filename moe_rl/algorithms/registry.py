@@ -27,9 +27,7 @@ class Registry(Generic[F]):
         try:
             return self._items[name]
         except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; valid: {', '.join(sorted(self._items))}"
-            ) from None
+            raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(sorted(self._items))}") from None
 
     def names(self) -> list[str]:
         return sorted(self._items)

@@ -64,8 +64,10 @@ def rollout_correction(name: str, old_logp: Tensor, rollout_logp: Tensor, mask: 
     fn = ROLLOUT_CORRECTIONS.get(name)
     check_correction_params(name, params)
     if old_logp.shape != rollout_logp.shape or mask.shape != old_logp.shape or old_logp.dim() != 2:
-        raise ValueError(f"old_logp, rollout_logp and mask must share one [B, T] shape; got "
-                         f"{tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"old_logp, rollout_logp and mask must share one [B, T] shape; got "
+            f"{tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(mask.shape)}"
+        )
     m = mask.to(old_logp.dtype)
     log_ratio = ((old_logp.detach() - rollout_logp.detach()) * m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     out = fn(log_ratio, m, **params)
@@ -82,7 +84,9 @@ def check_correction_params(name: str, params: dict) -> None:
     valid = correction_defaults(name)
     for key in params:
         if key not in valid:
-            raise ValueError(f"{key} is not a parameter of rollout correction {name!r}; valid: {', '.join(valid) or 'none'}")
+            raise ValueError(
+                f"{key} is not a parameter of rollout correction {name!r}; valid: {', '.join(valid) or 'none'}"
+            )
     merged = {**valid, **params}
     choices = {"seq_ratio": SEQ_RATIOS, "estimator": DIVERGENCES, "seq_agg": SEQ_AGGS}
     for key, value in merged.items():
@@ -146,14 +150,18 @@ def icepop(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float 
 
 
 @ROLLOUT_CORRECTIONS.register("seq_mis")
-def seq_mis(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0, seq_ratio: str = "sum") -> Correction:
+def seq_mis(
+    log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0, seq_ratio: str = "sum"
+) -> Correction:
     ratio = _sequence_log_ratio(log_ratio, mask, seq_ratio).exp()
     keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype).unsqueeze(1).expand_as(mask)
     return Correction(ratio.unsqueeze(1) * keep, keep, _untouched(mask))
 
 
 @ROLLOUT_CORRECTIONS.register("reject")
-def reject(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.01, estimator: str = "k3", seq_agg: str = "max") -> Correction:
+def reject(
+    log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.01, estimator: str = "k3", seq_agg: str = "max"
+) -> Correction:
     per_token = token_divergence(log_ratio, estimator) * mask
     if seq_agg == "max":
         per_seq = per_token.masked_fill(mask == 0, float("-inf")).amax(-1).clamp(min=0)
@@ -166,37 +174,65 @@ def reject(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.01, estimato
 
 
 # sums a step's diagnostics add over micro-batches and ranks; MIN/MAX ones take extremes
-MISMATCH_SUMS = ("tokens", "seqs", "k1", "k3", "train_nll", "rollout_nll", "chi2_token", "chi2_seq",
-                 "weight", "weight_sq", "weighted_tokens", "truncated", "dropped_tokens", "dropped_seqs")  # fmt: skip
+MISMATCH_SUMS = (
+    "tokens",
+    "seqs",
+    "k1",
+    "k3",
+    "train_nll",
+    "rollout_nll",
+    "chi2_token",
+    "chi2_seq",
+    "weight",
+    "weight_sq",
+    "weighted_tokens",
+    "truncated",
+    "dropped_tokens",
+    "dropped_seqs",
+)
 
 
-def mismatch_sums(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None) -> dict[str, Tensor]:
+def mismatch_sums(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None
+) -> dict[str, Tensor]:
     """Off-policy diagnostics of one micro-batch as sums (``MISMATCH_SUMS``) plus the
     weights' ``weight_min`` / ``weight_max``: KL(rollout || trainer) by k1 and k3, both
     sides' negative log-likelihoods (perplexities), chi-squared of the token and sequence
     ratios, the IS weights over kept tokens (the correction's, else the raw token ratio)
     and how many tokens were truncated / dropped and sequences dropped."""
     m = mask.to(torch.float64)
-    log_ratio = ((old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_ratio = ((old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m).clamp(
+        -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT
+    )
     seq_log_ratio = (log_ratio * m).sum(-1)
     has_tokens = (m.sum(-1) > 0).to(torch.float64)
     if correction is None:
         weights, keep, truncated = log_ratio.exp() * m, m, torch.zeros_like(m)
     else:
-        weights, keep, truncated = (correction.weights.to(torch.float64), correction.keep.to(torch.float64), correction.truncated.to(torch.float64))
+        weights, keep, truncated = (
+            correction.weights.to(torch.float64),
+            correction.keep.to(torch.float64),
+            correction.truncated.to(torch.float64),
+        )
     kept = keep > 0  # (no boolean indexing: no host sync on a GPU)
     return {
-        "tokens": m.sum(), "seqs": has_tokens.sum(),
-        "k1": (-log_ratio * m).sum(), "k3": ((torch.expm1(log_ratio) - log_ratio) * m).sum(),
-        "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(), "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
+        "tokens": m.sum(),
+        "seqs": has_tokens.sum(),
+        "k1": (-log_ratio * m).sum(),
+        "k3": ((torch.expm1(log_ratio) - log_ratio) * m).sum(),
+        "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(),
+        "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
         "chi2_token": ((torch.expm1(log_ratio) ** 2) * m).sum(),
         "chi2_seq": ((torch.expm1(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * has_tokens).sum(),
-        "weight": (weights * keep).sum(), "weight_sq": (weights**2 * keep).sum(), "weighted_tokens": keep.sum(),
-        "truncated": truncated.sum(), "dropped_tokens": (m - keep).sum(),
+        "weight": (weights * keep).sum(),
+        "weight_sq": (weights**2 * keep).sum(),
+        "weighted_tokens": keep.sum(),
+        "truncated": truncated.sum(),
+        "dropped_tokens": (m - keep).sum(),
         "dropped_seqs": (has_tokens * (keep.sum(-1) == 0).to(torch.float64)).sum(),
         "weight_min": weights.masked_fill(~kept, math.inf).amin() if weights.numel() else m.new_tensor(math.inf),
         "weight_max": weights.masked_fill(~kept, -math.inf).amax() if weights.numel() else m.new_tensor(-math.inf),
-    }  # fmt: skip
+    }
 
 
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
@@ -204,15 +240,23 @@ def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     ranks): means per token / sequence, perplexities, the weights' effective sample size
     ``(sum w)^2 / (n sum w^2)`` (1 = all equal) and the truncated / dropped fractions."""
     tokens, seqs, kept = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0), max(sums["weighted_tokens"], 1.0)
-    train_ppl, rollout_ppl = math.exp(min(sums["train_nll"] / tokens, 50.0)), math.exp(min(sums["rollout_nll"] / tokens, 50.0))
+    train_ppl, rollout_ppl = (
+        math.exp(min(sums["train_nll"] / tokens, 50.0)),
+        math.exp(min(sums["rollout_nll"] / tokens, 50.0)),
+    )
     return {
-        "kl_k1": sums["k1"] / tokens, "kl_k3": sums["k3"] / tokens,
-        "ppl_train": train_ppl, "ppl_rollout": rollout_ppl, "log_ppl_ratio": math.log(train_ppl) - math.log(rollout_ppl),
-        "chi2_token": sums["chi2_token"] / tokens, "chi2_seq": sums["chi2_seq"] / seqs,
+        "kl_k1": sums["k1"] / tokens,
+        "kl_k3": sums["k3"] / tokens,
+        "ppl_train": train_ppl,
+        "ppl_rollout": rollout_ppl,
+        "log_ppl_ratio": math.log(train_ppl) - math.log(rollout_ppl),
+        "chi2_token": sums["chi2_token"] / tokens,
+        "chi2_seq": sums["chi2_seq"] / seqs,
         "is_weight_mean": sums["weight"] / kept,
         "is_weight_min": sums["weight_min"] if math.isfinite(sums["weight_min"]) else 0.0,
         "is_weight_max": sums["weight_max"] if math.isfinite(sums["weight_max"]) else 0.0,
         "is_ess": sums["weight"] ** 2 / (kept * sums["weight_sq"]) if sums["weight_sq"] > 0 else 0.0,
-        "truncated_frac": sums["truncated"] / tokens, "dropped_token_frac": sums["dropped_tokens"] / tokens,
+        "truncated_frac": sums["truncated"] / tokens,
+        "dropped_token_frac": sums["dropped_tokens"] / tokens,
         "rejected_seq_frac": sums["dropped_seqs"] / seqs,
-    }  # fmt: skip
+    }

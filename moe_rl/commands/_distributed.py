@@ -15,9 +15,13 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     g.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: = tp)")
-    g.add_argument("--first-stage-layers", type=int, default=None,
-                   help="decoder layers on the first pipeline stage (default: parallel.first_stage_layers' rule)")
-    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline stage")  # fmt: skip
+    g.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers on the first pipeline stage (default: parallel.first_stage_layers' rule)",
+    )
+    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline stage")
     g.add_argument(
         "--nproc",
         type=int,
@@ -27,8 +31,14 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_from(args: argparse.Namespace) -> ParallelLayout:
-    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                          first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)  # fmt: skip
+    return ParallelLayout(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
 
 
 def maybe_spawn(args: argparse.Namespace, command: str) -> int | None:

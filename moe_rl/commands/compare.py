@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help=HELP, description=HELP)
     p.add_argument("--config", default="configs/compare/demo.yaml")
     p.add_argument("--only", default=None, help="comma-separated runs to do (names from the config)")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds: every run once per seed, reported as mean and spread")
+    p.add_argument(
+        "--seeds", default=None, help="comma-separated seeds: every run once per seed, reported as mean and spread"
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run (base config keys)")
     p.set_defaults(func=run)
 
@@ -57,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
         runs = {k: v for k, v in runs.items() if k in only}
     if seeds:
-        runs = {f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}}) for name, extra in runs.items() for seed in seeds}
+        runs = {
+            f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}})
+            for name, extra in runs.items()
+            for seed in seeds
+        }
     configs = {}
     for name, extra in runs.items():
         merged = _merge(spec.get("base") or {}, extra or {})
@@ -74,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     first = next(iter(configs.values()))
-    print(f"[compare] preparing the model ({first[1].model.hf_dir or 'built-in demo model, cached after the first time'})", flush=True)
-    code = _moe_rl(["prepare", "--config", str(first[0]), *args.overrides], out_dir / "prepare.log", threads=os.cpu_count() or 1)
+    print(
+        f"[compare] preparing the model ({first[1].model.hf_dir or 'built-in demo model, cached after the first time'})",
+        flush=True,
+    )
+    code = _moe_rl(
+        ["prepare", "--config", str(first[0]), *args.overrides], out_dir / "prepare.log", threads=os.cpu_count() or 1
+    )
     if code != 0:
         return fail(f"preparing the model failed; see {out_dir / 'prepare.log'}")
     parallel = runs_at_a_time(spec, [cfg for _, cfg in configs.values()])
@@ -105,9 +116,17 @@ def run(args: argparse.Namespace) -> int:
 
     done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
     claims = evaluate_claims(done, seeds=seeds, compared=set(spec.get("runs") or {}) if not only else set(only))
-    report = write_report(out_dir, done, list(spec.get("fixed_steps", [])), extra_sections=claims_section(claims, seeds), seeds=seeds,
-                          lead=claims_lead(claims))
-    print(f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}")
+    report = write_report(
+        out_dir,
+        done,
+        list(spec.get("fixed_steps", [])),
+        extra_sections=claims_section(claims, seeds),
+        seeds=seeds,
+        lead=claims_lead(claims),
+    )
+    print(
+        f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}"
+    )
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0
 
@@ -118,7 +137,10 @@ def runs_at_a_time(spec: dict, configs: list) -> int:
     port), so two at once would sample from each other's weights."""
     parallel = max(1, int(spec.get("parallel_runs", 1)))
     if parallel > 1 and any(cfg.rollout.engine == "sglang" for cfg in configs):
-        print("[compare] the runs use SGLang servers: they run one at a time (each syncs its own weights into them)", flush=True)
+        print(
+            "[compare] the runs use SGLang servers: they run one at a time (each syncs its own weights into them)",
+            flush=True,
+        )
         return 1
     return parallel
 

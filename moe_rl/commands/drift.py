@@ -21,8 +21,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drift", help=HELP, description=HELP)
     p.add_argument("--a", help="HF model directory, or a routing file (.safetensors) saved by training")
     p.add_argument("--b", help="the same, to compare with --a")
-    p.add_argument("--engine", nargs="+", metavar="URL", help="SGLang server URL(s): measure the engine's routing against the trainer's")
-    p.add_argument("--checkpoint", help="with --engine: HF model directory or moe-rl checkpoint (step_N/) the trainer's side loads")
+    p.add_argument(
+        "--engine",
+        nargs="+",
+        metavar="URL",
+        help="SGLang server URL(s): measure the engine's routing against the trainer's",
+    )
+    p.add_argument(
+        "--checkpoint", help="with --engine: HF model directory or moe-rl checkpoint (step_N/) the trainer's side loads"
+    )
     p.add_argument("--prompts", help='JSONL, one {"prompt": "text"} or {"prompt": [ids]} / {"input_ids": [ids]} a line')
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: --a or --checkpoint)")
@@ -33,7 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs are at it)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--micro-batch-size", type=int, default=8)
-    g.add_argument("--sync-weights", action="store_true", help="load --checkpoint into the engine first (a path the server can read)")
+    g.add_argument(
+        "--sync-weights",
+        action="store_true",
+        help="load --checkpoint into the engine first (a path the server can read)",
+    )
     g.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the servers to be healthy")
     add_layout_args(p)
     p.set_defaults(func=run)
@@ -66,7 +77,9 @@ def _check_mode(args: argparse.Namespace) -> bool:
         if args.a is None or args.b is None:
             raise ValueError("--a and --b go together")
         if args.nproc is not None or (args.tp, args.pp, args.ep, args.etp) != (1, 1, 1, None):
-            raise ValueError("--tp/--pp/--ep/--etp/--nproc apply to --engine mode (--a/--b runs transformers in one process)")
+            raise ValueError(
+                "--tp/--pp/--ep/--etp/--nproc apply to --engine mode (--a/--b runs transformers in one process)"
+            )
         return False
     if args.engine is None or args.checkpoint is None or args.prompts is None:
         raise ValueError("--engine needs --checkpoint and --prompts")
@@ -75,7 +88,11 @@ def _check_mode(args: argparse.Namespace) -> bool:
     model_dir_of(args.checkpoint)
     if not Path(args.prompts).is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
-    bad = {"--samples": args.samples, "--max-new-tokens": args.max_new_tokens, "--micro-batch-size": args.micro_batch_size}
+    bad = {
+        "--samples": args.samples,
+        "--max-new-tokens": args.max_new_tokens,
+        "--micro-batch-size": args.micro_batch_size,
+    }
     for flag, value in bad.items():
         if value < 1:
             raise ValueError(f"{flag}={value} must be >= 1")

@@ -73,17 +73,23 @@ def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig
     if max(max(p) for p in prompts) >= hf_config.vocab_size:
         raise ValueError(f"a prompt token id is outside the vocabulary of {hf_dir} ({hf_config.vocab_size})")
     engine = SGLangEngine(
-        args.engine, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+        args.engine,
+        num_layers=hf_config.num_hidden_layers,
+        top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
-    )  # fmt: skip
+    )
     try:
         engine.wait_healthy(timeout_s=args.wait_s)
         missing = engine.servers_without_routed_experts()
         if missing:
-            raise RolloutError(f"{', '.join(missing)} do(es) not return routed experts: start SGLang with --enable-return-routed-experts")
+            raise RolloutError(
+                f"{', '.join(missing)} do(es) not return routed experts: start SGLang with --enable-return-routed-experts"
+            )
         if args.sync_weights:
             engine.update_weights_from_disk(hf_dir, "moe-rl-drift")
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=_stop_ids(hf_config))
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=_stop_ids(hf_config)
+        )
         groups = engine.generate(prompts, args.samples, params, seed=args.seed, return_routed_experts=True)
         return [s for g in groups for s in g], engine.weight_version
     finally:
@@ -96,7 +102,9 @@ def _stop_ids(hf_config: PretrainedConfig) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
-def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: list[Sample]) -> tuple[dict, dict[str, float]]:
+def _measure(
+    args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: list[Sample]
+) -> tuple[dict, dict[str, float]]:
     """Collective: the trainer's routing and log-probs of the samples on this rank's
     data-parallel share; the ``train_vs_rollout`` routing metrics and the log-prob mismatch."""
     from moe_rl.models.architectures import architecture_of
@@ -113,18 +121,25 @@ def _measure(args, hf_dir: str, hf_config: PretrainedConfig, layout, samples: li
     model = build_reference(hf_config, hf_dir, layout, LogProbConfig(temperature=args.temperature))  # frozen, eval mode
     exp = Experience(samples, torch.zeros(len(samples), 0), [], torch.zeros(len(samples)))
     plan = MicroBatchPlanner(args.micro_batch_size, seq_len_multiple=layout.seq_len_multiple).plan(exp.lengths)
-    batch = build_train_batch(exp, 0, plan, seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True)
+    batch = build_train_batch(
+        exp, 0, plan, seq_len_multiple=layout.seq_len_multiple, pad_id=0, device=rank_device(), with_routing=True
+    )
     mbs = batch.micro_batches
     num_experts = architecture_of(hf_config).num_experts(hf_config)
-    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts, router_kl=False)  # SGLang returns no router scores
+    # SGLang returns no router scores
+    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts, router_kl=False)
     with monitor.old_pass(mbs, [mb.routed_experts for mb in mbs]) as hooks:
         outputs = run_microbatches(model, mbs, hooks=hooks)
     monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
-    mismatch = reduce_mismatch([logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for out, mb in zip(outputs, mbs)])
+    mismatch = reduce_mismatch(
+        [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for out, mb in zip(outputs, mbs)]
+    )
     return monitor.reduce().get("train_vs_rollout", {}), mismatch
 
 
-def _write_report(args, hf_dir: str, samples: list[Sample], version: str, drift: dict, mismatch: dict[str, float]) -> None:
+def _write_report(
+    args, hf_dir: str, samples: list[Sample], version: str, drift: dict, mismatch: dict[str, float]
+) -> None:
     """``drift.json``, TensorBoard events and the disagreement heatmap; one summary line."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -135,7 +150,10 @@ def _write_report(args, hf_dir: str, samples: list[Sample], version: str, drift:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     layers = drift["drift_layers"].tolist()
-    split = {k: float(drift[k]) if k in drift else None for k in ("logp_mismatch_routing_changed", "logp_mismatch_routing_same")}
+    split = {
+        k: float(drift[k]) if k in drift else None
+        for k in ("logp_mismatch_routing_changed", "logp_mismatch_routing_same")
+    }
     report = {
         "engine": list(args.engine),
         "checkpoint": hf_dir,
@@ -147,7 +165,11 @@ def _write_report(args, hf_dir: str, samples: list[Sample], version: str, drift:
         "layers": layers,
         "metrics": summarize({k: drift[k] for k in ("changed_frac", "expert_change_frac", "any_layer_changed_frac")}),
         "expert_disagreement": drift["expert_disagreement"].tolist(),
-        "logp_mismatch": {**mismatch, **split, "routing_changed_response_frac": float(drift.get("routing_changed_response_frac", 0.0))},
+        "logp_mismatch": {
+            **mismatch,
+            **split,
+            "routing_changed_response_frac": float(drift.get("routing_changed_response_frac", 0.0)),
+        },
         "router_kl": None,  # SGLang returns the chosen experts only, not the router's distribution
     }
     (out / "drift.json").write_text(json.dumps(report, indent=2))
@@ -155,7 +177,9 @@ def _write_report(args, hf_dir: str, samples: list[Sample], version: str, drift:
         log_routing(writer, 0, drift, group="train_vs_rollout")
         for key, value in mismatch.items():
             writer.add_scalar(tags.train(key), value, 0)
-    fig = heatmap_figure(drift["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False)
+    fig = heatmap_figure(
+        drift["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False
+    )
     fig.savefig(out / "expert_disagreement_heatmap.png", dpi=100)
     m = report["metrics"]
     print(

@@ -20,11 +20,20 @@ HELP = "evaluate a checkpoint on held-out problems: pass@1, pass@k, mean reward"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help=HELP, description=HELP)
-    p.add_argument("--checkpoint", required=True, help="a training checkpoint (step_N/) or a Hugging Face model directory")
-    p.add_argument("--task", help="held-out problems (data.eval_task): arithmetic, .jsonl/.json/.parquet, or a datasets DIR[:split]")
-    p.add_argument("--config", help="run config for the prompt format, rewards and sampling (default: the checkpoint's run's)")
+    p.add_argument(
+        "--checkpoint", required=True, help="a training checkpoint (step_N/) or a Hugging Face model directory"
+    )
+    p.add_argument(
+        "--task",
+        help="held-out problems (data.eval_task): arithmetic, .jsonl/.json/.parquet, or a datasets DIR[:split]",
+    )
+    p.add_argument(
+        "--config", help="run config for the prompt format, rewards and sampling (default: the checkpoint's run's)"
+    )
     p.add_argument("--engine", nargs="+", metavar="URL", help="SGLang server URL(s) (default: the local engine)")
-    p.add_argument("--sync-weights", action="store_true", help="with --engine: load the checkpoint into the servers first")
+    p.add_argument(
+        "--sync-weights", action="store_true", help="with --engine: load the checkpoint into the servers first"
+    )
     p.add_argument("--out", help="directory for eval.json and TensorBoard events")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.eval_samples=8")
     p.set_defaults(func=run)
@@ -78,7 +87,9 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
     task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key)
     engine = _engine(args, cfg, model_dir)
     try:
-        evaluator = build_evaluator(cfg, task, formatter, build_sampler(cfg, engine, tokenizer), build_scorer(cfg), progress=sys.stderr.isatty())
+        evaluator = build_evaluator(
+            cfg, task, formatter, build_sampler(cfg, engine, tokenizer), build_scorer(cfg), progress=sys.stderr.isatty()
+        )
         return evaluator.run(desc=f"eval {model_dir.parent.name if model_dir.name == 'model' else model_dir.name}")
     finally:
         engine.close()
@@ -98,9 +109,11 @@ def _engine(args: argparse.Namespace, cfg, model_dir: Path):
 
     hf_config = load_hf_config(str(model_dir))
     engine = SGLangEngine(
-        args.engine, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+        args.engine,
+        num_layers=hf_config.num_hidden_layers,
+        top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
-    )  # fmt: skip
+    )
     engine.wait_healthy()
     if args.sync_weights:
         engine.update_weights_from_disk(str(model_dir.resolve()), "moe-rl-eval")
@@ -118,7 +131,12 @@ def _report(args: argparse.Namespace, cfg, model_dir: Path, scalars: dict[str, f
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"checkpoint": str(args.checkpoint), "task": cfg.data.eval_task, "samples": cfg.data.eval_samples, "scalars": scalars}
+        record = {
+            "checkpoint": str(args.checkpoint),
+            "task": cfg.data.eval_task,
+            "samples": cfg.data.eval_samples,
+            "scalars": scalars,
+        }
         (out / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
         with SummaryWriter(str(out / "tensorboard")) as writer:
             for tag, value in scalars.items():

@@ -31,9 +31,13 @@ def model_dir_of(checkpoint: str) -> Path:
     if (path / "config.json").exists():
         return path
     if (path / "dist").is_dir():
-        raise FileNotFoundError(f"{checkpoint} holds no Hugging Face weights (model/): write them with "
-                                f"`moe-rl export --checkpoint {checkpoint} --out DIR` and pass DIR")  # fmt: skip
-    raise FileNotFoundError(f"{checkpoint} is not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)")
+        raise FileNotFoundError(
+            f"{checkpoint} holds no Hugging Face weights (model/): write them with "
+            f"`moe-rl export --checkpoint {checkpoint} --out DIR` and pass DIR"
+        )
+    raise FileNotFoundError(
+        f"{checkpoint} is not a Hugging Face model directory or a moe-rl checkpoint (no config.json in it or in model/)"
+    )
 
 
 def _source(checkpoint: str) -> tuple[Path, Path | None]:

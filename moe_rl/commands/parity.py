@@ -60,12 +60,18 @@ def _run_rank(args: argparse.Namespace) -> int:
         gen = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(0, hf_config.vocab_size, (args.batch, args.seq_len), generator=gen)
         results = run_microbatches(model, [MicroBatch(ids[i : i + 1]) for i in range(args.batch)])
-        reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        reporter = (
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+        )
         verdict = torch.zeros(1)
         if reporter:
             ours = torch.cat([r["logprobs"] for r in results])
             our_entropy = torch.cat([r["entropy"] for r in results])
-            theirs, their_entropy = (t.to(ours.device) for t in transformers_logprobs(args.hf_dir, ids))  # transformers runs on CPU
+            theirs, their_entropy = (
+                t.to(ours.device) for t in transformers_logprobs(args.hf_dir, ids)
+            )  # transformers runs on CPU
             diff = (ours - theirs).abs().max().item()
             entropy_diff = (our_entropy - their_entropy).abs().max().item()
             ok = max(diff, entropy_diff) <= args.tolerance

@@ -36,7 +36,7 @@ class PromptFormatter:
         check_prompt_settings(self.template, self.system_prompt, self.chat_template)
         if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                "data.chat_template=true, but the model's tokenizer has no chat template: add one (\"chat_template\" in its "
+                'data.chat_template=true, but the model\'s tokenizer has no chat template: add one ("chat_template" in its '
                 f"tokenizer_config.json, e.g. its instruct variant's), or set data.chat_template=false and point data.prompt_key at {CHAT_TEXT_HINT}"
             )
 
@@ -48,9 +48,13 @@ class PromptFormatter:
         """The prompt as text (chat template applied when on)."""
         if not self.chat_template:
             if problem.messages is not None:
-                raise ValueError(f"this problem is a chat (a list of messages): set data.chat_template=true, or point data.prompt_key at {CHAT_TEXT_HINT}")
+                raise ValueError(
+                    f"this problem is a chat (a list of messages): set data.chat_template=true, or point data.prompt_key at {CHAT_TEXT_HINT}"
+                )
             return self.template.replace(PROMPT_FIELD, problem.prompt)
-        messages = list(problem.messages or [{"role": "user", "content": self.template.replace(PROMPT_FIELD, problem.prompt)}])
+        messages = list(
+            problem.messages or [{"role": "user", "content": self.template.replace(PROMPT_FIELD, problem.prompt)}]
+        )
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

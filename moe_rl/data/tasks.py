@@ -108,10 +108,16 @@ class DatasetTask:
             else:
                 self.items.append(problem)
         if len(self.skipped) > SKIPS_LOGGED:
-            log.warning("... %d more rows skipped (%d of the %d rows read)", len(self.skipped) - SKIPS_LOGGED, len(self.skipped),
-                        len(self.skipped) + len(self.items))  # fmt: skip
+            log.warning(
+                "... %d more rows skipped (%d of the %d rows read)",
+                len(self.skipped) - SKIPS_LOGGED,
+                len(self.skipped),
+                len(self.skipped) + len(self.items),
+            )
         if not self.items:
-            raise ValueError(f"{spec} holds no usable problems ({len(self.skipped)} rows skipped){self._fields_hint(first_row)}")
+            raise ValueError(
+                f"{spec} holds no usable problems ({len(self.skipped)} rows skipped){self._fields_hint(first_row)}"
+            )
         self.holds_messages = any(p.messages is not None for p in self.items)
 
     def _fields_hint(self, row: Any) -> str:
@@ -120,7 +126,10 @@ class DatasetTask:
             return ""
         fields = row_fields(row)
         hints = []
-        for setting, key, names in (("data.prompt_key", self.prompt_key, PROMPT_NAMES), ("data.answer_key", self.answer_key, ANSWER_NAMES)):
+        for setting, key, names in (
+            ("data.prompt_key", self.prompt_key, PROMPT_NAMES),
+            ("data.answer_key", self.answer_key, ANSWER_NAMES),
+        ):
             if field_of(row, key) is None:
                 guess = suggest_field(key, fields, names)
                 hints.append(f"{setting}={key!r} is not among them" + (f" (try {setting}={guess})" if guess else ""))
@@ -166,7 +175,9 @@ def field_of(row: dict, key: str) -> Any:
     for part in key.split("."):
         if isinstance(value, dict) and part in value:
             value = value[part]
-        elif isinstance(value, (list, tuple)) and re.fullmatch(r"-?\d+", part) and -len(value) <= int(part) < len(value):
+        elif (
+            isinstance(value, (list, tuple)) and re.fullmatch(r"-?\d+", part) and -len(value) <= int(part) < len(value)
+        ):
             value = value[int(part)]
         else:
             return None
@@ -199,7 +210,9 @@ def _is_chat(value: Any) -> bool:
     return (
         isinstance(value, (list, tuple))
         and len(value) > 0
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
     )
 
 
@@ -217,7 +230,9 @@ def resolve_spec(spec: str) -> tuple[str, Path, str | None]:
     if path.is_dir():
         return "datasets", path, split
     if not path.is_file():
-        raise ValueError(f"{spec!r} is neither a built-in task ({', '.join(BUILT_IN_TASKS)}) nor an existing dataset file or directory")
+        raise ValueError(
+            f"{spec!r} is neither a built-in task ({', '.join(BUILT_IN_TASKS)}) nor an existing dataset file or directory"
+        )
     if split is not None or path.suffix.lower() not in FILE_FORMATS:
         raise ValueError(f"{spec!r}: a dataset file must end in .jsonl, .json (JSON lines) or .parquet")
     return FILE_FORMATS[path.suffix.lower()], path, None

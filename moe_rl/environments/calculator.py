@@ -23,8 +23,14 @@ from typing import Any
 from moe_rl.rollout.multi_turn import EngineHandle, Transcript
 
 CALL = re.compile(r"calc\(([^()]*)\)$")  # a turn stops at the first ")": no parentheses inside
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-              ast.Mod: operator.mod, ast.Div: operator.truediv}  # fmt: skip
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Div: operator.truediv,
+}
 MAX_MAGNITUDE = 10**12
 
 
@@ -86,9 +92,16 @@ async def call_tool(expression: str, timeout_s: float) -> tuple[str, bool]:
 
 
 async def generate(
-    problem: Any, *, prompt_ids: list[int], engine: EngineHandle, tokenizer: Any, sampling: Any,
-    max_turns: int = 4, max_output_tokens: int = 0, tool_timeout_s: float = 5.0,
-) -> Transcript:  # fmt: skip
+    problem: Any,
+    *,
+    prompt_ids: list[int],
+    engine: EngineHandle,
+    tokenizer: Any,
+    sampling: Any,
+    max_turns: int = 4,
+    max_output_tokens: int = 0,
+    tool_timeout_s: float = 5.0,
+) -> Transcript:
     """Policy turns with calculator calls between them (see the module docstring);
     ``max_output_tokens`` 0: ``max_turns * rollout.max_new_tokens``."""
     budget = max_output_tokens or max_turns * sampling.max_new_tokens
@@ -100,9 +113,13 @@ async def generate(
         if room <= 0:
             transcript.meta["truncated"] = "tokens"
             break
-        turn = await engine.generate(transcript.token_ids, max_new_tokens=min(room, sampling.max_new_tokens), stop_token_ids=[stop])
+        turn = await engine.generate(
+            transcript.token_ids, max_new_tokens=min(room, sampling.max_new_tokens), stop_token_ids=[stop]
+        )
         transcript.add_policy(turn)
-        call = CALL.search(tokenizer.decode(turn.output_ids)) if turn.output_ids and turn.output_ids[-1] == stop else None
+        call = (
+            CALL.search(tokenizer.decode(turn.output_ids)) if turn.output_ids and turn.output_ids[-1] == stop else None
+        )
         if call is None:  # an answer, EOS or the turn's token limit: the sample is done
             if turn.finish_reason == "length" and len(transcript.output_ids) >= budget:
                 transcript.meta["truncated"] = "tokens"

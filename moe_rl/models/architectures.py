@@ -101,8 +101,10 @@ def _sigmoid_router_problem(cfg: PretrainedConfig) -> str | None:
     if k > 1 and not getattr(cfg, "norm_topk_prob", True):
         return "norm_topk_prob=False with a sigmoid router (megatron-core always renormalises the top-k)"
     if groups > 1 and k // cfg.topk_group != 2:
-        return (f"n_group={groups} with num_experts_per_tok // topk_group = {k // cfg.topk_group}: a group scores "
-                "the sum of its top 2 experts in transformers, of its top k/topk_group in megatron-core")  # fmt: skip
+        return (
+            f"n_group={groups} with num_experts_per_tok // topk_group = {k // cfg.topk_group}: a group scores "
+            "the sum of its top 2 experts in transformers, of its top k/topk_group in megatron-core"
+        )
     return None
 
 

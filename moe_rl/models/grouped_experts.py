@@ -44,17 +44,22 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, capability: tuple[int,
 class StackedLinear(torch.nn.Module):
     """``weight[e]`` applied to the rows of expert ``e`` (rows grouped by expert)."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, config: TransformerConfig, partition_dim: int) -> None:
+    def __init__(
+        self, experts: int, out_features: int, in_features: int, config: TransformerConfig, partition_dim: int
+    ) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=init_device(config)))
+        self.weight = torch.nn.Parameter(
+            torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=init_device(config))
+        )
         # always "parallel", as megatron marks its expert linears: each rank's slice is its own
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
         itemsize, device = self.weight.element_size(), self.weight.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         self.grouped = (
             grouped_mm_runs(device.type, self.weight.dtype, capability)
-            and (in_features * itemsize) % 16 == 0 and (out_features * itemsize) % 16 == 0
-        )  # fmt: skip
+            and (in_features * itemsize) % 16 == 0
+            and (out_features * itemsize) % 16 == 0
+        )
 
     def forward(self, rows: Tensor, offsets: Tensor, sizes: list[int] | None) -> Tensor:
         """``offsets``: where each expert's rows end (int32, on the rows' device);
@@ -70,7 +75,9 @@ class GroupedExperts(MegatronModule):
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None) -> None:
         super().__init__(config=config)
-        plain_glu = config.gated_linear_unit and config.activation_func_clamp_value is None and not config.glu_linear_offset
+        plain_glu = (
+            config.gated_linear_unit and config.activation_func_clamp_value is None and not config.glu_linear_offset
+        )
         if config.add_bias_linear or not plain_glu or config.fp8 or config.fp4:
             raise ValueError("GroupedExperts runs gated experts without biases, clamps or fp8/fp4 only")
         etp = pg_collection.expt_tp.size()
@@ -85,7 +92,9 @@ class GroupedExperts(MegatronModule):
                     config.init_method(self.linear_fc1.weight[e])
                     config.output_layer_init_method(self.linear_fc2.weight[e])
 
-    def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor) -> tuple[Tensor, None]:
+    def forward(
+        self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor
+    ) -> tuple[Tensor, None]:
         rows, probs = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:  # (top-1 only, as SequentialMLP)
             rows, probs = (probs.unsqueeze(-1) * rows).to(rows.dtype), torch.ones_like(probs)
@@ -98,7 +107,9 @@ class GroupedExperts(MegatronModule):
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
         return self.linear_fc2(hidden, offsets, sizes), None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> ShardedStateDict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> ShardedStateDict:
         """The stacked weights as global ``[experts, out, in]`` tensors under the keys
         megatron's ``SequentialMLP`` uses (``{prefix}experts.linear_fc1.weight``, ...):
         this rank's experts at their expert-parallel offset, its expert-TP slice of the
@@ -111,12 +122,16 @@ class GroupedExperts(MegatronModule):
         replica_id = (0, 0, expt_dp.rank())
 
         def sharded(key: str, tensor: Tensor, *offsets: tuple[int, int, int]) -> ShardedTensor:
-            return ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, experts, *offsets, replica_id=replica_id, prepend_axis_num=axis)
+            return ShardedTensor.from_rank_offsets(
+                key, tensor, *sharded_offsets, experts, *offsets, replica_id=replica_id, prepend_axis_num=axis
+            )
 
         def gate_and_up(key: str, tensor: Tensor, replica, flattened_range) -> list[ShardedTensor]:
             gate, up = tensor.chunk(2, dim=1)
-            return [sharded(key, gate, (axis + 1, etp.rank(), 2 * etp.size())),
-                    sharded(key, up, (axis + 1, etp.size() + etp.rank(), 2 * etp.size()))]  # fmt: skip
+            return [
+                sharded(key, gate, (axis + 1, etp.rank(), 2 * etp.size())),
+                sharded(key, up, (axis + 1, etp.size() + etp.rank(), 2 * etp.size())),
+            ]
 
         fc1_key, fc2_key = f"{prefix}experts.linear_fc1.weight", f"{prefix}experts.linear_fc2.weight"
         fc1 = (
@@ -124,8 +139,10 @@ class GroupedExperts(MegatronModule):
             # (stored whole: the halves would be strided views, copied before every background save)
             sharded(fc1_key, self.linear_fc1.weight)
             if etp.size() == 1
-            else ShardedTensorFactory(fc1_key, self.linear_fc1.weight, gate_and_up, lambda halves: torch.cat(halves, dim=1), replica_id)
-        )  # fmt: skip
+            else ShardedTensorFactory(
+                fc1_key, self.linear_fc1.weight, gate_and_up, lambda halves: torch.cat(halves, dim=1), replica_id
+            )
+        )
         return {
             f"{prefix}linear_fc1.weight": fc1,
             f"{prefix}linear_fc2.weight": sharded(fc2_key, self.linear_fc2.weight, (axis + 2, etp.rank(), etp.size())),

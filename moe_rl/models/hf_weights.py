@@ -127,7 +127,10 @@ class ParamMapper:
         simple = {
             "input_layernorm.weight": Recipe((p + "input_layernorm.weight",)),
             "pre_mlp_layernorm.weight": Recipe((p + "post_attention_layernorm.weight",)),
-            "self_attention.q_layernorm.weight": Recipe((p + ("self_attn.q_a_layernorm.weight" if self.mla else "self_attn.q_norm.weight"),), shard_dim=qk_norm_shard),
+            "self_attention.q_layernorm.weight": Recipe(
+                (p + ("self_attn.q_a_layernorm.weight" if self.mla else "self_attn.q_norm.weight"),),
+                shard_dim=qk_norm_shard,
+            ),
             "self_attention.k_layernorm.weight": Recipe((p + "self_attn.k_norm.weight",), shard_dim=qk_norm_shard),
             "self_attention.linear_proj.weight": Recipe((p + "self_attn.o_proj.weight",), shard_dim=1),
             "mlp.router.weight": Recipe((self.arch.experts.router.format(l=l),)),
@@ -160,7 +163,9 @@ class ParamMapper:
             return self._expert_recipe(l, self.expert_offset + int(e.group(1)), e.group(2))
         stacked = self._STACKED.fullmatch(rest)
         if stacked:
-            experts = [self._expert_recipe(l, self.expert_offset + i, stacked.group(1)) for i in range(self.local_experts)]
+            experts = [
+                self._expert_recipe(l, self.expert_offset + i, stacked.group(1)) for i in range(self.local_experts)
+            ]
             keys = tuple(key for recipe in experts for key in recipe.hf_keys)
             return replace(experts[0], hf_keys=keys, stacked=self.local_experts)
         raise KeyError(name)
@@ -168,7 +173,9 @@ class ParamMapper:
     def _expert_recipe(self, layer: int, expert: int, linear: str) -> Recipe:
         keys = self.arch.experts
         if linear == "linear_fc1":
-            return Recipe((keys.gate.format(l=layer, e=expert), keys.up.format(l=layer, e=expert)), "glu", 0, expert=True)
+            return Recipe(
+                (keys.gate.format(l=layer, e=expert), keys.up.format(l=layer, e=expert)), "glu", 0, expert=True
+            )
         return Recipe((keys.down.format(l=layer, e=expert),), shard_dim=1, expert=True)
 
     # -------------------------------------------------------------- full <-> shard
@@ -177,7 +184,9 @@ class ParamMapper:
         """This rank's shard of the parameter ``recipe`` makes of ``tensors`` (``hf_keys`` order)."""
         if recipe.stacked:
             k = len(recipe.hf_keys) // recipe.stacked
-            return torch.stack([self.to_shard(r, tensors[e * k : (e + 1) * k]) for e, r in enumerate(recipe.per_expert())])
+            return torch.stack(
+                [self.to_shard(r, tensors[e * k : (e + 1) * k]) for e, r in enumerate(recipe.per_expert())]
+            )
         rank, size = self._tp(recipe)
         if recipe.kind == "vocab":
             full = tensors[0]
@@ -201,10 +210,16 @@ class ParamMapper:
         if recipe.kind == "vocab":
             return [(joined if joined is not None else torch.cat(shards, 0))[: self.cfg.vocab_size]]
         if recipe.kind == "copy":
-            return [shards[0] if recipe.shard_dim is None or joined is not None else torch.cat(shards, recipe.shard_dim)]
+            return [
+                shards[0] if recipe.shard_dim is None or joined is not None else torch.cat(shards, recipe.shard_dim)
+            ]
         if recipe.kind == "glu":
             halves = [s.chunk(2, 0) for s in shards]
-            return list(halves[0]) if joined is not None else [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+            return (
+                list(halves[0])
+                if joined is not None
+                else [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+            )
         return self._split_qkv(joined if joined is not None else torch.cat(shards, 0))
 
     def _tp(self, recipe: Recipe) -> tuple[int, int]:
@@ -372,7 +387,9 @@ def export_hf_weights(
         file = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
         weight_map.update({k: file for k in writers[writer]})
         if writer == rank:
-            save_file({k: t.cpu() for k, t in tensors.items()}, tmp / file, metadata={"format": "pt"})  # safetensors copies device tensors to host anyway
+            save_file(
+                {k: t.cpu() for k, t in tensors.items()}, tmp / file, metadata={"format": "pt"}
+            )  # safetensors copies device tensors to host anyway
     if rank == 0:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -49,8 +49,11 @@ class LayerModules:
     transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
-        choices = (("experts", self.experts, EXPERT_MODULES), ("attention", self.attention, ATTENTION_MODULES),
-                   ("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS))  # fmt: skip
+        choices = (
+            ("experts", self.experts, EXPERT_MODULES),
+            ("attention", self.attention, ATTENTION_MODULES),
+            ("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS),
+        )
         for key, value, valid in choices:
             if value not in valid:
                 raise ValueError(f"{key}={value!r} is not one of {', '.join(valid)}")
@@ -90,7 +93,9 @@ class FullWidthQKNorm(torch.nn.Module):
     holds its heads' slice of the weight and the sum of squares is all-reduced (forward
     and backward: every rank's output depends on every rank's heads)."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, *, num_heads: int, **_unused) -> None:
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, *, num_heads: int, **_unused
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.tp = config.tensor_model_parallel_size
@@ -131,7 +136,9 @@ def is_shared_causal_mask(mask: torch.Tensor) -> bool:
     shared = _CAUSAL_MASKS.get((mask.shape[-1], mask.device))
     if shared is None:
         return False
-    return mask is shared or (mask.data_ptr() == shared.data_ptr() and mask.shape == shared.shape and mask.stride() == shared.stride())
+    return mask is shared or (
+        mask.data_ptr() == shared.data_ptr() and mask.shape == shared.shape and mask.stride() == shared.stride()
+    )
 
 
 class SdpaAttention(DotProductAttention):
@@ -146,7 +153,9 @@ class SdpaAttention(DotProductAttention):
         if self.config.softmax_type != "vanilla" or self.config.window_size is not None:
             raise ValueError("SdpaAttention runs vanilla-softmax full attention only (model.attention=local otherwise)")
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SdpaAttention takes no attention bias or packed sequences")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
@@ -155,13 +164,15 @@ class SdpaAttention(DotProductAttention):
         if attention_mask is not None and is_shared_causal_mask(attention_mask):
             attention_mask = None
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=None if attention_mask is None else ~attention_mask,
             is_causal=causal and attention_mask is None,
             dropout_p=self.attention_dropout.p if self.training else 0.0,
             scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+        )
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, heads * v dim]
 
 
@@ -181,7 +192,9 @@ class LatentSdpaAttention(SdpaAttention, LatentAttentionCore):
     """:class:`SdpaAttention` taking MLA's query/key and value head sizes."""
 
 
-def decoder_block_spec(config: TransformerConfig, qk_norm: str = "none", modules: LayerModules = LayerModules()) -> TransformerBlockSubmodules:
+def decoder_block_spec(
+    config: TransformerConfig, qk_norm: str = "none", modules: LayerModules = LayerModules()
+) -> TransformerBlockSubmodules:
     """This pipeline stage's local-spec decoder layers (MoE or dense, by
     ``config.moe_layer_freq``) whose input, pre-MLP, QK and final norms are
     :class:`RMSNorm` (the stock torch norm refuses sequence parallelism).
@@ -232,7 +245,9 @@ def _use_transformer_engine(submodules) -> None:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
     if not HAVE_TE:
-        raise ValueError("transformer_impl=transformer_engine, but Transformer Engine does not import here (transformer_impl=local or auto)")
+        raise ValueError(
+            "transformer_impl=transformer_engine, but Transformer Engine does not import here (transformer_impl=local or auto)"
+        )
     te = TESpecProvider()
     swaps = {ColumnParallelLinear: te.column_parallel_linear(), RowParallelLinear: te.row_parallel_linear()}
 

@@ -65,7 +65,11 @@ def has_fp32_output_matmul(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` inputs here
     (CUDA with torch >= 2.8; not the CPU)."""
     try:
-        torch.mm(torch.ones(1, 1, dtype=dtype, device=device_type), torch.ones(1, 1, dtype=dtype, device=device_type), out_dtype=torch.float32)
+        torch.mm(
+            torch.ones(1, 1, dtype=dtype, device=device_type),
+            torch.ones(1, 1, dtype=dtype, device=device_type),
+            out_dtype=torch.float32,
+        )
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
@@ -78,7 +82,9 @@ def fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     if weight.dtype in (torch.float32, torch.float64):
         return torch.matmul(hidden, weight.t())
     if has_fp32_output_matmul(weight.device.type, weight.dtype):
-        return _LogitsWithFp32Output.apply(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
+        return _LogitsWithFp32Output.apply(hidden.reshape(-1, hidden.shape[-1]), weight).view(
+            *hidden.shape[:-1], weight.shape[0]
+        )
     return torch.matmul(hidden.float(), weight.float().t())
 
 
@@ -100,13 +106,24 @@ def vocab_parallel_logprobs(
         group = parallel_state.get_tensor_model_parallel_group()
     tp_size = dist.get_world_size(group) if group is not None else 1
     vocab_start = weight.shape[0] * (dist.get_rank(group) if tp_size > 1 else 0)
-    real_rows = weight.shape[0] if config.vocab_size is None else min(weight.shape[0], max(config.vocab_size - vocab_start, 0))
+    real_rows = (
+        weight.shape[0] if config.vocab_size is None else min(weight.shape[0], max(config.vocab_size - vocab_start, 0))
+    )
     chunk_logits_mb = min(config.chunk_size, hidden.shape[0]) * hidden.shape[1] * weight.shape[0] * 4 / 2**20
     recompute = torch.is_grad_enabled() and chunk_logits_mb > config.keep_logits_mb
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], config.chunk_size):
         chunk = slice(start, start + config.chunk_size)
-        args = (hidden[chunk], weight, targets[chunk], vocab_start, real_rows, config.temperature, config.with_entropy, group if tp_size > 1 else None)
+        args = (
+            hidden[chunk],
+            weight,
+            targets[chunk],
+            vocab_start,
+            real_rows,
+            config.temperature,
+            config.with_entropy,
+            group if tp_size > 1 else None,
+        )
         logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
         logps.append(logp)
         entropies.append(ent)

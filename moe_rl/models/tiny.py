@@ -24,13 +24,29 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               num_experts_per_tok=2, max_position_embeddings=128)  # fmt: skip
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+)
 # DeepSeek-V3 / GLM-4.5 style: a dense first layer, 8 experts in 2 groups (one picked per
 # token), a shared expert, a routed scaling factor, sigmoid scores with a bias
-_DEEPSEEK_STYLE = dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
-                       n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
-                       routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+_DEEPSEEK_STYLE = dict(
+    num_hidden_layers=4,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
 
 _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "qwen3_moe": (
@@ -69,9 +85,15 @@ _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "qwen2_moe": (
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
-        dict(_COMMON, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4),
+        dict(
+            _COMMON, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4
+        ),
     ),
-    "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(_COMMON, intermediate_size=16, num_experts=4, eos_token_id=1, pad_token_id=0)),
+    "olmoe": (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        dict(_COMMON, intermediate_size=16, num_experts=4, eos_token_id=1, pad_token_id=0),
+    ),
     "glm4_moe": (
         Glm4MoeConfig,
         Glm4MoeForCausalLM,
@@ -80,18 +102,49 @@ _TINY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "deepseek_v3": (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
-        dict(_COMMON, **_DEEPSEEK_STYLE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
+        dict(
+            _COMMON,
+            **_DEEPSEEK_STYLE,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
     ),
     # Kimi-K2: DeepSeek-V3's layout with ungrouped routing, its scaling factor and YaRN settings;
     # 3 layers (a dense one, 2 MoE), so that no pipeline of 2 stages splits them evenly
     "kimi_k2": (
         KimiK2Config,
         KimiK2ForCausalLM,
-        dict(_COMMON, **_DEEPSEEK_STYLE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-             qk_nope_head_dim=8, v_head_dim=8) | dict(num_hidden_layers=3, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-             rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=16.0, original_max_position_embeddings=8,
-                                  beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
-    ),  # fmt: skip
+        dict(
+            _COMMON,
+            **_DEEPSEEK_STYLE,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
+        | dict(
+            num_hidden_layers=3,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=50000.0,
+                factor=16.0,
+                original_max_position_embeddings=8,
+                beta_fast=1.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        ),
+    ),
 }
 # the ``architectures`` a checkpoint's config names where the class's own name is not the published one
 # (Kimi-K2's checkpoints name DeepSeek-V3's, which SGLang serves them with)
@@ -106,7 +159,9 @@ def tiny_config(model_type: str = "qwen3_moe", **overrides: Any) -> PretrainedCo
     return config_cls(**{**defaults, **overrides})
 
 
-def save_tiny_checkpoint(path: str | os.PathLike, model_type: str = "qwen3_moe", seed: int = 0, **overrides: Any) -> str:
+def save_tiny_checkpoint(
+    path: str | os.PathLike, model_type: str = "qwen3_moe", seed: int = 0, **overrides: Any
+) -> str:
     """Write a randomly initialised tiny HF checkpoint (fp32 safetensors) to ``path``."""
     config = tiny_config(model_type, **overrides)
     _, model_cls, _ = _TINY[model_type]

@@ -156,8 +156,9 @@ class WeightStreamer:
         me, stage = rank(), ps.get_pipeline_model_parallel_rank()
         mine = [
             WeightEntry(me, name, self._full_shapes(name), self.weights[name].dtype, stage)
-            for name in self.weights if self.writer_of[name] == me
-        ]  # fmt: skip
+            for name in self.weights
+            if self.writer_of[name] == me
+        ]
         every = all_gather_objects((stage, mine))
         senders = {}
         for r, (s, _) in enumerate(every):
@@ -175,7 +176,9 @@ class WeightStreamer:
 
     def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:
         """The buckets :meth:`stream` sends (the same on every rank; no communication)."""
-        return plan_buckets(self.entries, bucket_bytes, dtype, self.stage_senders if per_stage else [self.dst] * len(self.stage_senders))
+        return plan_buckets(
+            self.entries, bucket_bytes, dtype, self.stage_senders if per_stage else [self.dst] * len(self.stage_senders)
+        )
 
     @torch.no_grad()
     def stream(
@@ -272,7 +275,9 @@ class HFWeights:
     def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: BucketConsumer | None) -> int:
         return self.streamer.send_buckets(bucket_bytes, dtype, consume)
 
-    def stream(self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False) -> list[Bucket]:
+    def stream(
+        self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False
+    ) -> list[Bucket]:
         return self.streamer.stream(bucket_bytes, dtype, consume, per_stage=per_stage)
 
     def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:

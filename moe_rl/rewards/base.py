@@ -165,14 +165,18 @@ class RewardScorer:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
             outcomes = iter(self._pool.score(tasks))
         else:
-            outcomes = self._call_all([(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples])
+            outcomes = self._call_all(
+                [(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples]
+            )
         for j, spec in enumerate(self.specs):
             for i in range(len(samples)):
                 value, failure = next(outcomes)
                 if failure is not None:
                     failures[spec.name][failure] += 1
                     if self.failure_totals[spec.name][failure] == 0:
-                        log.warning("reward %r: %s on a sample (scored 0; counted, further ones not logged)", spec.name, failure)
+                        log.warning(
+                            "reward %r: %s on a sample (scored 0; counted, further ones not logged)", spec.name, failure
+                        )
                     self.failure_totals[spec.name][failure] += 1
                 values[i, j] = value
         for c in self.conditionals:
@@ -236,7 +240,9 @@ class _RewardThread:
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._abandoned = threading.Event()
-        threading.Thread(target=self._serve, args=(self._tasks, self._abandoned), daemon=True, name="moe-rl-reward").start()
+        threading.Thread(
+            target=self._serve, args=(self._tasks, self._abandoned), daemon=True, name="moe-rl-reward"
+        ).start()
 
     @staticmethod
     def _serve(tasks: queue.SimpleQueue, abandoned: threading.Event) -> None:

@@ -99,7 +99,9 @@ class LocalEngine(RolloutEngine):
         for target, key in self._sources:
             value = hf_tensors[key]
             if value.shape != target.shape:
-                raise ValueError(f"weight update: {key} has shape {tuple(value.shape)}, the engine's is {tuple(target.shape)}")
+                raise ValueError(
+                    f"weight update: {key} has shape {tuple(value.shape)}, the engine's is {tuple(target.shape)}"
+                )
             target.copy_(self._rounded(value))
         self._version = weight_version
 
@@ -110,12 +112,17 @@ class LocalEngine(RolloutEngine):
         num_experts = self.arch.num_experts(self.model.config)
         sources = []
         for name, target in self.model.state_dict().items():
-            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
+            m = re.fullmatch(
+                r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name
+            )
             l = int(m.group(1)) if m else None
             if m and m.group(2) == "experts.gate_up_proj":
                 ffn = target.shape[1] // 2
                 for e in range(num_experts):
-                    sources += [(target[e, :ffn], keys.gate.format(l=l, e=e)), (target[e, ffn:], keys.up.format(l=l, e=e))]
+                    sources += [
+                        (target[e, :ffn], keys.gate.format(l=l, e=e)),
+                        (target[e, ffn:], keys.up.format(l=l, e=e)),
+                    ]
             elif m and m.group(2) == "experts.down_proj":
                 sources += [(target[e], keys.down.format(l=l, e=e)) for e in range(num_experts)]
             elif m:
@@ -142,7 +149,9 @@ class LocalEngine(RolloutEngine):
         samples = self.generate_seeded(rows, seeds, params, return_routed_experts)
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def generate_seeded(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams, routed: bool) -> list[Sample]:
+    def generate_seeded(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams, routed: bool
+    ) -> list[Sample]:
         """One sample of each prompt with its own seed; prompts of one length share a batch
         (no padding: the numerics of a batch of one)."""
         params.validate()
@@ -152,7 +161,9 @@ class LocalEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             by_length.setdefault(len(p), []).append(i)
         for indices in by_length.values():
-            samples = self.generate_rows([list(prompts[i]) for i in indices], [seeds[i] for i in indices], params, routed)
+            samples = self.generate_rows(
+                [list(prompts[i]) for i in indices], [seeds[i] for i in indices], params, routed
+            )
             for i, sample in zip(indices, samples):
                 out[i] = sample
         self.seconds_generating += time.perf_counter() - start
@@ -165,7 +176,9 @@ class LocalEngine(RolloutEngine):
         yield _BatchingTurns(self, return_routed_experts)
 
     @torch.no_grad()
-    def generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool) -> list[Sample]:
+    def generate_rows(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool
+    ) -> list[Sample]:
         """One sample per row: ``prompts[r]`` (all of one length) sampled with ``seeds[r]``
         (SGLang's per-request ``sampling_seed``)."""
         if not prompts[0]:
@@ -202,7 +215,8 @@ class LocalEngine(RolloutEngine):
         for j in range(n):
             routed_j = None
             if routed:
-                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].clone()  # its own storage, not the batch's
+                # its own storage, not the batch's
+                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].clone()
             samples.append(
                 Sample(
                     prompt_ids=list(prompts[j]),
@@ -234,7 +248,9 @@ class _BatchingTurns:
         self._pending: list[tuple[list[int], SamplingParams, int, int, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0
+    ) -> Sample:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((list(token_ids), params, seed, routing_from, future))
         if self._flusher is None or self._flusher.done():

@@ -30,7 +30,16 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
+from moe_rl.rollout.types import (
+    RolloutEngine,
+    RolloutError,
+    Sample,
+    SamplingParams,
+    StaleWeightsError,
+    TurnSource,
+    run_groups,
+    sample_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +75,34 @@ class EngineHandle:
         self.turns: list[Turn] = []
         self.seconds = 0.0  # spent waiting for the engine
 
-    async def generate(self, token_ids: Sequence[int], *, max_new_tokens: int | None = None, stop_token_ids: Sequence[int] = ()) -> Turn:
+    async def generate(
+        self, token_ids: Sequence[int], *, max_new_tokens: int | None = None, stop_token_ids: Sequence[int] = ()
+    ) -> Turn:
         """Sample a continuation of ``token_ids`` (at most ``max_new_tokens``, default the
         run's ``rollout.max_new_tokens``; stopping at EOS and at ``stop_token_ids``)."""
         params = replace(
-            self.sampling, max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
+            self.sampling,
+            max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
             stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))),
-        )  # fmt: skip
+        )
         ids = [int(t) for t in token_ids]
         known, routing_from = self._known_routing(ids)
         start = time.perf_counter()
-        sample = await self._source.generate(ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from)
+        sample = await self._source.generate(
+            ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from
+        )
         self.seconds += time.perf_counter() - start
         routed = sample.routed_experts
         if routed is not None and known is not None:
             routed = torch.cat([known, routed])
-        turn = Turn(ids, list(sample.output_ids), list(sample.output_logprobs), sample.finish_reason, sample.weight_version, routed)
+        turn = Turn(
+            ids,
+            list(sample.output_ids),
+            list(sample.output_logprobs),
+            sample.finish_reason,
+            sample.weight_version,
+            routed,
+        )
         self.turns.append(turn)
         return turn
 
@@ -161,13 +182,20 @@ class Transcript:
             raise StaleWeightsError(f"a multi-turn sample mixes weight versions {sorted(versions)}")
         routed = self.routed_experts
         if routed is not None and len(routed) != len(self.prompt_ids) + end - 1:
-            raise TranscriptError(f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}")
+            raise TranscriptError(
+                f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}"
+            )
         return Sample(
-            prompt_ids=list(self.prompt_ids), output_ids=self.output_ids[:end], output_logprobs=self.logprobs[:end],
-            finish_reason=self.finish_reason, weight_version=next(iter(versions), ""), seed=seed, routed_experts=routed,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=self.output_ids[:end],
+            output_logprobs=self.logprobs[:end],
+            finish_reason=self.finish_reason,
+            weight_version=next(iter(versions), ""),
+            seed=seed,
+            routed_experts=routed,
             meta={**self.meta, **({RESPONSE_TEXT: self.response_text} if self.response_text is not None else {})},
             loss_mask=self.loss_mask[:end],
-        )  # fmt: skip
+        )
 
 
 # ------------------------------------------------------------------ loading the function
@@ -209,7 +237,16 @@ class Sampler(Protocol):
     """``n`` samples of each problem (its prompt ``prompts[i]``), group-major, sample j of
     problem i seeded ``sample_seed(seed, i, j, n)``."""
 
-    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]: ...
+    def sample(
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        routed: bool,
+    ) -> list[list[Sample]]: ...
 
 
 class SingleTurnSampler:
@@ -218,7 +255,16 @@ class SingleTurnSampler:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
 
-    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]:
+    def sample(
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        routed: bool,
+    ) -> list[list[Sample]]:
         return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
 
 
@@ -226,22 +272,43 @@ class MultiTurnSampler:
     """``n`` transcripts of each problem from ``fn``, all concurrently (within the engine's
     concurrency limit: ``rollout.concurrency_per_server`` per SGLang server)."""
 
-    def __init__(self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float) -> None:
+    def __init__(
+        self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float
+    ) -> None:
         self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
         self.kwargs, self.timeout_s = dict(kwargs), timeout_s
 
-    def sample(self, problems: Sequence[Any], prompts: Sequence[list[int]], n: int, params: SamplingParams, *, seed: int, routed: bool) -> list[list[Sample]]:
+    def sample(
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        routed: bool,
+    ) -> list[list[Sample]]:
         params.validate()
         return asyncio.run(self._sample_all(problems, prompts, n, params, seed, routed))
 
-    async def _sample_all(self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool) -> list[list[Sample]]:
+    async def _sample_all(
+        self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool
+    ) -> list[list[Sample]]:
         async with self.engine.turns(return_routed_experts=routed) as source:
-            return await run_groups(lambda i, j: self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed), len(prompts), n)
+            return await run_groups(
+                lambda i, j: self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed),
+                len(prompts),
+                n,
+            )
 
-    async def _one(self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool) -> Sample:
+    async def _one(
+        self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool
+    ) -> Sample:
         handle = EngineHandle(source, params, seed)
         start = time.perf_counter()
-        call = self.fn(problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs)
+        call = self.fn(
+            problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs
+        )
         try:
             transcript = await asyncio.wait_for(call, self.timeout_s)
             if not isinstance(transcript, Transcript):
@@ -253,14 +320,23 @@ class MultiTurnSampler:
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             sample = await self._failed_sample(source, handle, prompt, params, seed, routed, why)
         sample.meta.update(
-            turns=len(handle.turns), policy_tokens=sample.policy_token_count,
+            turns=len(handle.turns),
+            policy_tokens=sample.policy_token_count,
             environment_tokens=len(sample.output_ids) - sample.policy_token_count,
             environment_seconds=max(0.0, time.perf_counter() - start - handle.seconds),
-        )  # fmt: skip
+        )
         return sample
 
-    async def _failed_sample(self, source: TurnSource, handle: EngineHandle, prompt: list[int], params: SamplingParams, seed: int,
-                             routed: bool, why: str) -> Sample:  # fmt: skip
+    async def _failed_sample(
+        self,
+        source: TurnSource,
+        handle: EngineHandle,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int,
+        routed: bool,
+        why: str,
+    ) -> Sample:
         """A sample of what the last turn saw and sampled, none of it trained on; with no
         such turn the bare prompt (its routing from a one-token request when needed)."""
         last = next((t for t in reversed(handle.turns) if t.input_ids[: len(prompt)] == prompt), None)
@@ -269,7 +345,15 @@ class MultiTurnSampler:
             last = Turn(prompt, [], [], "abort", "", probe.routed_experts[: len(prompt) - 1])
         output = (last.input_ids[len(prompt) :] + last.output_ids) if last is not None else []
         return Sample(
-            prompt_ids=list(prompt), output_ids=output, output_logprobs=[0.0] * len(output), finish_reason="abort",
-            weight_version=last.weight_version if last is not None and last.weight_version else self.engine.weight_version,
-            seed=seed, routed_experts=last.routed_experts if last is not None else None, meta={FAILED: why}, loss_mask=[0] * len(output),
-        )  # fmt: skip
+            prompt_ids=list(prompt),
+            output_ids=output,
+            output_logprobs=[0.0] * len(output),
+            finish_reason="abort",
+            weight_version=last.weight_version
+            if last is not None and last.weight_version
+            else self.engine.weight_version,
+            seed=seed,
+            routed_experts=last.routed_experts if last is not None else None,
+            meta={FAILED: why},
+            loss_mask=[0] * len(output),
+        )

@@ -25,10 +25,20 @@ from parallel.launch import dies_with_this_process
 # the trainer: a 0.2 s step took 17-21 s on 2 cores). A small KV pool: host memory is shared
 # with the trainer. Flags in ServerSettings.extra_args come later and win.
 CPU_SERVER_ARGS = (
-    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-    "--disable-overlap-schedule", "--skip-server-warmup", "--sleep-on-idle",
-    "--max-total-tokens", "4096", "--max-running-requests", "16",
-)  # fmt: skip
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-overlap-schedule",
+    "--skip-server-warmup",
+    "--sleep-on-idle",
+    "--max-total-tokens",
+    "4096",
+    "--max-running-requests",
+    "16",
+)
 CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
@@ -52,14 +62,21 @@ class ServerSettings:
     def command(self) -> list[str]:
         cmd = [
             *self.launch_command,
-            "--model-path", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--tp-size", str(self.tp_size),
-            "--ep-size", str(self.ep_size),
-            "--mem-fraction-static", str(self.mem_fraction_static),
-            "--random-seed", str(self.seed),
-        ]  # fmt: skip
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tp-size",
+            str(self.tp_size),
+            "--ep-size",
+            str(self.ep_size),
+            "--mem-fraction-static",
+            str(self.mem_fraction_static),
+            "--random-seed",
+            str(self.seed),
+        ]
         if self.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if self.deterministic and self.device == "cuda":
@@ -95,7 +112,9 @@ def check_server_gpus(server_gpus: Sequence[int | str], trainer_gpus: Sequence[i
         )
     shared = sorted(set(map(str, server_gpus)) & set(map(str, trainer_gpus)))
     if shared:
-        raise ValueError(f"rollout.server_gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}")
+        raise ValueError(
+            f"rollout.server_gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}"
+        )
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -108,7 +127,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError:
-            raise RolloutError(f"port {port} on {host} is already in use (another server?): choose another rollout.server_port") from None
+            raise RolloutError(
+                f"port {port} on {host} is already in use (another server?): choose another rollout.server_port"
+            ) from None
 
 
 class SGLangServer:
@@ -130,9 +151,12 @@ class SGLangServer:
         self._log = open(self.log_path, "ab")
         command = settings.command()
         self.process = subprocess.Popen(
-            dies_with_this_process(command), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            dies_with_this_process(command),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env=settings.environment(),
-        )  # fmt: skip
+        )
         self.pid_path.write_text(json.dumps({"pid": self.process.pid, "command": command}))
         atexit.register(self.stop)
 
@@ -149,7 +173,9 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RolloutError(f"SGLang server exited with code {self.process.returncode}; log tail:\n{self.log_tail()}")
+                raise RolloutError(
+                    f"SGLang server exited with code {self.process.returncode}; log tail:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health_generate", timeout=5.0).status_code == 200:
                     return
@@ -172,7 +198,9 @@ class SGLangServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the server's process group (SIGTERM, SIGKILL after ``timeout_s``); idempotent."""
         atexit.unregister(self.stop)
-        _kill_group(self.process.pid, timeout_s, wait=self.process.wait)  # its workers too, if the server itself is gone
+        _kill_group(
+            self.process.pid, timeout_s, wait=self.process.wait
+        )  # its workers too, if the server itself is gone
         self.pid_path.unlink(missing_ok=True)
         self._log.close()
 

@@ -37,7 +37,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams, StaleWeightsError, TurnSource, run_groups, sample_seed
+from moe_rl.rollout.types import (
+    RolloutEngine,
+    RolloutError,
+    Sample,
+    SamplingParams,
+    StaleWeightsError,
+    TurnSource,
+    run_groups,
+    sample_seed,
+)
 from moe_rl.routing.encoding import decode_routed_experts, repeats_an_expert
 
 log = logging.getLogger(__name__)
@@ -97,7 +106,9 @@ class SGLangEngine(RolloutEngine):
         """The servers' current ``weight_version``; they must all serve the same one."""
         versions = {url: str(body.get("weight_version")) for url, body in zip(self.urls, self._get_info("model"))}
         if len(set(versions.values())) > 1:
-            raise RolloutError(f"the SGLang servers serve different weight versions {versions}: sync their weights first")
+            raise RolloutError(
+                f"the SGLang servers serve different weight versions {versions}: sync their weights first"
+            )
         return next(iter(versions.values()))
 
     # ------------------------------------------------------------ generation
@@ -121,15 +132,23 @@ class SGLangEngine(RolloutEngine):
         async with self._client() as client:
             slots = self._server_slots()
             servers = [self.take_server() for _ in prompts]  # a prompt's samples on one server
-            request = functools.partial(self._request, client, slots, params=params, routed=routed, expected_version=expected_version)
+            request = functools.partial(
+                self._request, client, slots, params=params, routed=routed, expected_version=expected_version
+            )
             return await run_groups(
-                lambda i, j: request(prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}", server=servers[i]), len(prompts), n
+                lambda i, j: request(
+                    prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}", server=servers[i]
+                ),
+                len(prompts),
+                n,
             )
 
     def _client(self) -> httpx.AsyncClient:
         """A client whose pool has a connection for every request that may be in flight."""
         total = self.concurrency_per_server * len(self.urls)
-        return httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=total, max_keepalive_connections=total))
+        return httpx.AsyncClient(
+            timeout=self.timeout, limits=httpx.Limits(max_connections=total, max_keepalive_connections=total)
+        )
 
     def _server_slots(self) -> list[asyncio.Semaphore]:
         """One limit per server: ``concurrency_per_server`` requests in flight."""
@@ -141,9 +160,19 @@ class SGLangEngine(RolloutEngine):
         return server
 
     async def _request(
-        self, client: httpx.AsyncClient, slots: list[asyncio.Semaphore], prompt: Sequence[int], seed: int, *, params: SamplingParams,
-        routed: bool, expected_version: str, rid: str, server: int, routing_from: int = 0,
-    ) -> Sample:  # fmt: skip
+        self,
+        client: httpx.AsyncClient,
+        slots: list[asyncio.Semaphore],
+        prompt: Sequence[int],
+        seed: int,
+        *,
+        params: SamplingParams,
+        routed: bool,
+        expected_version: str,
+        rid: str,
+        server: int,
+        routing_from: int = 0,
+    ) -> Sample:
         """One ``/generate`` request (``n=1``) to server ``server`` first; its routed experts
         from position ``routing_from`` (SGLang's ``routed_experts_start_len``: earlier
         positions came with an earlier turn)."""
@@ -158,7 +187,9 @@ class SGLangEngine(RolloutEngine):
             payload["return_routed_experts"] = True
             if routing_from:
                 payload["routed_experts_start_len"] = routing_from
-        parse = functools.partial(self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from)
+        parse = functools.partial(
+            self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from
+        )
         self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
         sample = await self._post_with_retries(client, "/generate", payload, parse, server=server, slots=slots)
         self._unfinished.discard(rid)
@@ -175,9 +206,15 @@ class SGLangEngine(RolloutEngine):
             yield _HttpTurns(self, client, self._server_slots(), return_routed_experts, expected)
 
     async def _post_with_retries(
-        self, client: httpx.AsyncClient, path: str, payload: dict, parse: Callable[[dict], Any] = dict, *,
-        server: int | None = None, slots: Sequence[asyncio.Semaphore] | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        client: httpx.AsyncClient,
+        path: str,
+        payload: dict,
+        parse: Callable[[dict], Any] = dict,
+        *,
+        server: int | None = None,
+        slots: Sequence[asyncio.Semaphore] | None = None,
+    ) -> Any:
         """``parse(reply)`` of the first good reply, asking server ``server`` first (default:
         each in turn) within its slot of ``slots``; transport errors, 5xx, replies that are
         not JSON and replies ``parse`` finds malformed or aborted are retried on the next
@@ -193,7 +230,9 @@ class SGLangEngine(RolloutEngine):
                 if response.status_code >= 500:
                     raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
                 if response.status_code >= 400:
-                    raise RolloutError(f"{url}{path} refused the request (HTTP {response.status_code}): {response.text[:500]}")
+                    raise RolloutError(
+                        f"{url}{path} refused the request (HTTP {response.status_code}): {response.text[:500]}"
+                    )
                 try:
                     body = response.json()
                 except ValueError:
@@ -204,11 +243,15 @@ class SGLangEngine(RolloutEngine):
                 if attempt < self.max_retries:
                     self.retries += 1
                     delay = self.backoff_s * 2**attempt
-                    log.warning("rollout request failed (%s); retry %d/%d in %.1fs", last, attempt + 1, self.max_retries, delay)
+                    log.warning(
+                        "rollout request failed (%s); retry %d/%d in %.1fs", last, attempt + 1, self.max_retries, delay
+                    )
                     await asyncio.sleep(delay)
         raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
 
-    def _parse(self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str, routing_from: int = 0) -> Sample:
+    def _parse(
+        self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str, routing_from: int = 0
+    ) -> Sample:
         """A ``/generate`` reply as a :class:`Sample`; ``_Retryable`` for an error body, an
         aborted request or a malformed reply; final errors for stale weights or missing
         routing (the server's configuration, which a retry cannot change)."""
@@ -225,7 +268,9 @@ class SGLangEngine(RolloutEngine):
             finish = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
             version = str(meta.get("weight_version", ""))
             encoded = meta.get("routed_experts") if routed else None
-            routed_experts = self._decode_routing(encoded, len(prompt) + len(output_ids) - 1 - routing_from) if encoded else None
+            routed_experts = (
+                self._decode_routing(encoded, len(prompt) + len(output_ids) - 1 - routing_from) if encoded else None
+            )
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise _Retryable(f"malformed /generate reply ({type(e).__name__}: {e})") from None
         if finish == "abort":
@@ -248,7 +293,9 @@ class SGLangEngine(RolloutEngine):
         tokens x 48 layers x top-8 (``tools/bench_routing.py``): cheap enough for the event loop."""
         experts = decode_routed_experts(encoded, self.num_layers, self.top_k, self.num_experts)
         if experts.shape[0] != positions:
-            raise ValueError(f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1-routed_experts_start_len = {positions}")
+            raise ValueError(
+                f"routed_experts covers {experts.shape[0]} positions, expected prompt+output-1-routed_experts_start_len = {positions}"
+            )
         if repeats_an_expert(experts):
             raise ValueError("routed_experts repeats an expert within a token's top-k")
         return experts
@@ -289,14 +336,19 @@ class SGLangEngine(RolloutEngine):
                     body = None
                 body = body if isinstance(body, dict) else {}  # /flush_cache answers a bare string
                 if response.status_code >= 400 or (check_success and body.get("success") is False):
-                    failures.append(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
+                    failures.append(
+                        f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}"
+                    )
                 replies.append(body)
         if failures:
             raise RolloutError(failures[0])
         return replies
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        self._post_all("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, "flush_cache": True})
+        self._post_all(
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": weight_version, "flush_cache": True},
+        )
         self._version = weight_version
 
     def server_ranks(self) -> list[int]:
@@ -310,7 +362,9 @@ class SGLangEngine(RolloutEngine):
         for url, info in zip(self.urls, self._get_info("server")):
             for key in ("pp_size", "dp_size"):
                 if int(info.get(key) or 1) > 1:
-                    raise RolloutError(f"{url}: distributed weight sync to a server with {key}={info[key]} is not supported; use rollout.weight_sync=disk")
+                    raise RolloutError(
+                        f"{url}: distributed weight sync to a server with {key}={info[key]} is not supported; use rollout.weight_sync=disk"
+                    )
             sizes.append(int(info.get("tp_size") or 1))
         return sizes
 
@@ -325,16 +379,26 @@ class SGLangEngine(RolloutEngine):
         timeout."""
         offsets, world_size = weight_group_offsets(self.server_ranks())
         payloads = [
-            {"master_address": master_address, "master_port": master_port, "rank_offset": offset,
-             "world_size": world_size, "group_name": group_name, "backend": backend}
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
             for offset in offsets
-        ]  # fmt: skip
+        ]
         try:
-            return self._post_each("/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True)
+            return self._post_each(
+                "/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True
+            )
         except RolloutError:
             raise
         except (OSError, RuntimeError, ValueError) as e:  # the rendezvous itself (e.g. its timeout)
-            raise RolloutError(f"joining weight-update group {group_name} at {master_address}:{master_port} failed: {type(e).__name__}: {e}") from e
+            raise RolloutError(
+                f"joining weight-update group {group_name} at {master_address}:{master_port} failed: {type(e).__name__}: {e}"
+            ) from e
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Ask every server to leave ``group_name`` (best effort: SGLang versions without
@@ -363,7 +427,9 @@ class SGLangEngine(RolloutEngine):
         self._version = weight_version
         served = self.read_weight_version()
         if served != weight_version:
-            raise RolloutError(f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}")
+            raise RolloutError(
+                f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}"
+            )
 
     def _end_weight_update(self, began: bool) -> None:
         """``/end_weight_update`` on every server; after a refused begin, the sessions the
@@ -409,9 +475,14 @@ class SGLangEngine(RolloutEngine):
         list of ``(name, tensor)``. Servers on this node only; call inside :meth:`weight_update`."""
         load_format = "flattened_bucket" if flattened else None
         payloads = [
-            {"serialized_named_tensors": [serialized] * size, "load_format": load_format, "flush_cache": False, "weight_version": weight_version}
+            {
+                "serialized_named_tensors": [serialized] * size,
+                "load_format": load_format,
+                "flush_cache": False,
+                "weight_version": weight_version,
+            }
             for size in self.server_ranks()
-        ]  # fmt: skip
+        ]
         self._post_each("/update_weights_from_tensor", payloads)
 
     def supports_flattened_buckets(self) -> bool:
@@ -430,7 +501,12 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/resume_memory_occupation", {"tags": list(tags)})
 
     def _post_each(
-        self, path: str, payloads: Sequence[dict], while_waiting: Callable[[], Any] = lambda: None, *, wait_in_thread: bool = False
+        self,
+        path: str,
+        payloads: Sequence[dict],
+        while_waiting: Callable[[], Any] = lambda: None,
+        *,
+        wait_in_thread: bool = False,
     ) -> Any:
         """``payloads[i]`` to server ``i``, all in flight at once (requests that block until
         this process acts: ``while_waiting()`` runs meanwhile; its result is returned); every
@@ -458,7 +534,9 @@ class SGLangEngine(RolloutEngine):
             body = None
         body = body if isinstance(body, dict) else {}  # some endpoints answer a bare string
         if response.status_code >= 400 or body.get("success") is False:
-            raise RolloutError(f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}")
+            raise RolloutError(
+                f"{url}{path} failed (HTTP {response.status_code}): {body.get('message', response.text[:300])}"
+            )
         return body
 
     def returns_routed_experts(self) -> bool:
@@ -486,7 +564,9 @@ class SGLangEngine(RolloutEngine):
                     except httpx.TransportError as e:
                         last = f"{type(e).__name__}: {e}"
                 if pending and time.monotonic() > deadline:
-                    raise RolloutError(f"SGLang server(s) {pending} not healthy after {timeout_s:.0f}s ({last or 'no answer'})")
+                    raise RolloutError(
+                        f"SGLang server(s) {pending} not healthy after {timeout_s:.0f}s ({last or 'no answer'})"
+                    )
                 if pending:
                     time.sleep(poll_s)
 
@@ -570,19 +650,36 @@ class _HttpTurns:
     its prompt's first sample), so a prompt's samples and turns share that server's prefix
     cache; a request that continues none takes the next server."""
 
-    def __init__(self, engine: SGLangEngine, client: httpx.AsyncClient, slots: list[asyncio.Semaphore], routed: bool, expected: str) -> None:
+    def __init__(
+        self,
+        engine: SGLangEngine,
+        client: httpx.AsyncClient,
+        slots: list[asyncio.Semaphore],
+        routed: bool,
+        expected: str,
+    ) -> None:
         self.engine, self.client, self.slots, self.routed, self.expected = engine, client, slots, routed, expected
         self._ids = itertools.count()
         self._server_of: dict[tuple[int, int], int] = {}  # a first request's (length, tokens' hash) -> its server
         self._lengths: list[int] = []  # their lengths, longest first
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0
+    ) -> Sample:
         params.validate()
         rid = f"moe-rl-turn-{seed}-{next(self._ids)}"
         return await self.engine._request(
-            self.client, self.slots, token_ids, seed, params=params, routed=self.routed, expected_version=self.expected,
-            rid=rid, server=self.server_for(token_ids), routing_from=routing_from,
-        )  # fmt: skip
+            self.client,
+            self.slots,
+            token_ids,
+            seed,
+            params=params,
+            routed=self.routed,
+            expected_version=self.expected,
+            rid=rid,
+            server=self.server_for(token_ids),
+            routing_from=routing_from,
+        )
 
     def server_for(self, token_ids: Sequence[int]) -> int:
         """The server of the longest first request that ``token_ids`` start with; else the

@@ -86,7 +86,9 @@ class TurnSource(Protocol):
     whose routed experts are wanted (earlier ones came with an earlier turn); the
     sample's ``routed_experts`` then starts there."""
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0) -> Sample: ...
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0
+    ) -> Sample: ...
 
 
 class RolloutEngine(ABC):

@@ -36,13 +36,21 @@ class WeightSource(Protocol):
     def gather(self) -> dict[str, Tensor] | None:
         """Every full tensor on the first rank; ``None`` on the others."""
 
-    def send_buckets(self, bucket_bytes: int, dtype: torch.dtype | None, consume: Callable[[list[tuple[str, Tensor]]], None] | None) -> int:
+    def send_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None, consume: Callable[[list[tuple[str, Tensor]]], None] | None
+    ) -> int:
         """``consume(bucket)`` on the first rank for each bucket of at most ``bucket_bytes``
         of full tensors (on its device); no rank holds more than a bucket at a time.
         Returns the number of buckets."""
 
-    def stream(self, bucket_bytes: int, dtype: torch.dtype | None, consume: Callable[[Bucket, Tensor | None], None] | None, *,
-               per_stage: bool = False) -> list[Bucket]:  # fmt: skip
+    def stream(
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        consume: Callable[[Bucket, Tensor | None], None] | None,
+        *,
+        per_stage: bool = False,
+    ) -> list[Bucket]:
         """Each bucket packed into one flat byte tensor on its sender (the first rank; with
         ``per_stage`` its pipeline stage's first rank), which calls ``consume(bucket, flat)``;
         the first rank also calls ``consume(bucket, None)`` for the buckets others send."""
@@ -142,16 +150,24 @@ class DistributedSync(WeightSync):
 
         def announce_and_send(bucket: Bucket, flat: Tensor | None) -> None:
             self.engine.update_weights_from_distributed(
-                [(t.name, t.dtype, t.shape) for t in bucket.tensors], lambda: self._send(bucket, flat),
-                group_name=self.link.group_names[bucket.sender], weight_version=version, flattened=self.link.flattened,
-            )  # fmt: skip
+                [(t.name, t.dtype, t.shape) for t in bucket.tensors],
+                lambda: self._send(bucket, flat),
+                group_name=self.link.group_names[bucket.sender],
+                weight_version=version,
+                flattened=self.link.flattened,
+            )
 
         with self.engine.weight_update(version):
             plan = weights.stream(self.bucket_bytes, self.dtype, announce_and_send, per_stage=self.per_stage)
         log.info(
-            "weights %s sent to %d server(s) in %d %s bucket(s) from %d sender(s) in %.2fs", version, len(self.engine.urls), len(plan),
-            "flattened" if self.link.flattened else "per-tensor", len(self.link.group_names), time.perf_counter() - start,
-        )  # fmt: skip
+            "weights %s sent to %d server(s) in %d %s bucket(s) from %d sender(s) in %.2fs",
+            version,
+            len(self.engine.urls),
+            len(plan),
+            "flattened" if self.link.flattened else "per-tensor",
+            len(self.link.group_names),
+            time.perf_counter() - start,
+        )
 
     def _send(self, bucket: Bucket, flat: Tensor | None) -> None:
         """Broadcast a bucket this rank packed (nothing for one another rank sends), and wait
@@ -173,23 +189,36 @@ class DistributedSync(WeightSync):
         from parallel.collectives import all_gather_objects, broadcast_object, rank
         from parallel.launch import free_port
 
-        senders = sorted({bucket.sender for bucket in weights.plan(self.bucket_bytes, self.dtype, per_stage=self.per_stage)})
+        senders = sorted(
+            {bucket.sender for bucket in weights.plan(self.bucket_bytes, self.dtype, per_stage=self.per_stage)}
+        )
         setup = None
         if self.engine is not None:
             flattened = self.engine.supports_flattened_buckets() if self.flattened is None else self.flattened
             # a name of its own: servers keep a group by name, and one that an earlier trainer
             # left (a restarted or resumed run against long-lived servers) refuses the name
-            setup = (self.engine.urls, uuid.uuid4().hex[:12], flattened, weight_group_offsets(self.engine.server_ranks())[1])
+            setup = (
+                self.engine.urls,
+                uuid.uuid4().hex[:12],
+                flattened,
+                weight_group_offsets(self.engine.server_ranks())[1],
+            )
         urls, token, flattened, world_size = broadcast_object(setup)
         me = rank()
-        endpoint = (self.address if me == 0 and self.address else reachable_address(urls), free_port()) if me in senders else None
+        endpoint = (
+            (self.address if me == 0 and self.address else reachable_address(urls), free_port())
+            if me in senders
+            else None
+        )
         endpoints = all_gather_objects(endpoint)
         link = _SenderLink({sender: f"{self.GROUP_PREFIX}-{token}-r{sender}" for sender in senders}, flattened)
         if self.engine is not None:
             for sender in senders:
                 address, port = endpoints[sender]
                 join = self._joiner(address, port, link.group_names[sender], hosted_here=sender == me)
-                group = self.engine.init_weights_update_group(address, port, link.group_names[sender], self.backend, join)
+                group = self.engine.init_weights_update_group(
+                    address, port, link.group_names[sender], self.backend, join
+                )
                 link.group = group if sender == me else link.group
         elif me in senders:
             address, port = endpoints[me]
@@ -215,7 +244,13 @@ class DistributedSync(WeightSync):
         from parallel.weight_update_group import join_weight_update_group
 
         return join_weight_update_group(
-            backend=self.backend, address=address, port=port, world_size=world_size, rank=0, group_name=name, timeout_s=self.timeout_s
+            backend=self.backend,
+            address=address,
+            port=port,
+            world_size=world_size,
+            rank=0,
+            group_name=name,
+            timeout_s=self.timeout_s,
         )
 
     def close(self) -> None:
@@ -241,7 +276,9 @@ class TensorSync(WeightSync):
     every server takes that (SGLang 0.5.6 on), else a list of its tensors; it stays alive
     until every server has replied."""
 
-    def __init__(self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype, flattened: bool | None = None) -> None:
+    def __init__(
+        self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype, flattened: bool | None = None
+    ) -> None:
         super().__init__(engine)
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.flattened = flattened  # None: where every server supports it (asked at the first push)
@@ -262,13 +299,21 @@ class TensorSync(WeightSync):
             # the packed bytes are a buffer of their own (never a parameter, whose storage
             # sharing would move: on CPU into shared memory)
             payload = flattened_bucket(bucket, flat) if self.flattened else bucket.unpack(flat)
-            self.engine.update_weights_from_tensor(serialize_for_sglang(payload), weight_version=version, flattened=self.flattened)
+            self.engine.update_weights_from_tensor(
+                serialize_for_sglang(payload), weight_version=version, flattened=self.flattened
+            )
 
         start = time.perf_counter()
         with self.engine.weight_update(version):
             plan = weights.stream(self.bucket_bytes, self.dtype, send)
-        log.info("weights %s handed to %d server(s) in %d %s bucket(s) in %.2fs", version, len(self.engine.urls), len(plan),
-                 "flattened" if self.flattened else "per-tensor", time.perf_counter() - start)  # fmt: skip
+        log.info(
+            "weights %s handed to %d server(s) in %d %s bucket(s) in %.2fs",
+            version,
+            len(self.engine.urls),
+            len(plan),
+            "flattened" if self.flattened else "per-tensor",
+            time.perf_counter() - start,
+        )
 
 
 def flattened_bucket(bucket: Bucket, flat: Tensor) -> dict:
@@ -277,9 +322,16 @@ def flattened_bucket(bucket: Bucket, flat: Tensor) -> dict:
     ``FlattenedTensorMetadata`` (as a ``SimpleNamespace``, which its unpickler allows; byte
     offsets, ``numel`` in bytes)."""
     metadata = [
-        types.SimpleNamespace(name=t.name, shape=torch.Size(t.shape), dtype=t.dtype, start_idx=t.start, end_idx=t.end, numel=t.end - t.start)
+        types.SimpleNamespace(
+            name=t.name,
+            shape=torch.Size(t.shape),
+            dtype=t.dtype,
+            start_idx=t.start,
+            end_idx=t.end,
+            numel=t.end - t.start,
+        )
         for t in bucket.tensors
-    ]  # fmt: skip
+    ]
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
@@ -294,7 +346,11 @@ def _reduce_tensor_by_uuid(tensor: Tensor):
 
     rebuild, args = reductions.reduce_tensor(tensor)
     if tensor.is_cuda:
-        args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid), *args[_DEVICE_ARG + 1 :])
+        args = (
+            *args[:_DEVICE_ARG],
+            str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid),
+            *args[_DEVICE_ARG + 1 :],
+        )
     return rebuild, args
 
 
@@ -310,7 +366,11 @@ def serialize_for_sglang(obj: object) -> str:
     from torch import multiprocessing as _registers_tensor_reductions  # noqa: F401
 
     class UuidPickler(ForkingPickler):
-        _extra_reducers = {**ForkingPickler._extra_reducers, torch.Tensor: _reduce_tensor_by_uuid, torch.nn.Parameter: _reduce_tensor_by_uuid}
+        _extra_reducers = {
+            **ForkingPickler._extra_reducers,
+            torch.Tensor: _reduce_tensor_by_uuid,
+            torch.nn.Parameter: _reduce_tensor_by_uuid,
+        }
 
     buffer = io.BytesIO()
     UuidPickler(buffer).dump(obj)
@@ -339,7 +399,9 @@ def _rebuild_cuda_tensor_by_uuid(*args):
 
     device = args[_DEVICE_ARG]
     if isinstance(device, str):
-        matches = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device]
+        matches = [
+            i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device
+        ]
         if not matches:
             raise RuntimeError(f"no GPU with UUID {device} is visible to this process")
         args = (*args[:_DEVICE_ARG], matches[0], *args[_DEVICE_ARG + 1 :])

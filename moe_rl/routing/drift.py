@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+
 def _token_weights(a: Tensor, mask: Tensor | None) -> Tensor:
     w = torch.ones(a.shape[0], dtype=torch.float64, device=a.device) if mask is None else mask.to(torch.float64)
     if w.shape != (a.shape[0],):

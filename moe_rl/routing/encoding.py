@@ -45,7 +45,9 @@ def decode_routed_experts(data: str, num_layers: int, top_k: int, num_experts: i
         )
     wide = np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k)
     if wide.size and (int(wide.min()) < 0 or (num_experts is not None and int(wide.max()) >= num_experts)):
-        raise ValueError(f"routed_experts has expert ids outside [0, {num_experts if num_experts is not None else 'inf'})")
+        raise ValueError(
+            f"routed_experts has expert ids outside [0, {num_experts if num_experts is not None else 'inf'})"
+        )
     dtype = torch.int32 if num_experts is None else expert_index_dtype(num_experts)
     return torch.from_numpy(wide.astype(_NUMPY_TYPES[dtype]))
 
@@ -65,7 +67,9 @@ def encode_routed_experts(indices: Tensor) -> str:
     return base64.b64encode(indices.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
 
 
-def save_routing(path: str | os.PathLike, indices: Tensor, probs: Tensor | None = None, mask: Tensor | None = None) -> None:
+def save_routing(
+    path: str | os.PathLike, indices: Tensor, probs: Tensor | None = None, mask: Tensor | None = None
+) -> None:
     tensors = {"indices": indices.to(torch.int32).contiguous()}
     if probs is not None:
         tensors["probs"] = probs.float().contiguous()

@@ -47,5 +47,7 @@ class ExpertBiasTracker:
         values = all_reduce(values, group=ps.get_pipeline_model_parallel_group()).cpu()
         self._before = []
         out = {tags.routing("expert_bias_delta", layer=l): float(values[l]) for l in self.moe_layer_numbers}
-        out[tags.routing("expert_bias_delta")] = float(values[self.moe_layer_numbers].mean()) if self.moe_layer_numbers else 0.0
+        out[tags.routing("expert_bias_delta")] = (
+            float(values[self.moe_layer_numbers].mean()) if self.moe_layer_numbers else 0.0
+        )
         return out

@@ -60,7 +60,9 @@ class RouterCapture:
 
 
 @torch.no_grad()
-def transformers_routing(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def transformers_routing(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Top-k ``[b, s, num_layers, k]`` and router distributions ``[b, s, num_layers, E]``
     of ``model`` on ``input_ids`` ``[b, s]`` (one forward pass)."""
     capture = RouterCapture(model)

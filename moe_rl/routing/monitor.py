@@ -66,9 +66,18 @@ class RoutingMonitor:
     runs). ``sample_frac``: the share of each micro-batch's tokens the metrics observe."""
 
     def __init__(
-        self, model: torch.nn.Module, mode: str, num_layers: int, num_experts: int, *, recompute: bool = False, measure: bool = True,
-        split_environment: bool = False, router_kl: bool = True, sample_frac: float = 1.0,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        mode: str,
+        num_layers: int,
+        num_experts: int,
+        *,
+        recompute: bool = False,
+        measure: bool = True,
+        split_environment: bool = False,
+        router_kl: bool = True,
+        sample_frac: float = 1.0,
+    ) -> None:
         if mode not in REPLAY_MODES:
             raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
         if not 0 < sample_frac <= 1:
@@ -129,9 +138,12 @@ class RoutingMonitor:
         def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
             old, layers = self._old[i], self.probe.layer_numbers
             with_kl = old.probs is not None and new.probs is not None
-            old_probs = old.probs.to(new.probs.device) if with_kl else None  # kept off the accelerator between the passes
+            # kept off the accelerator between the passes
+            old_probs = old.probs.to(new.probs.device) if with_kl else None
             self._stats["old_vs_new"].add_drift(layers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
-            if bias_before is not None:  # (a stage without MoE layers adds its tokens' empty routing, as every group does)
+            if (
+                bias_before is not None
+            ):  # (a stage without MoE layers adds its tokens' empty routing, as every group does)
                 reference = new.natural if new.natural_with_reference_bias is None else new.natural_with_reference_bias
                 self._stats["expert_bias_effect"].add_drift(layers, reference, new.natural, self._masks[i])
 
@@ -149,10 +161,14 @@ class RoutingMonitor:
             return
         values = None
         if logprobs is not None:
-            values = [_mismatch_token_values(lp.detach() - mb.rollout_logp, mb.mask) for lp, mb in zip(logprobs, batches)]
+            values = [
+                _mismatch_token_values(lp.detach() - mb.rollout_logp, mb.mask) for lp, mb in zip(logprobs, batches)
+            ]
         self._add_token_values("train_vs_rollout", ("logp_mismatch", "offpolicy_kl_k3"), values)
 
-    def add_update_log_ratios(self, outputs: Sequence[dict] | None, batches: Sequence[MicroBatch], *, counted: bool) -> None:
+    def add_update_log_ratios(
+        self, outputs: Sequence[dict] | None, batches: Sequence[MicroBatch], *, counted: bool
+    ) -> None:
         """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
         ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
         this), on each batch's response ``mask``; ``counted=False`` keeps a pass out of the
@@ -163,7 +179,9 @@ class RoutingMonitor:
         if outputs is not None:
             values = []
             for out, mb in zip(outputs, batches):
-                per_token = torch.stack([out["token_log_ratio"].abs() * mb.mask, out["token_clipped"] * mb.mask, mb.mask], -1)
+                per_token = torch.stack(
+                    [out["token_log_ratio"].abs() * mb.mask, out["token_clipped"] * mb.mask, mb.mask], -1
+                )
                 values.append(per_token if counted else torch.zeros_like(per_token))
         self._add_token_values("replayed", ("log_ratio_abs", "clip_frac"), values)
 
@@ -173,9 +191,11 @@ class RoutingMonitor:
         if per_position is not None:
             local = []
             for i, values in enumerate(per_position):
-                values = torch.cat([values, values.new_zeros(values.shape[0], 1, values.shape[2])], dim=1)  # position s-1 scores nothing
+                # position s-1 scores nothing
+                values = torch.cat([values, values.new_zeros(values.shape[0], 1, values.shape[2])], dim=1)
                 values = self._observed(i, self._local(values))
-                weights = values[:, -1:] * self._weights[i]  # the weights (last) estimate all tokens; the values stay as they are
+                # the weights (last) estimate all tokens; the values stay as they are
+                weights = values[:, -1:] * self._weights[i]
                 local.append(torch.cat([values[:, :-1], weights], dim=1).transpose(0, 1))
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
 
@@ -196,7 +216,9 @@ class RoutingMonitor:
             self.replay.start_replay(self._engine, forward_only=True)
         elif self.mode == "r2":
             self.replay.start_record()
-        return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl) + ([self.replay] if self.replay else [])
+        return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl) + (
+            [self.replay] if self.replay else []
+        )
 
     def _end_old_pass(self) -> None:
         self._old = self._stop_probe()
@@ -208,16 +230,21 @@ class RoutingMonitor:
         for i, old in enumerate(self._old):
             self._stats["load"].add_load(layers, old.used, self._masks[i])
             if self._engine is not None:
-                engine = self._observed(i, torch.stack(self._engine[i], dim=1)) if self._engine[i] else old.used  # no MoE layer here: empty
+                # no MoE layer here: empty
+                engine = self._observed(i, torch.stack(self._engine[i], dim=1)) if self._engine[i] else old.used
                 # what the trainer computed with (under r3 that is the engine's routing)
                 self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
                 if self.split_environment:
                     self._stats[ENVIRONMENT_GROUP].add_drift(layers, engine, old.used, self._environment_masks[i])
 
     def _start_probe(
-        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None,
-        *, with_probs: bool,
-    ) -> list:  # fmt: skip
+        self,
+        consume: Consumer | None = None,
+        probs_device: torch.device | None = None,
+        reference_bias: dict[int, Tensor] | None = None,
+        *,
+        with_probs: bool,
+    ) -> list:
         """The probe's hooks for a pass over the observed tokens (none when not measuring:
         it then captures nothing); see :meth:`RouterProbe.start`."""
         if not self.measure:
@@ -268,7 +295,9 @@ class RoutingMonitor:
         if self.sample_frac >= 1:
             self._tokens, self._weights, self._masks = None, [1.0] * len(masks), list(masks)
             return
-        self._tokens = [sampled_tokens(m, self.sample_frac, seed=self._passes * 1_000_003 + i) for i, m in enumerate(masks)]
+        self._tokens = [
+            sampled_tokens(m, self.sample_frac, seed=self._passes * 1_000_003 + i) for i, m in enumerate(masks)
+        ]
         self._weights = [float((m > 0).sum()) / max(len(t), 1) for m, t in zip(masks, self._tokens)]
         self._masks = [m[t] * w for m, t, w in zip(masks, self._tokens, self._weights)]
 
@@ -313,7 +342,11 @@ def _environment_mask(mb: MicroBatch) -> Tensor:
     """Input positions holding tokens an environment inserted (``environment_tokens``; none
     when the batch has no such field or value)."""
     env = getattr(mb, "environment_tokens", None)
-    return env.to(torch.float32) if env is not None else torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=mb.input_ids.device)
+    return (
+        env.to(torch.float32)
+        if env is not None
+        else torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=mb.input_ids.device)
+    )
 
 
 def _routing_mask(mb: MicroBatch) -> Tensor:

@@ -69,7 +69,11 @@ class RouterProbe:
             used = chosen_experts(routing_map, self.top_k).to(self.index_dtype)
             probs = router_distribution(logits, router.config.moe_router_score_function) if self.with_probs else None
             reference_bias = self._reference_bias.get(self._layer_of[id(router)])
-            with_reference = None if reference_bias is None else natural_topk(logits, router.config, reference_bias).to(self.index_dtype)
+            with_reference = (
+                None
+                if reference_bias is None
+                else natural_topk(logits, router.config, reference_bias).to(self.index_dtype)
+            )
         self._current.append((natural, used, probs, with_reference))
 
     def before_forward(self, index: int, num_tokens: int) -> None:
@@ -95,9 +99,14 @@ class RouterProbe:
         self.captured[index] = routing
 
     def start(
-        self, consume: Consumer | None = None, probs_device: torch.device | None = None, reference_bias: dict[int, Tensor] | None = None,
-        *, with_probs: bool = True, tokens: Sequence[Tensor | None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        consume: Consumer | None = None,
+        probs_device: torch.device | None = None,
+        reference_bias: dict[int, Tensor] | None = None,
+        *,
+        with_probs: bool = True,
+        tokens: Sequence[Tensor | None] | None = None,
+    ) -> None:
         """Capture a pass: hand each micro-batch's routing to ``consume``, or keep them
         (the router distributions on ``probs_device`` when given, e.g. off the GPU).
         ``reference_bias`` (layer -> expert bias, for every router with a bias): also the

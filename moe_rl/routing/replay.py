@@ -70,7 +70,7 @@ class RoutingReplay:
         layers = moe_layers(model)
         self.layer_numbers = [n for n, _ in layers]
         self.instances: list[RouterReplay] = []
-        for n, router in layers:
+        for _, router in layers:
             if router.router_replay is None:
                 raise ValueError("the model was built without moe_enable_routing_replay=True")
             self.instances.append(router.router_replay)
@@ -154,7 +154,9 @@ class RoutingReplay:
 
     def after_forward(self, index: int) -> None:
         if self._phase is _Phase.RECORD:
-            self._record[index] = [inst.get_recorded_indices().detach().to(self.index_dtype, copy=True) for inst in self.instances]
+            self._record[index] = [
+                inst.get_recorded_indices().detach().to(self.index_dtype, copy=True) for inst in self.instances
+            ]
         elif self._phase is _Phase.REPLAY:
             # an activation-recompute pass during this micro-batch's backward must replay too
             self._set_action(RouterReplayAction.REPLAY_BACKWARD)
@@ -203,7 +205,9 @@ def engine_routing_to_replay(
     layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=device)
     if not 0 < top_k <= num_experts:
         raise ReplayError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-    rotating = (torch.arange(seq_len, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % num_experts
+    rotating = (
+        torch.arange(seq_len, device=device)[:, None] * top_k + torch.arange(top_k, device=device)
+    ) % num_experts
     full = rotating.to(expert_index_dtype(num_experts))[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
     for j, r in enumerate(routed):
         n = min(r.shape[0], seq_len)

@@ -155,8 +155,11 @@ class RoutingStats:
         if not split.numel() or split[-1].sum() <= 0:
             return {}
         (changed_w, same_w), total_w = split[-1], split[-1].sum()
-        out = {"routing_changed_response_frac": changed_w / total_w, "routing_changed_tokens": changed_w / replicas,
-               "routing_same_tokens": same_w / replicas}  # fmt: skip
+        out = {
+            "routing_changed_response_frac": changed_w / total_w,
+            "routing_changed_tokens": changed_w / replicas,
+            "routing_same_tokens": same_w / replicas,
+        }
         for name, (changed, same) in zip(self._value_names, split[:-1]):
             out[name] = (changed + same) / total_w
             if changed_w > 0:

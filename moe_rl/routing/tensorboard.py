@@ -47,7 +47,9 @@ SCALARS = (
 )
 
 
-def log_routing(writer, step: int, metrics: dict[str, Tensor], group: str = "old_vs_new", images: bool = True) -> dict[str, float]:
+def log_routing(
+    writer, step: int, metrics: dict[str, Tensor], group: str = "old_vs_new", images: bool = True
+) -> dict[str, float]:
     """Write ``metrics`` (from :class:`RoutingStats.reduce` or ``drift_metrics``) under
     ``group``'s tags (:data:`moe_rl.tags.ROUTING_PREFIXES`) and return the scalars
     written, by tag."""
@@ -67,7 +69,9 @@ def log_routing(writer, step: int, metrics: dict[str, Tensor], group: str = "old
         writer.add_scalar(tag, value, step)
     if "expert_disagreement" in metrics and images and float(metrics["expert_disagreement"].sum()) > 0:
         layers = metrics["drift_layers"].tolist()
-        fig = heatmap_figure(metrics["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False)
+        fig = heatmap_figure(
+            metrics["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False
+        )
         writer.add_figure(tags.routing_disagreement_heatmap(group), fig, step, close=True)
     if "expert_load" in metrics:
         load = metrics["expert_load"]

@@ -83,7 +83,9 @@ class PolicyMicroBatch(MicroBatch):
     mask: Tensor  # [b, s-1] float, 1 on the policy's response tokens (0 on tokens an environment inserted)
     advantages: Tensor  # [b]
     rollout_logp: Tensor  # [b, s-1] the engine's log-probs (0 off the response)
-    routed_experts: list[Tensor] | None  # per sequence [len-1, layers, k] from the engine (its compact index type), if asked for
+    routed_experts: (
+        list[Tensor] | None
+    )  # per sequence [len-1, layers, k] from the engine (its compact index type), if asked for
     sample_indices: list[int]  # positions in the step's Experience (-1: an empty row)
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)
@@ -141,7 +143,9 @@ def _routing_shape(exp: Experience) -> tuple[int, int]:
     return exp.totals.routing_shape
 
 
-def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape) -> PolicyMicroBatch:
+def _micro_batch(
+    exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape
+) -> PolicyMicroBatch:
     """Rows of ``chunk`` (``None``: an empty row), each tensor made at once from padded rows
     (a tensor write per row and field cost more than the rest of the step's bookkeeping)."""
     ids, mask, rollout_logp, lengths, advantages, environment = [], [], [], [], [], []
@@ -172,11 +176,15 @@ def _micro_batch(exp: Experience, chunk: list[int | None], seq_len: int, pad_id:
         if routed is not None:
             routed.append(smp.routed_experts)
     return PolicyMicroBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long), lengths=torch.tensor(lengths, dtype=torch.long),
-        mask=torch.tensor(mask), advantages=torch.tensor(advantages), rollout_logp=torch.tensor(rollout_logp),
-        routed_experts=routed, sample_indices=[-1 if i is None else i for i in chunk],
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        mask=torch.tensor(mask),
+        advantages=torch.tensor(advantages),
+        rollout_logp=torch.tensor(rollout_logp),
+        routed_experts=routed,
+        sample_indices=[-1 if i is None else i for i in chunk],
         environment_tokens=torch.tensor(environment) if any(map(any, environment)) else None,
-    )  # fmt: skip
+    )
 
 
 def _on_device(mb: PolicyMicroBatch, device: torch.device) -> PolicyMicroBatch:

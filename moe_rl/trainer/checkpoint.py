@@ -83,7 +83,11 @@ def read_meta(path: Path) -> dict | None:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("world_size"), int) else None
+    return (
+        meta
+        if isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("world_size"), int)
+        else None
+    )
 
 
 def newest_readable(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
@@ -142,9 +146,12 @@ def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dic
         return settings
     if settings.use_distributed_optimizer is None:
         if not saved and shards_optimizer_state(settings) and rank() == 0:
-            log.warning("resuming %s with the plain optimizer it was saved with, although this layout's data-parallel ranks "
-                        "would shard its state (the distributed optimizer): each rank holds the whole optimizer state of its "
-                        "model shard", resume_from[0])  # fmt: skip
+            log.warning(
+                "resuming %s with the plain optimizer it was saved with, although this layout's data-parallel ranks "
+                "would shard its state (the distributed optimizer): each rank holds the whole optimizer state of its "
+                "model shard",
+                resume_from[0],
+            )
         return dataclasses.replace(settings, use_distributed_optimizer=saved)
     raise CheckpointMismatch(
         f"checkpoint {resume_from[0]} holds the {'distributed' if saved else 'plain'} optimizer's state and "
@@ -174,7 +181,9 @@ class TrainingState:
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        choose_adam_kernel(self.optimizer, self.settings.fused_adam)  # the loaded parameter groups carry the saving run's
+        choose_adam_kernel(
+            self.optimizer, self.settings.fused_adam
+        )  # the loaded parameter groups carry the saving run's
 
 
 def _give_adam_its_state(optimizer) -> None:
@@ -193,7 +202,13 @@ class Checkpointer:
     ``keep_last``. Every method but :meth:`abandon` is collective."""
 
     def __init__(
-        self, run_dir: str | os.PathLike, keep_last: int, layout: ParallelLayout, model_files: tuple[Any, str], *, async_save: bool = True
+        self,
+        run_dir: str | os.PathLike,
+        keep_last: int,
+        layout: ParallelLayout,
+        model_files: tuple[Any, str],
+        *,
+        async_save: bool = True,
     ) -> None:
         """``model_files``: the HF config and the directory of the tokenizer files each
         checkpoint carries in ``hf/``."""
@@ -226,14 +241,31 @@ class Checkpointer:
             write_config_files(self.hf_config, tmp / "hf", self.tokenizer_dir)
         barrier()
         if hf_weights:
-            export_hf_weights(state.model, self.hf_config, tmp / "model", dtype=next(state.model.parameters()).dtype, copy_files_from=self.tokenizer_dir)
+            export_hf_weights(
+                state.model,
+                self.hf_config,
+                tmp / "model",
+                dtype=next(state.model.parameters()).dtype,
+                copy_files_from=self.tokenizer_dir,
+            )
         torch.save(_rng_state(), tmp / _rng_file(rank()))
-        meta = {"format": FORMAT, "step": step, "world_size": world_size(), "layout": _layout_meta(self.layout),
-                "distributed_optimizer": state.distributed_optimizer, "hf_weights": hf_weights,
-                "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."), **extra}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": world_size(),
+            "layout": _layout_meta(self.layout),
+            "distributed_optimizer": state.distributed_optimizer,
+            "hf_weights": hf_weights,
+            "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."),
+            **extra,
+        }
         self._strategy = self._strategy or _save_strategy()
-        request = dist_checkpointing.save(state.sharded_state_dict(loading=False), tmp / "dist", sharded_strategy=self._strategy,
-                                          async_sharded_save=True)  # fmt: skip
+        request = dist_checkpointing.save(
+            state.sharded_state_dict(loading=False),
+            tmp / "dist",
+            sharded_strategy=self._strategy,
+            async_sharded_save=True,
+        )
         request.add_finalize_fn(lambda: self._commit(tmp, final, meta))
         if self.async_save:
             self._writes.schedule_async_request(request)
@@ -244,7 +276,10 @@ class Checkpointer:
 
     def writing(self) -> bool:
         """Whether this rank's writer is still writing a checkpoint (no collective)."""
-        return any(call.async_caller.process is not None and call.async_caller.process.is_alive() for call in self._writes.async_calls)
+        return any(
+            call.async_caller.process is not None and call.async_caller.process.is_alive()
+            for call in self._writes.async_calls
+        )
 
     def poll(self) -> None:
         """Commit a checkpoint whose writers have all finished; never waits for them."""
@@ -276,7 +311,11 @@ class Checkpointer:
         old = [path for _, path in checkpoint_dirs(self.root.parent)[: -self.keep_last]]
         aside = [path.rename(path.with_name(f".old_{path.name}")) for path in old]
         if aside:
-            self._pruning = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in aside], name="checkpoint-prune", daemon=True)
+            self._pruning = threading.Thread(
+                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in aside],
+                name="checkpoint-prune",
+                daemon=True,
+            )
             self._pruning.start()
 
 
@@ -289,8 +328,14 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
     state.load(dist_checkpointing.load(state.sharded_state_dict(loading=True), str(path / "dist")))
     same_layout = meta.get("layout") == _layout_meta(layout) and meta["world_size"] == world_size()
     if not same_layout and rank() == 0:
-        log.info("checkpoint %s was written under %s on %d processes: resharded to %s on %d", path, meta.get("layout"), meta["world_size"],
-                 _layout_meta(layout), world_size())  # fmt: skip
+        log.info(
+            "checkpoint %s was written under %s on %d processes: resharded to %s on %d",
+            path,
+            meta.get("layout"),
+            meta["world_size"],
+            _layout_meta(layout),
+            world_size(),
+        )
     _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta)), weights_only=True), tracker=same_layout)
 
 
@@ -359,8 +404,9 @@ def _save_strategy():
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True)
-
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True
+    )
 
 
 def _layout_meta(layout: ParallelLayout) -> dict:
@@ -384,8 +430,13 @@ def _rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},  # fmt: skip
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "tracker": get_cuda_rng_tracker().get_states(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }

@@ -25,8 +25,15 @@ from parallel.collectives import barrier, broadcast_object, data_parallel_share,
 def demo_model_dir(cfg: Config) -> Path:
     # not the parallel layout: every layout trains the same model (the warm start itself runs
     # under whichever layout asks first; layouts differ only by float error)
-    key = json.dumps({"model": cfg.model.__dict__, "max_operand": cfg.data.max_operand, "warm": cfg.warm_start.__dict__,
-                      "tokenizer": TOKENIZER_REVISION}, sort_keys=True)  # fmt: skip
+    key = json.dumps(
+        {
+            "model": cfg.model.__dict__,
+            "max_operand": cfg.data.max_operand,
+            "warm": cfg.warm_start.__dict__,
+            "tokenizer": TOKENIZER_REVISION,
+        },
+        sort_keys=True,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
 
@@ -41,9 +48,18 @@ def demo_model_dims(cfg: Config):
 def _demo_settings(cfg: Config) -> dict:
     """The HF config settings of the built-in model (its family's on top of the common ones)."""
     m = cfg.model
-    common = dict(vocab_size=vocab_size(), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=m.top_k,
-                  eos_token_id=1, pad_token_id=0, bos_token_id=None, max_position_embeddings=256)  # fmt: skip
+    common = dict(
+        vocab_size=vocab_size(),
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=m.top_k,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+        max_position_embeddings=256,
+    )
     return {**common, **_family_settings(m)}
 
 
@@ -52,19 +68,51 @@ def _family_settings(m) -> dict:
     shared expert of the experts' size where the family has them, ungrouped routing)."""
     h, e = m.hidden_size, m.num_experts
     return {
-        "qwen3_moe": dict(num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, head_dim=h // 4, norm_topk_prob=True),
+        "qwen3_moe": dict(
+            num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, head_dim=h // 4, norm_topk_prob=True
+        ),
         "mixtral": dict(num_local_experts=e, intermediate_size=h),
-        "qwen2_moe": dict(num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, shared_expert_intermediate_size=h,
-                          norm_topk_prob=True),
+        "qwen2_moe": dict(
+            num_experts=e,
+            moe_intermediate_size=h,
+            intermediate_size=2 * h,
+            shared_expert_intermediate_size=h,
+            norm_topk_prob=True,
+        ),
         "olmoe": dict(num_experts=e, intermediate_size=h, norm_topk_prob=True),
-        "glm4_moe": dict(n_routed_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, n_shared_experts=1,
-                         first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
-                         head_dim=h // 4, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
-        "deepseek_v3": dict(n_routed_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, n_shared_experts=1,
-                            first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
-                            num_key_value_heads=4, q_lora_rank=h // 2, kv_lora_rank=h // 2, qk_rope_head_dim=max(2, h // 8),
-                            qk_nope_head_dim=h // 4, v_head_dim=h // 4),
-    }[m.architecture]  # fmt: skip
+        "glm4_moe": dict(
+            n_routed_experts=e,
+            moe_intermediate_size=h,
+            intermediate_size=2 * h,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            head_dim=h // 4,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+        "deepseek_v3": dict(
+            n_routed_experts=e,
+            moe_intermediate_size=h,
+            intermediate_size=2 * h,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            num_key_value_heads=4,
+            q_lora_rank=h // 2,
+            kv_lora_rank=h // 2,
+            qk_rope_head_dim=max(2, h // 8),
+            qk_nope_head_dim=h // 4,
+            v_head_dim=h // 4,
+        ),
+    }[m.architecture]
 
 
 def _raw_checkpoint(cfg: Config, path: Path) -> None:
@@ -142,7 +190,8 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
         batches = [MicroBatch(ids[mine])]
 
         def loss_fn(le, mb, total=total, mask=mask[mine]):
-            loss = -(le[..., 0] * mask.to(le.device)).sum() / total  # the batch is built on CPU, log-probs on the rank's device
+            # the batch is built on CPU, log-probs on the rank's device
+            loss = -(le[..., 0] * mask.to(le.device)).sum() / total
             return loss, {"nll": loss.detach()}
 
         train_step([ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False))

@@ -49,13 +49,22 @@ def generate_and_score(
     """``group_size`` responses to each problem, scored (training and evaluation alike).
     A multi-turn sample whose generate function failed scores 0 in every reward."""
     encoded = formatter.encode_all(problems)
-    groups = sampler.sample(problems, [ids for ids, _ in encoded], group_size, sampling, seed=seed, routed=return_routing)
+    groups = sampler.sample(
+        problems, [ids for ids, _ in encoded], group_size, sampling, seed=seed, routed=return_routing
+    )
     samples = [s for g in groups for s in g]
     texts = _response_texts(samples, formatter.tokenizer)
     inputs = [
-        RewardInput(problems[i // group_size].prompt, text, problems[i // group_size].answer, s.policy_token_count, sampling.max_new_tokens, s.meta)
+        RewardInput(
+            problems[i // group_size].prompt,
+            text,
+            problems[i // group_size].answer,
+            s.policy_token_count,
+            sampling.max_new_tokens,
+            s.meta,
+        )
         for i, (s, text) in enumerate(zip(samples, texts))
-    ]  # fmt: skip
+    ]
     rewards = scorer.score(inputs)
     failed = [i for i, s in enumerate(samples) if FAILED in s.meta]
     if failed:
@@ -67,8 +76,12 @@ def _response_texts(samples: list[Sample], tokenizer) -> list[str]:
     """What the rewards score: a transcript's ``response_text``, else the decoded output
     (without a final EOS)."""
     eos = tokenizer.eos_token_id
-    decoded = tokenizer.batch_decode([s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples])
-    return [s.meta[RESPONSE_TEXT] if s.meta.get(RESPONSE_TEXT) is not None else text for s, text in zip(samples, decoded)]
+    decoded = tokenizer.batch_decode(
+        [s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples]
+    )
+    return [
+        s.meta[RESPONSE_TEXT] if s.meta.get(RESPONSE_TEXT) is not None else text for s, text in zip(samples, decoded)
+    ]
 
 
 @dataclass
@@ -95,7 +108,9 @@ class ExperienceCollector:
                 break
         kept_by_filter = len(kept)
         if not kept:  # every group of every round had equal rewards: train on the first round
-            log.warning("step %d: every sampled group had equal rewards (zero advantage) in %d rounds", step + 1, len(rounds))
+            log.warning(
+                "step %d: every sampled group had equal rewards (zero advantage) in %d rounds", step + 1, len(rounds)
+            )
             kept = [(0, g) for g in range(r.prompts_per_step)]
         kept = kept[: r.prompts_per_step]
         samples, values = self._select(rounds, kept)
@@ -110,9 +125,15 @@ class ExperienceCollector:
         seed = self.cfg.train.seed + 1_000_003 * round_
         problems = self.task.problems(seed, step, self.cfg.rollout.prompts_per_step)
         return generate_and_score(
-            problems, self.formatter, self.sampler, self.scorer, self.sampling, self.cfg.rollout.group_size,
-            seed=seed * 100_003 + step, return_routing=self.return_routing,
-        )  # fmt: skip
+            problems,
+            self.formatter,
+            self.sampler,
+            self.scorer,
+            self.sampling,
+            self.cfg.rollout.group_size,
+            seed=seed * 100_003 + step,
+            return_routing=self.return_routing,
+        )
 
     def _groups_to_keep(self, rewards: RewardBatch) -> list[int]:
         """Every group, or (dynamic sampling) those whose samples' rewards are not all equal."""
@@ -165,7 +186,9 @@ def multi_turn_scalars(samples: list[Sample]) -> dict[str, float]:
     mean = lambda key: sum(float(s.meta.get(key, 0)) for s in samples) / len(samples)  # noqa: E731
     failed = [s.meta[FAILED] for s in samples if FAILED in s.meta]
     if failed:
-        log.warning("%d of %d samples' generate function failed and scored 0 (first: %s)", len(failed), len(samples), failed[0])
+        log.warning(
+            "%d of %d samples' generate function failed and scored 0 (first: %s)", len(failed), len(samples), failed[0]
+        )
     return {
         tags.multi_turn("turns_mean"): mean("turns"),
         tags.multi_turn("policy_tokens_mean"): mean("policy_tokens"),
@@ -173,8 +196,10 @@ def multi_turn_scalars(samples: list[Sample]) -> dict[str, float]:
         tags.multi_turn("environment_seconds_mean"): mean("environment_seconds"),
         tags.multi_turn("tool_calls_mean"): mean("tool_calls"),
         tags.multi_turn("tool_failures"): sum(float(s.meta.get("tool_failures", 0)) for s in samples),
-        tags.multi_turn("truncated_by_turns_frac"): sum(s.meta.get("truncated") == "turns" for s in samples) / len(samples),
-        tags.multi_turn("truncated_by_tokens_frac"): sum(s.meta.get("truncated") == "tokens" for s in samples) / len(samples),
+        tags.multi_turn("truncated_by_turns_frac"): sum(s.meta.get("truncated") == "turns" for s in samples)
+        / len(samples),
+        tags.multi_turn("truncated_by_tokens_frac"): sum(s.meta.get("truncated") == "tokens" for s in samples)
+        / len(samples),
         tags.multi_turn("failed_samples"): float(len(failed)),
     }
 
@@ -187,7 +212,11 @@ def policy_lag(exp: Experience, step: int, max_lag: int) -> float:
         lags = {step - int(s.weight_version) for s in exp.samples}
     except ValueError:
         versions = sorted({s.weight_version for s in exp.samples})
-        raise StaleWeightsError(f"step {step + 1}: samples of weight versions {versions}, which the trainer never synced") from None
+        raise StaleWeightsError(
+            f"step {step + 1}: samples of weight versions {versions}, which the trainer never synced"
+        ) from None
     if min(lags) < 0 or max(lags) > max_lag:
-        raise StaleWeightsError(f"step {step + 1}: samples are {sorted(lags)} updates behind the trained weights (at most {max_lag} allowed)")
+        raise StaleWeightsError(
+            f"step {step + 1}: samples are {sorted(lags)} updates behind the trained weights (at most {max_lag} allowed)"
+        )
     return float(max(lags))

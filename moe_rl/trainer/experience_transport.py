@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.rollout.types import Sample
-from moe_rl.trainer.batch import Experience, StepTotals
+from moe_rl.trainer.batch import Experience
 from moe_rl.trainer.packing import MicroBatchPlanner
 from parallel.collectives import broadcast_object, gather_objects, rank, rank_device, world_size
 
 _ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def share_experience(exp: Experience | None, scalars: dict | None, planner: MicroBatchPlanner) -> tuple[Experience, dict]:
+def share_experience(
+    exp: Experience | None, scalars: dict | None, planner: MicroBatchPlanner
+) -> tuple[Experience, dict]:
     """Collective. On the first rank ``exp`` is the whole step (returned as is); every
     other rank gets an :class:`Experience` holding its share, and every rank the scalars."""
     totals, names, scalars = broadcast_object((exp.totals, exp.reward_names, scalars) if exp is not None else None)
@@ -51,8 +53,13 @@ def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int)
     routed = [s.routed_experts for s in samples if s.routed_experts is not None]
     routing = torch.cat(routed) if routed else torch.zeros((0, 0, 0), dtype=torch.uint8)
     dtype_code = _ROUTING_DTYPES.index(routing.dtype)
-    sizes = torch.tensor([[len(s.prompt_ids), len(s.output_ids), -1 if s.routed_experts is None else len(s.routed_experts)] for s in samples],
-                         dtype=torch.long).reshape(-1, 3)  # fmt: skip (-1: no routing)
+    sizes = torch.tensor(
+        [
+            [len(s.prompt_ids), len(s.output_ids), -1 if s.routed_experts is None else len(s.routed_experts)]
+            for s in samples
+        ],
+        dtype=torch.long,
+    ).reshape(-1, 3)  # -1: no routing
     header = torch.tensor([*routing.shape, dtype_code], dtype=torch.long)
     ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
     logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
@@ -84,10 +91,17 @@ def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
     routing = recv((math.prod(shape) * routing_dtype.itemsize,), torch.uint8).view(routing_dtype).reshape(shape)
     samples, at_id, at_lp, at_route = [], 0, 0, 0
     for p, o, r in sizes.tolist():
-        samples.append(Sample(
-            prompt_ids=ids[at_id : at_id + p], output_ids=ids[at_id + p : at_id + p + o],
-            output_logprobs=logprobs[at_lp : at_lp + o], finish_reason="", weight_version="", seed=0,
-            routed_experts=routing[at_route : at_route + r] if r >= 0 else None, loss_mask=loss_mask[at_lp : at_lp + o],
-        ))  # fmt: skip
+        samples.append(
+            Sample(
+                prompt_ids=ids[at_id : at_id + p],
+                output_ids=ids[at_id + p : at_id + p + o],
+                output_logprobs=logprobs[at_lp : at_lp + o],
+                finish_reason="",
+                weight_version="",
+                seed=0,
+                routed_experts=routing[at_route : at_route + r] if r >= 0 else None,
+                loss_mask=loss_mask[at_lp : at_lp + o],
+            )
+        )
         at_id, at_lp, at_route = at_id + p + o, at_lp + o, at_route + max(r, 0)
     return samples, advantages

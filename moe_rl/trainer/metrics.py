@@ -50,7 +50,8 @@ def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
     from the ``mismatch_*`` metrics of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
     parts = [out for out in outputs if "mismatch_sum" in out] if reports_loss() else []
     total = torch.tensor(
-        [sum(float(p["mismatch_sum"]) for p in parts), sum(float(p["mismatch_tokens"]) for p in parts)], dtype=torch.float64
+        [sum(float(p["mismatch_sum"]) for p in parts), sum(float(p["mismatch_tokens"]) for p in parts)],
+        dtype=torch.float64,
     )
     worst = torch.tensor([max((float(p["mismatch_max"]) for p in parts), default=0.0)], dtype=torch.float64)
     total, worst = all_reduce(total), all_reduce(worst, "max")
@@ -88,7 +89,11 @@ def routing_split_scalars(replayed: dict[str, Tensor]) -> dict[str, float]:
     group), as :func:`moe_rl.tags.train_by_routing` scalars."""
     out = {}
     for changed, part in ((True, "routing_changed"), (False, "routing_same")):
-        for metric, key in (("log_ratio_abs", f"log_ratio_abs_{part}"), ("clip_frac", f"clip_frac_{part}"), ("tokens", f"{part}_tokens")):
+        for metric, key in (
+            ("log_ratio_abs", f"log_ratio_abs_{part}"),
+            ("clip_frac", f"clip_frac_{part}"),
+            ("tokens", f"{part}_tokens"),
+        ):
             if key in replayed:
                 out[tags.train_by_routing(metric, changed)] = float(replayed[key])
     return out
@@ -103,8 +108,12 @@ def log_ratio_values(outputs: list[dict]) -> Tensor | None:
 def step_line(step: int, total: int, scalars: dict[str, float], *, short: bool = False) -> str:
     """``step 3/30  reward 0.412  loss -0.0213  pass@1 ...  1.2 s``: one line per step."""
     parts = [] if short else [f"step {step}/{total}"]
-    for tag, name, fmt in ((tags.REWARD_TOTAL, "reward", ".3f"), (tags.TRAIN_LOSS, "loss", ".4g"), (tags.TRAIN_CLIP_FRAC, "clip", ".3f"),
-                           (tags.RESPONSE_LENGTH_MEAN, "length", ".1f")):  # fmt: skip
+    for tag, name, fmt in (
+        (tags.REWARD_TOTAL, "reward", ".3f"),
+        (tags.TRAIN_LOSS, "loss", ".4g"),
+        (tags.TRAIN_CLIP_FRAC, "clip", ".3f"),
+        (tags.RESPONSE_LENGTH_MEAN, "length", ".1f"),
+    ):
         if tag in scalars:
             parts.append(f"{name} {scalars[tag]:{fmt}}")
     if tags.PERF_STEP_TIME in scalars and not short:
@@ -130,7 +139,9 @@ class StepLogger:
     attempt logged past that step (the steps it did not checkpoint) is dropped, in
     ``metrics.jsonl`` and TensorBoard alike, so every step appears once."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True
+    ) -> None:
         self.enabled = enabled
         self.run_dir, self.total_steps = run_dir, total_steps
         self.writer = self.bar = self.jsonl = self.samples = None
@@ -139,7 +150,9 @@ class StepLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         earlier = (run_dir / "tensorboard").is_dir()  # TensorBoard then hides earlier events past start_step
-        self.writer = BackgroundWriter(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None))
+        self.writer = BackgroundWriter(
+            SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if earlier else None)
+        )
         self.writer.add_custom_scalars(tags.CUSTOM_SCALARS_LAYOUT)
         _keep_rows_up_to(run_dir / "metrics.jsonl", start_step)
         _keep_rows_up_to(run_dir / "samples.jsonl", start_step)
@@ -151,9 +164,13 @@ class StepLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, unit="step", dynamic_ncols=True)
 
     def log(
-        self, step: int, scalars: dict[str, float], routing: dict[str, dict[str, Tensor]], histograms: dict[str, Tensor] | None = None,
+        self,
+        step: int,
+        scalars: dict[str, float],
+        routing: dict[str, dict[str, Tensor]],
+        histograms: dict[str, Tensor] | None = None,
         samples: list[SampleRecord] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``routing``: :meth:`moe_rl.routing.monitor.RoutingMonitor.reduce`'s groups;
         ``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch;
         ``samples`` go to ``samples.jsonl`` and TensorBoard's text tab."""
@@ -174,7 +191,9 @@ class StepLogger:
         self.jsonl.flush()
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{scalars.get(tags.REWARD_TOTAL, 0.0):.3f}", loss=f"{scalars.get(tags.TRAIN_LOSS, 0.0):.3f}")
+            self.bar.set_postfix(
+                reward=f"{scalars.get(tags.REWARD_TOTAL, 0.0):.3f}", loss=f"{scalars.get(tags.TRAIN_LOSS, 0.0):.3f}"
+            )
         else:
             self._print(step_line(step, self.total_steps, scalars))
         self._print(eval_table(step, scalars))
@@ -194,7 +213,10 @@ class StepLogger:
         """The end of a run: what it reached and where to look."""
         if not self.enabled:
             return
-        lines = [f"{self.run_dir.name}: {steps_run} step(s) in {seconds:.0f}s" + (f", {step_line(0, 0, scalars, short=True)}" if scalars else "")]
+        lines = [
+            f"{self.run_dir.name}: {steps_run} step(s) in {seconds:.0f}s"
+            + (f", {step_line(0, 0, scalars, short=True)}" if scalars else "")
+        ]
         evaluation = {k: v for k, v in scalars.items() if k.startswith("eval/pass@")}
         if evaluation:
             lines.append("  held-out: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in evaluation.items()))
@@ -221,7 +243,13 @@ class StepLogger:
 
         written: dict[str, float] = {}
         images = step % 10 == 0
-        for group in ("old_vs_new", "train_vs_rollout", "train_vs_rollout_environment", "replayed", "expert_bias_effect"):
+        for group in (
+            "old_vs_new",
+            "train_vs_rollout",
+            "train_vs_rollout_environment",
+            "replayed",
+            "expert_bias_effect",
+        ):
             if group in routing:
                 metrics = dict(routing[group])
                 if group == "old_vs_new" and "load" in routing:

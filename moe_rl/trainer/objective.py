@@ -23,7 +23,9 @@ SUM_METRICS = ("loss", "pg_loss")
 OFFPOLICY = "offpolicy/"  # prefix of the off-policy diagnostics' sums in a micro-batch's metrics
 
 
-def logprob_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None) -> dict[str, Tensor]:
+def logprob_mismatch(
+    logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None
+) -> dict[str, Tensor]:
     """``|trainer log-prob - rollout log-prob|`` over response tokens: its sum, max and
     token count (reduced over micro-batches and ranks into a mean and a max), and the
     off-policy diagnostics' sums (:func:`moe_rl.algorithms.rollout_correction.mismatch_sums`,

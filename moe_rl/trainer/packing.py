@@ -48,7 +48,9 @@ def balance_by_tokens(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-def pack_by_tokens(indices: Sequence[int], lengths: Sequence[int], max_tokens: int, max_rows: int, multiple: int) -> list[list[int]]:
+def pack_by_tokens(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int, max_rows: int, multiple: int
+) -> list[list[int]]:
     """First-fit decreasing: each sample, longest first, joins the first micro-batch whose
     padded size ``(rows + 1) x round_up(longest, multiple)`` stays within ``max_tokens``
     and rows within ``max_rows``, else opens a new one."""
@@ -79,11 +81,15 @@ def equalize(bins: list[list[int]], count: int) -> Plan:
     return plan
 
 
-def token_budget_plan(lengths: Sequence[int], rank: int, ranks: int, max_tokens: int, max_rows: int, multiple: int) -> Plan:
+def token_budget_plan(
+    lengths: Sequence[int], rank: int, ranks: int, max_tokens: int, max_rows: int, multiple: int
+) -> Plan:
     """This data-parallel rank's plan under a token budget (see the module docstring).
     Every rank computes every rank's packing (cheap), so the counts agree without a
     collective."""
-    packed = [pack_by_tokens(share, lengths, max_tokens, max_rows, multiple) for share in balance_by_tokens(lengths, ranks)]
+    packed = [
+        pack_by_tokens(share, lengths, max_tokens, max_rows, multiple) for share in balance_by_tokens(lengths, ranks)
+    ]
     return equalize(packed[rank], max(1, *(len(p) for p in packed)))
 
 
@@ -111,7 +117,9 @@ class MicroBatchPlanner:
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.max_tokens < DERIVED_BUDGET:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and max_tokens={self.max_tokens} >= -1")
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} must be >= 1 and max_tokens={self.max_tokens} >= -1"
+            )
 
     def budget(self, lengths: Sequence[int]) -> int:
         """The token budget of a step's micro-batches (0: by rows)."""

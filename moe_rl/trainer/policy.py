@@ -22,7 +22,15 @@ from moe_rl.models.weight_buckets import HFWeights
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.routing.replay import replay_config_overrides
 from parallel.layout import ParallelLayout
-from parallel.optim import LRSchedule, OptimSettings, StepResult, build_lr_scheduler, build_optimizer, train_step, wrap_ddp
+from parallel.optim import (
+    LRSchedule,
+    OptimSettings,
+    StepResult,
+    build_lr_scheduler,
+    build_optimizer,
+    train_step,
+    wrap_ddp,
+)
 
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
@@ -49,9 +57,10 @@ class Policy:
     def update(self, batches: Sequence[MicroBatch], loss_fn: LossFn, hooks: Sequence[ForwardHooks] = ()) -> StepResult:
         """One optimizer step on the summed loss of ``batches`` (skipped on NaN/Inf)."""
         return train_step(
-            [self.ddp], self.optimizer,
+            [self.ddp],
+            self.optimizer,
             lambda: run_microbatches([self.ddp], list(batches), loss_fn=loss_fn, forward_only=False, hooks=hooks),
-        )  # fmt: skip
+        )
 
 
 def build_policy(
@@ -85,7 +94,11 @@ def build_policy(
 
 
 def build_reference(
-    hf_config: PretrainedConfig, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, modules: LayerModules = LayerModules()
+    hf_config: PretrainedConfig,
+    hf_dir: str,
+    layout: ParallelLayout,
+    logprob_config: LogProbConfig,
+    modules: LayerModules = LayerModules(),
 ) -> GPTModel:
     """A frozen copy of the starting policy's stage (for the KL penalty)."""
     model = build_model(hf_config, make_transformer_config(hf_config, layout, modules=modules), logprob_config, modules)
@@ -151,7 +164,12 @@ def _load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
 
 
 def build_reference_for(
-    policy: Policy, mode: str, hf_dir: str, layout: ParallelLayout, logprob_config: LogProbConfig, modules: LayerModules = LayerModules()
+    policy: Policy,
+    mode: str,
+    hf_dir: str,
+    layout: ParallelLayout,
+    logprob_config: LogProbConfig,
+    modules: LayerModules = LayerModules(),
 ) -> Reference:
     """``algorithm.reference``: ``host`` (swapped into the policy) or ``device`` (a second
     model, built of the policy's ``modules``)."""

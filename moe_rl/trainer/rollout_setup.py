@@ -69,16 +69,25 @@ def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
     r = cfg.rollout
     if not r.generate_fn:
         return SingleTurnSampler(engine)
-    return MultiTurnSampler(engine, load_generate_fn(r.generate_fn), tokenizer, kwargs=dict(r.generate_kwargs), timeout_s=r.generate_timeout_s)
+    return MultiTurnSampler(
+        engine,
+        load_generate_fn(r.generate_fn),
+        tokenizer,
+        kwargs=dict(r.generate_kwargs),
+        timeout_s=r.generate_timeout_s,
+    )
 
 
 def sampling_params(cfg: Config, eos_token_id: int | None, *, evaluation: bool = False) -> SamplingParams:
     """The rollout's sampling (``evaluation``: at ``data.eval_temperature``); stops at EOS."""
     r = cfg.rollout
     return SamplingParams(
-        max_new_tokens=r.max_new_tokens, temperature=cfg.data.eval_temperature if evaluation else r.temperature,
-        top_p=r.top_p, top_k=r.top_k, stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
-    )  # fmt: skip
+        max_new_tokens=r.max_new_tokens,
+        temperature=cfg.data.eval_temperature if evaluation else r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
+    )
 
 
 def use_engine_routing(cfg: Config, engine: RolloutEngine) -> bool:
@@ -105,7 +114,8 @@ def build_scorer(cfg: Config) -> RewardScorer:
     return RewardScorer(
         [RewardSpec(r.name, r.fn, r.weight, dict(r.kwargs)) for r in cfg.reward.rewards],
         [ConditionalSpec(c.target, c.condition, c.threshold) for c in cfg.reward.conditionals],
-        timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers,
+        timeout_s=cfg.reward.timeout_s,
+        workers=cfg.reward.workers,
     )
 
 
@@ -123,9 +133,12 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
 
     urls = [_start_server(cfg, hf_dir, closing)] if r.launch_server else list(r.sglang_urls)
     engine = SGLangEngine(
-        urls, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
-        num_experts=architecture_of(hf_config).num_experts(hf_config), max_concurrency=r.concurrency_per_server * len(urls),
-    )  # fmt: skip
+        urls,
+        num_layers=hf_config.num_hidden_layers,
+        top_k=hf_config.num_experts_per_tok,
+        num_experts=architecture_of(hf_config).num_experts(hf_config),
+        max_concurrency=r.concurrency_per_server * len(urls),
+    )
     closing.callback(engine.close)
     engine.wait_healthy()
     return engine
@@ -142,12 +155,20 @@ def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
         log.info("SGLang on CPU: --enable-deterministic-inference is left out (it needs CUDA kernels)")
     python = os.path.expanduser(r.server_python) if r.server_python else sys.executable
     return ServerSettings(
-        model_path=hf_dir, port=r.server_port, tp_size=r.server_tp, ep_size=r.server_ep,
-        mem_fraction_static=r.mem_fraction_static, return_routed_experts=wants_engine_routing(cfg),
-        deterministic=r.server_deterministic, seed=cfg.train.seed, gpus=tuple(r.server_gpus) or None,
-        memory_saver=r.colocate, device=device, extra_args=list(r.server_args),
+        model_path=hf_dir,
+        port=r.server_port,
+        tp_size=r.server_tp,
+        ep_size=r.server_ep,
+        mem_fraction_static=r.mem_fraction_static,
+        return_routed_experts=wants_engine_routing(cfg),
+        deterministic=r.server_deterministic,
+        seed=cfg.train.seed,
+        gpus=tuple(r.server_gpus) or None,
+        memory_saver=r.colocate,
+        device=device,
+        extra_args=list(r.server_args),
         launch_command=[python, "-m", "sglang.launch_server"],
-    )  # fmt: skip
+    )
 
 
 def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> str:
@@ -172,7 +193,9 @@ def check_server_placement(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
-def build_weight_sync(cfg: Config, engine: RolloutEngine | None, run_dir: Path, hf_config: PretrainedConfig) -> WeightSync:
+def build_weight_sync(
+    cfg: Config, engine: RolloutEngine | None, run_dir: Path, hf_config: PretrainedConfig
+) -> WeightSync:
     """Every rank's half of the weight sync (``engine`` is ``None`` off the first rank):
     in process for the local engine; for SGLang ``rollout.weight_sync``: buckets over a
     weight-update group in the served dtype, or through ``run_dir/weights/current``."""

@@ -37,11 +37,17 @@ def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size
     records = []
     for i in indices:
         s = exp.samples[i]
-        records.append(SampleRecord(
-            step=step, index=i, prompt=tokenizer.decode(s.prompt_ids), response=tokenizer.decode(s.output_ids),
-            rewards={name: round(float(v), 6) for name, v in zip(exp.reward_names, exp.rewards[i].tolist())},
-            advantage=round(float(exp.advantages[i]), 6), finish_reason=s.finish_reason,
-        ))  # fmt: skip
+        records.append(
+            SampleRecord(
+                step=step,
+                index=i,
+                prompt=tokenizer.decode(s.prompt_ids),
+                response=tokenizer.decode(s.output_ids),
+                rewards={name: round(float(v), 6) for name, v in zip(exp.reward_names, exp.rewards[i].tolist())},
+                advantage=round(float(exp.advantages[i]), 6),
+                finish_reason=s.finish_reason,
+            )
+        )
     return records
 
 
@@ -53,7 +59,9 @@ def samples_markdown(records: list[SampleRecord]) -> str:
     head = "| prompt | response | " + " | ".join(names) + " | advantage |\n|" + "---|" * (len(names) + 3) + "\n"
     cell = lambda text: html.escape(text).replace("|", "\\|").replace("\n", "<br>") or " "  # noqa: E731
     rows = [
-        f"| {cell(r.prompt)} | {cell(r.response)} | " + " | ".join(f"{r.rewards[n]:.3g}" for n in names) + f" | {r.advantage:+.3g} |"
+        f"| {cell(r.prompt)} | {cell(r.response)} | "
+        + " | ".join(f"{r.rewards[n]:.3g}" for n in names)
+        + f" | {r.advantage:+.3g} |"
         for r in records
     ]
     return head + "\n".join(rows)
@@ -82,6 +90,9 @@ class FlatRewardWatch:
             "format (does the model answer this data.prompt_template / chat template?), rollout.max_new_tokens=%d "
             "(long enough for an answer?), the reward functions (do they parse this answer format? data.answer_key?). "
             "Read what it sampled in samples.jsonl or TensorBoard's text tab.",
-            step - self.in_a_row + 1, step, value, max_new_tokens,
-        )  # fmt: skip
+            step - self.in_a_row + 1,
+            step,
+            value,
+            max_new_tokens,
+        )
         return True

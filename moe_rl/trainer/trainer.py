@@ -36,27 +36,47 @@ from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.checkpoint import (
-    Checkpointer, TrainingState, load_checkpoint, optimizer_settings_for, remove_stale_temporaries, select_checkpoint,
-)  # fmt: skip
+    Checkpointer,
+    TrainingState,
+    load_checkpoint,
+    optimizer_settings_for,
+    remove_stale_temporaries,
+    select_checkpoint,
+)
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.background_rollout import BackgroundRollout
 from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.heap import frozen_heap
 from moe_rl.trainer.metrics import (
-    StepLogger, log_ratio_values, padding_frac, reduce_mismatch, reduce_offpolicy, reduce_update_metrics, routing_split_scalars,
-)  # fmt: skip
+    StepLogger,
+    log_ratio_values,
+    padding_frac,
+    reduce_mismatch,
+    reduce_offpolicy,
+    reduce_update_metrics,
+    routing_split_scalars,
+)
 from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
 from moe_rl.trainer.run_dir import check_run_dir
 from moe_rl.trainer.placement import Placement
 from moe_rl.trainer.rollout_setup import (
-    build_collector, build_placement, build_scorer, build_weight_sync, check_server_placement, make_room_for_the_trainer,
-)  # fmt: skip
+    build_collector,
+    build_placement,
+    build_scorer,
+    build_weight_sync,
+    check_server_placement,
+    make_room_for_the_trainer,
+)
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
-    all_reduce, broadcast_object, is_first_rank, peak_memory_mb, rank_device,
-)  # fmt: skip
+    all_reduce,
+    broadcast_object,
+    is_first_rank,
+    peak_memory_mb,
+    rank_device,
+)
 from parallel.distributed import init_distributed
 
 log = logging.getLogger("moe_rl.train")
@@ -135,37 +155,60 @@ class Trainer:
         self._write_config()
         # the rollout side before the trainer's model: colocated servers size their memory on
         # free GPUs, then give all of it back before any rank builds its state
-        self.collector = build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, scorer, self._closing) if scorer else None
+        self.collector = (
+            build_collector(cfg, self.hf_dir, self.hf_config, formatter, task, scorer, self._closing)
+            if scorer
+            else None
+        )
         engine = self.collector.engine if self.collector else None
         make_room_for_the_trainer(cfg, engine)
         logprobs = LogProbConfig(temperature=cfg.rollout.temperature)
-        modules = LayerModules(experts=cfg.model.experts, attention=cfg.model.attention, transformer_impl=cfg.model.transformer_impl)
+        modules = LayerModules(
+            experts=cfg.model.experts, attention=cfg.model.attention, transformer_impl=cfg.model.transformer_impl
+        )
         resume_from = self._checkpoint_to_resume()  # before the optimizer: its kind follows the checkpoint's
         self.policy = build_policy(
-            self.hf_config, self.hf_dir, cfg.parallel, optimizer_settings_for(cfg.optim, resume_from), total_steps=cfg.train.steps,
+            self.hf_config,
+            self.hf_dir,
+            cfg.parallel,
+            optimizer_settings_for(cfg.optim, resume_from),
+            total_steps=cfg.train.steps,
             replay=cfg.routing.replay,
-            recompute_activations=cfg.routing.recompute_activations, logprob_config=logprobs,
-            expert_bias_update_rate=cfg.routing.expert_bias_update_rate, modules=modules,
-        )  # fmt: skip
+            recompute_activations=cfg.routing.recompute_activations,
+            logprob_config=logprobs,
+            expert_bias_update_rate=cfg.routing.expert_bias_update_rate,
+            modules=modules,
+        )
         self.expert_bias = self._build_expert_bias_tracker()
         # the starting weights (taken before a resumed run loads its checkpoint)
         self.reference = (
             build_reference_for(self.policy, cfg.algorithm.reference, self.hf_dir, cfg.parallel, logprobs, modules)
             if cfg.algorithm.kl_coef > 0
             else None
-        )  # fmt: skip
+        )
         self.monitor = self._build_monitor()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, cfg.parallel, (self.hf_config, self.hf_dir), async_save=cfg.train.async_save)
-        self._closing.callback(self.checkpointer.abandon)  # after a failure (a finished run has waited for its last save)
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            cfg.train.keep_last,
+            cfg.parallel,
+            (self.hf_config, self.hf_dir),
+            async_save=cfg.train.async_save,
+        )
+        self._closing.callback(
+            self.checkpointer.abandon
+        )  # after a failure (a finished run has waited for its last save)
         self.start_step = self._resume(resume_from)
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
         if self.background:
             self._closing.callback(self.background.close)
         self.max_policy_lag = 1 if cfg.rollout.async_rollouts else 0
         self.evaluator = (
-            build_evaluator(cfg, eval_task, formatter, self.collector.sampler, self.collector.scorer, progress=cfg.train.progress)
-            if eval_task and self.collector else None
-        )  # fmt: skip
+            build_evaluator(
+                cfg, eval_task, formatter, self.collector.sampler, self.collector.scorer, progress=cfg.train.progress
+            )
+            if eval_task and self.collector
+            else None
+        )
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
         self.weight_sync = build_weight_sync(cfg, engine, self.run_dir, self.hf_config)
@@ -175,14 +218,22 @@ class Trainer:
         # run's checkpoint; servers attached by URL may serve anything until then)
         self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, str(self.start_step)))
         a = cfg.algorithm
-        self.planner = MicroBatchPlanner(a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.parallel.seq_len_multiple)
-        self.logger = StepLogger(self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress)
+        self.planner = MicroBatchPlanner(
+            a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.parallel.seq_len_multiple
+        )
+        self.logger = StepLogger(
+            self.run_dir, cfg.train.steps, self.start_step, enabled=is_first_rank(), progress=cfg.train.progress
+        )
         self._closing.callback(self.logger.close)
         self.flat_rewards = FlatRewardWatch(cfg.train.flat_reward_steps)
         # strictly on-policy (one update, nothing to record or measure): the update pass's
         # own log-probs are the old ones, so the extra forward pass is skipped
-        self.on_policy = (cfg.algorithm.updates_per_batch == 1 and cfg.algorithm.old_logprobs == "recompute" and self.monitor is None
-                          and not cfg.algorithm.corrects_rollout)  # fmt: skip
+        self.on_policy = (
+            cfg.algorithm.updates_per_batch == 1
+            and cfg.algorithm.old_logprobs == "recompute"
+            and self.monitor is None
+            and not cfg.algorithm.corrects_rollout
+        )
 
     def _write_config(self) -> None:
         if is_first_rank():
@@ -195,10 +246,16 @@ class Trainer:
             return None
         num_experts = architecture_of(self.hf_config).num_experts(self.hf_config)
         return RoutingMonitor(
-            self.policy.model, routing.replay, self.hf_config.num_hidden_layers, num_experts,
-            recompute=routing.recompute_activations, measure=routing.metrics, split_environment=bool(self.cfg.rollout.generate_fn),
-            router_kl=routing.after_update_pass, sample_frac=routing.metrics_sample_frac,
-        )  # fmt: skip
+            self.policy.model,
+            routing.replay,
+            self.hf_config.num_hidden_layers,
+            num_experts,
+            recompute=routing.recompute_activations,
+            measure=routing.metrics,
+            split_environment=bool(self.cfg.rollout.generate_fn),
+            router_kl=routing.after_update_pass,
+            sample_frac=routing.metrics_sample_frac,
+        )
 
     def _build_expert_bias_tracker(self) -> ExpertBiasTracker | None:
         arch = architecture_of(self.hf_config)
@@ -231,8 +288,12 @@ class Trainer:
         scalars: dict[str, float] = {}
         skipped_in_a_row, checkpoint, start = 0, None, time.perf_counter()
         if self.start_step >= self.cfg.train.steps and is_first_rank():
-            log.warning("%s is already at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
-                        self.run_dir, self.start_step, self.cfg.train.steps)  # fmt: skip
+            log.warning(
+                "%s is already at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
+                self.run_dir,
+                self.start_step,
+                self.cfg.train.steps,
+            )
         if self.start_step == 0 and self.cfg.train.eval_every:  # the starting policy, for reference
             self.logger.log_scalars(0, self.evaluate())
         with StopRequests() as stop, frozen_heap():
@@ -265,7 +326,11 @@ class Trainer:
         self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, version=str(step + 1)))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
         mismatch_parts = update.outputs if self.on_policy else mismatch
-        train_scalars = {**reduce_update_metrics(update.outputs), **reduce_mismatch(mismatch_parts), **reduce_offpolicy(mismatch_parts)}
+        train_scalars = {
+            **reduce_update_metrics(update.outputs),
+            **reduce_mismatch(mismatch_parts),
+            **reduce_offpolicy(mismatch_parts),
+        }
         routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
         step_time = time.perf_counter() - start
         scalars = {
@@ -285,7 +350,13 @@ class Trainer:
             **evaluation,
         }
         log_ratios = log_ratio_values(update.outputs)
-        self.logger.log(step + 1, scalars, routing, {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {}, shown)
+        self.logger.log(
+            step + 1,
+            scalars,
+            routing,
+            {tags.TRAIN_LOG_RATIO_HISTOGRAM: log_ratios} if log_ratios is not None else {},
+            shown,
+        )
         return scalars
 
     # ------------------------------------------------------------------ the stages of a step
@@ -305,7 +376,9 @@ class Trainer:
             scalars = {**scalars, tags.ROLLOUT_POLICY_LAG: policy_lag(exp, step, self.max_policy_lag)}
             if self.background and step + 1 < self.cfg.train.steps:
                 self.background.start(step + 1)
-            shown = sample_records(exp, self.tokenizer, step + 1, self.cfg.train.log_samples, self.cfg.rollout.group_size)
+            shown = sample_records(
+                exp, self.tokenizer, step + 1, self.cfg.train.log_samples, self.cfg.rollout.group_size
+            )
             self.flat_rewards.observe(step + 1, exp.rewards.tolist(), self.cfg.rollout.max_new_tokens)
         return (*share_experience(exp, scalars, self.planner), shown)
 
@@ -313,9 +386,14 @@ class Trainer:
         """This data-parallel rank's share as micro-batches on its device, as many as every
         other rank's (:class:`MicroBatchPlanner`: fixed rows, or packed by a token budget)."""
         return build_train_batch(
-            exp, step, self.planner.plan(exp.lengths), seq_len_multiple=self.cfg.parallel.seq_len_multiple,
-            pad_id=self.tokenizer.pad_token_id or 0, device=self.device, with_routing=self.engine_routing,
-        )  # fmt: skip
+            exp,
+            step,
+            self.planner.plan(exp.lengths),
+            seq_len_multiple=self.cfg.parallel.seq_len_multiple,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            device=self.device,
+            with_routing=self.engine_routing,
+        )
 
     def compute_old_logprobs(self, batch: TrainBatch) -> list[dict]:
         """Sets each micro-batch's ``old_logp`` (recomputed, or the rollout's), recording
@@ -334,8 +412,12 @@ class Trainer:
         for mb, out in zip(mbs, outputs):
             mb.old_logp = out["logprobs"] if recompute else mb.rollout_logp
             if a.corrects_rollout:
-                mb.correction = rollout_correction(a.rollout_correction, mb.old_logp, mb.rollout_logp, mb.mask, **a.rollout_correction_params)
-        return [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask, mb.correction) for mb, out in zip(mbs, outputs)]
+                mb.correction = rollout_correction(
+                    a.rollout_correction, mb.old_logp, mb.rollout_logp, mb.mask, **a.rollout_correction_params
+                )
+        return [
+            logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask, mb.correction) for mb, out in zip(mbs, outputs)
+        ]
 
     def compute_reference_logprobs(self, batch: TrainBatch) -> None:
         """Sets each micro-batch's ``ref_logp`` when there is a KL penalty."""
@@ -360,7 +442,9 @@ class Trainer:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
             skipped += not result.updated
             if self.monitor:  # |log-ratio| and clipping by routing change since the old pass
-                self.monitor.add_update_log_ratios(result.outputs or None, batch.micro_batches, counted=self._split_counts(i, result.updated))
+                self.monitor.add_update_log_ratios(
+                    result.outputs or None, batch.micro_batches, counted=self._split_counts(i, result.updated)
+                )
         if skipped and is_first_rank():
             log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
         return UpdateResult(result.outputs, result.grad_norm, skipped)
@@ -387,11 +471,15 @@ class Trainer:
     def _eval_due(self, step: int) -> bool:
         """After ``step`` steps: every ``train.eval_every`` steps, and at the end."""
         every = self.cfg.train.eval_every
-        return self.cfg.data.eval_task is not None and (step == self.cfg.train.steps or bool(every and step % every == 0))
+        return self.cfg.data.eval_task is not None and (
+            step == self.cfg.train.steps or bool(every and step % every == 0)
+        )
 
     # ------------------------------------------------------------------ checkpoints, stopping
 
-    def _end_of_step(self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool) -> Path | None:
+    def _end_of_step(
+        self, step: int, scalars: dict[str, float], skipped_in_a_row: int, stop_requested: bool
+    ) -> Path | None:
         """Checkpoint when due (or when stopping), then stop if asked to or if updates keep
         failing; the checkpoint saved, if any."""
         train = self.cfg.train
@@ -456,8 +544,10 @@ def _make_task(cfg: Config, spec: str, key: str) -> Task:
     except (ValueError, OSError) as e:
         raise ConfigError(f"{key}: {e}") from None
     if task.holds_messages and not d.chat_template:
-        raise ConfigError(f"{key}: its prompts are chat messages ({d.prompt_key}); set data.chat_template=true (the tokenizer's chat "
-                          f"template writes them as text), or point data.prompt_key at {CHAT_TEXT_HINT}")  # fmt: skip
+        raise ConfigError(
+            f"{key}: its prompts are chat messages ({d.prompt_key}); set data.chat_template=true (the tokenizer's chat "
+            f"template writes them as text), or point data.prompt_key at {CHAT_TEXT_HINT}"
+        )
     return task
 
 

@@ -1,0 +1,18 @@
+"""The tree is formatted and linted as pyproject.toml's [tool.ruff] says, and its import graph is layered."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed (bash tools/setup.sh --dev)")
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]], ids=["lint", "format"])
+def test_ruff(args: list[str]) -> None:
+    result = subprocess.run([RUFF, *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
