@@ -14,7 +14,7 @@ import sys
 import time
 
 from moe_rl.cli import main
-from moe_rl.trainer import checkpoint
+from moe_rl.checkpoint import store as checkpoint
 from moe_rl.trainer.trainer import Trainer
 
 

@@ -144,9 +144,9 @@ class ScriptedEngine(RolloutEngine):
 
 
 def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str):
-    from moe_rl.trainer.experience import ExperienceCollector
+    from moe_rl.experience.collector import ExperienceCollector
     from moe_rl.rollout.multi_turn import SingleTurnSampler
-    from moe_rl.trainer.rollout_setup import build_scorer, sampling_params
+    from moe_rl.experience.builders import build_scorer, sampling_params
 
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers] + ["not json"])
     cfg = load_config(
@@ -216,7 +216,7 @@ def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_pass_at_k_is_the_unbiased_estimator(n: int) -> None:
-    from moe_rl.evaluation import pass_at_k
+    from moe_rl.experience.evaluation import pass_at_k
 
     for c, k in itertools.product(range(n + 1), range(1, n + 1)):
         assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k)), (n, c, k)
@@ -225,7 +225,7 @@ def test_pass_at_k_is_the_unbiased_estimator(n: int) -> None:
 
 
 def test_evaluator_scores_held_out_problems(tmp_path: Path, tokenizer) -> None:
-    from moe_rl.evaluation import Evaluator
+    from moe_rl.experience.evaluation import Evaluator
 
     collector, engine = collector_for(tmp_path, tokenizer, [0, 1, 2, 3, 4])
     problems = collector.task.eval_problems(0)

@@ -23,7 +23,8 @@ from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
 from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
-from moe_rl.trainer.batch import Experience, build_train_batch
+from moe_rl.experience.types import Experience
+from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.objective import PolicyObjective
 from moe_rl.trainer.packing import fixed_plan
 
@@ -138,7 +139,7 @@ def test_tool_errors_go_back_as_text_and_limits_truncate() -> None:
 
 def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> None:
     from moe_rl.rewards import RewardScorer, RewardSpec
-    from moe_rl.trainer.experience import generate_and_score, multi_turn_scalars
+    from moe_rl.experience.collector import generate_and_score, multi_turn_scalars
     from moe_rl.data.prompts import PromptFormatter
 
     policy = ScriptedPolicy(["\\boxed{2}<eos>"])

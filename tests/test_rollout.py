@@ -513,7 +513,7 @@ def test_servers_without_routing_refuse_r3_and_skip_drift_metrics(servers, ckpts
     import logging
 
     from moe_rl.config import load_config
-    from moe_rl.trainer.rollout_setup import use_engine_routing
+    from moe_rl.experience.builders import use_engine_routing
 
     assert engine_for(servers).returns_routed_experts()  # started with the flag
     assert use_engine_routing(load_config(None, []), engine_for(servers))  # routing metrics on: asked for

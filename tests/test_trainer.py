@@ -137,7 +137,7 @@ def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
     assert ckpts == ["step_000002", "step_000004"]  # keep_last=2, no temporary left
     _eval_and_export_match_the_trainer(tmp_path / "b" / "checkpoints" / "step_000004", b[4], tmp_path)
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.trainer.run_dir import check_run_dir
+    from moe_rl.checkpoint.run_dir import check_run_dir
 
     changed = load_config(None, [*common, f"train.run_dir={tmp_path / 'b'}", "train.steps=6", "algorithm.loss=gspo"])
     with pytest.raises(ConfigError, match="holds a run with another config \\(algorithm.loss: 'grpo' -> 'gspo'\\)"):

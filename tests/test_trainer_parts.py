@@ -15,7 +15,8 @@ from moe_rl.algorithms import policy_loss
 from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.rollout.types import RolloutEngine, Sample
 from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
-from moe_rl.trainer.batch import Experience, build_train_batch
+from moe_rl.experience.types import Experience
+from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan
 from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
 from parallel.layout import ParallelLayout
@@ -326,7 +327,7 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
     """No CUDA: SGLang's CPU flags and environment, no deterministic inference (it needs
     CUDA kernels), the configured Python and extra flags last (they win)."""
     from moe_rl.rollout.server import CPU_SERVER_ARGS
-    from moe_rl.trainer.rollout_setup import server_settings
+    from moe_rl.experience.builders import server_settings
 
     cfg = load_config(
         None,
@@ -379,8 +380,8 @@ def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Pa
 def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     import json
 
-    from moe_rl.trainer.checkpoint import FORMAT
-    from moe_rl.trainer.run_dir import check_run_dir
+    from moe_rl.checkpoint.store import FORMAT
+    from moe_rl.checkpoint.run_dir import check_run_dir
 
     def cfg(*overrides: str):
         return load_config(None, [f"train.run_dir={tmp_path / 'run'}", *overrides])
@@ -414,7 +415,7 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
 def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> None:
     import json
 
-    from moe_rl.trainer.checkpoint import FORMAT, CheckpointMismatch, select_checkpoint
+    from moe_rl.checkpoint.store import FORMAT, CheckpointMismatch, select_checkpoint
 
     def make(
         step: int,

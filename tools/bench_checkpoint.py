@@ -7,7 +7,7 @@ Three ways to save the same policy (weights, fp32 Adam state after one update, R
 
 - ``format 1``: what moe-rl wrote before megatron's dist_checkpointing (the weights as a
   HF directory and the optimizer's ``state_dict`` with ``torch.save``, synchronously);
-- ``sync``: :class:`moe_rl.trainer.checkpoint.Checkpointer` with ``async_save=False``;
+- ``sync``: :class:`moe_rl.checkpoint.store.Checkpointer` with ``async_save=False``;
 - ``async``: the same in the background; *blocked* is the time ``save`` takes to return
   plus the commit's time when the writers are done (the trainer's ``poll``), *written*
   the time until the checkpoint is complete.
@@ -39,7 +39,7 @@ def format_one(policy, out: Path) -> None:
     import torch
 
     from moe_rl.models.hf_weights import export_hf_weights
-    from moe_rl.trainer.checkpoint import _fsync_tree
+    from moe_rl.checkpoint.store import _fsync_tree
 
     export_hf_weights(policy.model, policy.hf_config, out / "model", dtype=torch.float32)
     (out / "optim").mkdir()
@@ -50,7 +50,7 @@ def format_one(policy, out: Path) -> None:
 def new_format(policy, root: Path, step: int, background: bool) -> tuple[float, float, float]:
     """(seconds blocked, seconds until complete, seconds of the blocked time spent
     committing) of one :class:`Checkpointer` save."""
-    from moe_rl.trainer.checkpoint import Checkpointer, TrainingState
+    from moe_rl.checkpoint.store import Checkpointer, TrainingState
     from parallel.layout import ParallelLayout
 
     ckpt = Checkpointer(

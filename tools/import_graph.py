@@ -21,13 +21,14 @@ PACKAGES = ("moe_rl", "parallel")
 # Lowest first. A module belongs to the first prefix it starts with.
 LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
-    ("moe_rl.tags", "moe_rl.errors"),
-    ("moe_rl.data", "moe_rl.rewards", "moe_rl.algorithms", "moe_rl.environments"),
+    ("moe_rl.tags", "moe_rl.checks"),
+    ("moe_rl.data", "moe_rl.rewards", "moe_rl.algorithms"),
     ("moe_rl.models", "moe_rl.routing"),
     ("moe_rl.rollout",),
+    ("moe_rl.environments",),
+    ("moe_rl.config",),
     ("moe_rl.experience",),
     ("moe_rl.checkpoint",),
-    ("moe_rl.config",),
     ("moe_rl.trainer",),
     ("moe_rl.report", "moe_rl.claims"),
     ("moe_rl.commands",),

@@ -111,7 +111,8 @@ def _measure(
     from moe_rl.models.forward import run_microbatches
     from moe_rl.models.logprob_head import LogProbConfig
     from moe_rl.routing.monitor import RoutingMonitor
-    from moe_rl.trainer.batch import Experience, build_train_batch
+    from moe_rl.experience.types import Experience
+    from moe_rl.trainer.batch import build_train_batch
     from moe_rl.trainer.metrics import reduce_mismatch
     from moe_rl.trainer.objective import logprob_mismatch
     from moe_rl.trainer.policy import build_reference

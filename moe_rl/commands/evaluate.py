@@ -78,8 +78,8 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
 
     from moe_rl.data.prompts import PromptFormatter
     from moe_rl.data.tasks import make_task
-    from moe_rl.evaluation import build_evaluator
-    from moe_rl.trainer.rollout_setup import build_sampler, build_scorer
+    from moe_rl.experience.evaluation import build_evaluator
+    from moe_rl.experience.builders import build_sampler, build_scorer
 
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

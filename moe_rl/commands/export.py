@@ -73,7 +73,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.hf_weights import SafetensorsDir, export_hf_weights, load_hf_weights
-    from moe_rl.trainer.checkpoint import load_weights, sharded_weights_dtype
+    from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype
     from parallel.distributed import destroy_distributed, init_distributed
 
     src, sharded = _source(args.checkpoint)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.rollout.types import Sample
-from moe_rl.trainer.batch import Experience
+from moe_rl.experience.types import Experience
 from moe_rl.trainer.packing import MicroBatchPlanner
 from parallel.collectives import broadcast_object, gather_objects, rank, rank_device, world_size
 

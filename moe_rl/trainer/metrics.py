@@ -18,7 +18,7 @@ from torch import Tensor
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
 from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
-from moe_rl.trainer.sample_log import SAMPLES_TAG, SampleRecord, samples_markdown
+from moe_rl.experience.sample_log import SAMPLES_TAG, SampleRecord, samples_markdown
 from parallel.collectives import all_reduce, reports_loss
 
 

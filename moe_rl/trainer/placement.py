@@ -19,6 +19,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Protocol
 
+from moe_rl.config import Config
+from moe_rl.rollout.types import RolloutEngine
+from moe_rl.trainer.policy import Policy
 from parallel.collectives import barrier
 from parallel.offload import DeviceOffloader
 
@@ -99,3 +102,17 @@ class Colocation:
         if self.engine is not None and released:
             self.engine.resume_memory_occupation(released)
             self.released.difference_update(released)
+
+
+def make_room_for_the_trainer(cfg: Config, engine: RolloutEngine | None) -> None:
+    """Collective, before the trainer builds its model: colocated servers (``rollout.colocate``)
+    release all their GPU memory; separate ones keep theirs."""
+    if cfg.rollout.colocate:
+        Colocation.free_engine_memory(engine)
+
+
+def build_placement(cfg: Config, engine: RolloutEngine | None, policy: Policy) -> Placement:
+    """``rollout.colocate``: trainer and SGLang servers take turns on the same GPUs."""
+    if not cfg.rollout.colocate:
+        return SeparatePlacement()
+    return Colocation(engine, DeviceOffloader([policy.model], policy.optimizer))

@@ -22,20 +22,8 @@ import yaml
 
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
-from moe_rl.config import Config, ConfigError
-from moe_rl.data.prompts import CHAT_TEXT_HINT, PromptFormatter
-from moe_rl.data.tasks import Task, make_task
-from moe_rl.evaluation import Evaluator, build_evaluator
-from moe_rl.trainer.sample_log import FlatRewardWatch, SampleRecord, sample_records
-from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
-from moe_rl.models.layers import LayerModules
-from moe_rl.models.logprob_head import LogProbConfig
-from moe_rl.rollout.weight_sync import WeightSync
-from moe_rl.routing.expert_bias import ExpertBiasTracker
-from moe_rl.routing.monitor import RoutingMonitor
-from moe_rl.trainer.batch import Experience, TrainBatch, build_train_batch
-from moe_rl.trainer.packing import MicroBatchPlanner
-from moe_rl.trainer.checkpoint import (
+from moe_rl.checkpoint.run_dir import check_run_dir
+from moe_rl.checkpoint.store import (
     Checkpointer,
     TrainingState,
     load_checkpoint,
@@ -43,9 +31,28 @@ from moe_rl.trainer.checkpoint import (
     remove_stale_temporaries,
     select_checkpoint,
 )
+from moe_rl.config import Config, ConfigError
+from moe_rl.data.prompts import CHAT_TEXT_HINT, PromptFormatter
+from moe_rl.data.tasks import Task, make_task
+from moe_rl.experience.background import BackgroundRollout
+from moe_rl.experience.builders import (
+    build_collector,
+    build_scorer,
+    build_weight_sync,
+    check_server_placement,
+)
+from moe_rl.experience.collector import ExperienceCollector, policy_lag
+from moe_rl.experience.evaluation import Evaluator, build_evaluator
+from moe_rl.experience.sample_log import FlatRewardWatch, SampleRecord, sample_records
+from moe_rl.experience.types import Experience
+from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
+from moe_rl.models.layers import LayerModules
+from moe_rl.models.logprob_head import LogProbConfig
+from moe_rl.rollout.weight_sync import WeightSync
+from moe_rl.routing.expert_bias import ExpertBiasTracker
+from moe_rl.routing.monitor import RoutingMonitor
+from moe_rl.trainer.batch import TrainBatch, build_train_batch
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
-from moe_rl.trainer.background_rollout import BackgroundRollout
-from moe_rl.trainer.experience import ExperienceCollector, policy_lag
 from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.heap import frozen_heap
 from moe_rl.trainer.metrics import (
@@ -58,17 +65,9 @@ from moe_rl.trainer.metrics import (
     routing_split_scalars,
 )
 from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
+from moe_rl.trainer.packing import MicroBatchPlanner
+from moe_rl.trainer.placement import Placement, build_placement, make_room_for_the_trainer
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
-from moe_rl.trainer.run_dir import check_run_dir
-from moe_rl.trainer.placement import Placement
-from moe_rl.trainer.rollout_setup import (
-    build_collector,
-    build_placement,
-    build_scorer,
-    build_weight_sync,
-    check_server_placement,
-    make_room_for_the_trainer,
-)
 from moe_rl.trainer.stop import StopRequests
 from parallel.collectives import (
     all_reduce,

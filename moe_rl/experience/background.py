@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from moe_rl.trainer.experience import ExperienceCollector
+from moe_rl.experience.collector import ExperienceCollector
 
 
 class BackgroundRollout:

@@ -14,7 +14,7 @@ from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardScorer
 from moe_rl.rollout.multi_turn import Sampler
 from moe_rl.rollout.types import SamplingParams
-from moe_rl.trainer.experience import generate_and_score
+from moe_rl.experience.collector import generate_and_score
 
 EVAL_SEED = 20_261_130  # the same sampling seeds at every evaluation: runs and steps compare on equal terms
 SOLVED_AT = 1.0
@@ -82,7 +82,7 @@ def build_evaluator(
     cfg: Config, task: Task, formatter: PromptFormatter, sampler: Sampler, scorer: RewardScorer, *, progress: bool
 ) -> Evaluator:
     """The ``data.eval_*`` evaluation of ``task`` through ``sampler`` (training and ``moe-rl eval``)."""
-    from moe_rl.trainer.rollout_setup import sampling_params
+    from moe_rl.experience.builders import sampling_params
 
     d = cfg.data
     sampling = sampling_params(cfg, formatter.tokenizer.eos_token_id, evaluation=True)

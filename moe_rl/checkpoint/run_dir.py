@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from moe_rl.config import Config, ConfigError, fingerprint_differences
-from moe_rl.trainer.checkpoint import checkpoint_dirs, format_problem, newest_readable
+from moe_rl.checkpoint.store import checkpoint_dirs, format_problem, newest_readable
 
 
 def check_run_dir(cfg: Config) -> None:

@@ -21,7 +21,7 @@ from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
 from moe_rl.rollout.multi_turn import FAILED, RESPONSE_TEXT, Sampler
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, StaleWeightsError
-from moe_rl.trainer.batch import Experience
+from moe_rl.experience.types import Experience
 
 log = logging.getLogger("moe_rl.train")
 

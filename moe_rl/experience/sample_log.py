@@ -8,7 +8,7 @@ import html
 import logging
 from dataclasses import dataclass
 
-from moe_rl.trainer.batch import Experience
+from moe_rl.experience.types import Experience
 
 log = logging.getLogger("moe_rl.train")
 SAMPLES_TAG = "samples"  # TensorBoard text tag

@@ -1,6 +1,7 @@
 """The rollout side of a run, built once from the config: the engine (and any SGLang
-server the run starts), the first rank's :class:`ExperienceCollector`, every rank's
-:class:`WeightSync` and :class:`Placement`. The engine kind is looked at here and nowhere else."""
+server the run starts), the sampler, the reward scorer, the first rank's
+:class:`ExperienceCollector` and every rank's :class:`WeightSync`. The engine kind is
+looked at here and nowhere else."""
 
 from __future__ import annotations
 
@@ -22,10 +23,7 @@ from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.multi_turn import MultiTurnSampler, Sampler, SingleTurnSampler, load_generate_fn
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
-from moe_rl.trainer.experience import ExperienceCollector
-from moe_rl.trainer.placement import Colocation, Placement, SeparatePlacement
-from moe_rl.trainer.policy import Policy
-from parallel.offload import DeviceOffloader
+from moe_rl.experience.collector import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")
 if TYPE_CHECKING:
@@ -208,17 +206,3 @@ def build_weight_sync(
     if r.weight_sync == "tensor":
         return TensorSync(engine, bucket_bytes=bucket_bytes, dtype=dtype)
     return DiskSync(engine, run_dir / "weights" / "current")
-
-
-def make_room_for_the_trainer(cfg: Config, engine: RolloutEngine | None) -> None:
-    """Collective, before the trainer builds its model: colocated servers (``rollout.colocate``)
-    release all their GPU memory; separate ones keep theirs."""
-    if cfg.rollout.colocate:
-        Colocation.free_engine_memory(engine)
-
-
-def build_placement(cfg: Config, engine: RolloutEngine | None, policy: Policy) -> Placement:
-    """``rollout.colocate``: trainer and SGLang servers take turns on the same GPUs."""
-    if not cfg.rollout.colocate:
-        return SeparatePlacement()
-    return Colocation(engine, DeviceOffloader([policy.model], policy.optimizer))
