@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
-
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +13,31 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.models.export_dir import MARKER
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 
 
-def moe_rl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def moe_rl(*args: str, timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` (hidden ones included) and its bytes (``None``: a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-rl: error: --out: "), out.stderr
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +84,61 @@ def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> Non
     os.umask(mask)  # written as any tool writes: readable by a server running as another user (umask 022)
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~mask
     assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {0o666 & ~mask}
+    marker = json.loads((tmp_path / "hf" / MARKER).read_text())
+    assert marker["written_by"].startswith("moe-rl ") and marker["dtype"] == "float32"
+
+    # an export is replaced by the next one (a stale file in it goes with it)
+    (tmp_path / "hf" / "stale.txt").write_text("from the first export")
+    again = moe_rl("export", "--checkpoint", src, "--out", str(tmp_path / "hf"), "--dtype", "bfloat16")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not (tmp_path / "hf" / "stale.txt").exists()
+    assert SafetensorsDir(tmp_path / "hf").dtype() == torch.bfloat16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or moved-aside directory left
+
+
+def test_export_never_replaces_a_directory_it_did_not_make(checkpoints, tmp_path: Path) -> None:
+    # a copy of a base model (its own index.json) with a README and a folder of its own
+    base = tmp_path / "base"
+    shutil.copytree(checkpoints["qwen3"], base)
+    (base / "README.md").write_text("the model card")
+    (base / "extra").mkdir()
+    (base / "extra" / "notes.txt").write_text("keep me")
+    index = {"metadata": {}, "weight_map": dict.fromkeys(SafetensorsDir(base).keys(), "model.safetensors")}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))  # as a sharded base model has
+    before = tree(tmp_path)
+    line = one_error_line(moe_rl("export", "--checkpoint", checkpoints["qwen3"], "--out", str(base)))
+    assert str(base) in line and f"was not written by moe-rl export (no {MARKER} in it): nothing was touched" in line
+    assert tree(tmp_path) == before
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot create anything in (root ignores permissions: sysfs)."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        return locked
+    if os.access("/sys", os.W_OK) and Path("/sys/kernel").is_dir():
+        return Path("/sys")
+    pytest.skip("no directory this root process cannot write")
+
+
+def test_export_to_a_bad_out_is_one_line_and_leaves_nothing(checkpoints, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("x")
+    locked = _unwritable_dir(tmp_path)
+    cases = {
+        "": "an empty path names no directory",
+        "a_file": "exists and is not a directory",
+        "a_file/sub": "a_file is not a directory",
+        str(locked / "new" / "out"): f"{locked} is not writable",
+        "/": "is a file system root",
+    }
+    before = tree(tmp_path)
+    for out, why in cases.items():
+        line = one_error_line(moe_rl("export", "--checkpoint", checkpoints["qwen3"], "--out", out, cwd=tmp_path))
+        assert why in line, (out, line)
+        assert tree(tmp_path) == before, out
+    if locked.is_relative_to(tmp_path):
+        locked.chmod(0o755)
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])

@@ -362,19 +362,33 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
 
 
 def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
-    from moe_rl.models.export_dir import export_destination_problem
+    from moe_rl.models.export_dir import export_destination_problem, write_marker
 
     assert export_destination_problem(tmp_path / "new") is None
     (tmp_path / "empty").mkdir()
     assert export_destination_problem(tmp_path / "empty") is None
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "notes.txt").write_text("mine")
-    assert "is not empty and holds no earlier export" in export_destination_problem(tmp_path / "work")
+    assert "is not empty and was not written by moe-rl export" in export_destination_problem(tmp_path / "work")
     (tmp_path / "file").write_text("x")
     assert "is not a directory" in export_destination_problem(tmp_path / "file")
+    (tmp_path / "base").mkdir()  # a model directory is not an export
+    (tmp_path / "base" / "model.safetensors.index.json").write_text("{}")
+    assert "was not written by moe-rl export" in export_destination_problem(tmp_path / "base")
     (tmp_path / "earlier").mkdir()
+    write_marker(tmp_path / "earlier", dtype="float32")
     (tmp_path / "earlier" / "model.safetensors.index.json").write_text("{}")
     assert export_destination_problem(tmp_path / "earlier") is None
+    (tmp_path / "link").symlink_to(tmp_path / "earlier")
+    assert "is a symbolic link" in export_destination_problem(tmp_path / "link")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "base",
+        "earlier",
+        "empty",
+        "file",
+        "link",
+        "work",
+    ]  # no probe left
 
 
 def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:

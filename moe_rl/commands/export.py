@@ -16,7 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help=HELP, description=HELP)
     p.add_argument("--checkpoint", required=True, help="a training checkpoint directory or a HF model directory")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument(
+        "--out", required=True, help="output directory: new, empty, or an earlier export (replaced atomically)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the config's")
     add_layout_args(p)
     p.set_defaults(func=run)
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     problem = export_destination_problem(args.out)
     if problem:
-        return fail(f"--out {problem}")
+        return fail(f"--out: {problem}")
     try:
         spawned = maybe_spawn(args, "export")
         if spawned is not None:

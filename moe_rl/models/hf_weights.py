@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.architectures import architecture_of, head_dim, hf_dtype
 from moe_rl.models.builder import named_weights, padded_vocab_size
-from moe_rl.models.export_dir import export_destination_problem
+from moe_rl.models.export_dir import export_destination, export_destination_problem, write_marker
 from parallel.collectives import all_gather_objects, barrier, broadcast_object
 
 _TOKENIZER_FILES = (
@@ -367,18 +367,39 @@ def export_hf_weights(
 ) -> Path:
     """Write the model as a HF directory (safetensors shards, index, config) that
     ``transformers`` and SGLang load. Collective: every rank must call it."""
-    out = Path(out_dir)
     dtype = dtype or hf_dtype(hf_config)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    problem = broadcast_object(export_destination_problem(out) if rank == 0 else None)
+    problem = broadcast_object(export_destination_problem(out_dir) if rank == 0 else None)
     if problem:
         raise ValueError(problem)
-    if rank == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):  # left by an export that was killed
-            for stale in out.parent.glob(pattern):
-                shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(broadcast_object(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent) if rank == 0 else None))
+    out = export_destination(out_dir)
+    tmp = Path(broadcast_object(_fresh_temporary(out) if rank == 0 else None))
+    try:
+        _write_export(model, hf_config, tmp, dtype, copy_files_from, rank)
+        barrier()
+        if rank == 0:
+            _readable_as_umask_allows(tmp)
+            if problem := export_destination_problem(out):  # something else wrote there meanwhile
+                raise ValueError(problem)
+            _replace_dir(tmp, out)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written left behind
+        raise
+    barrier()
+    return out
+
+
+def _write_export(
+    model: GPTModel,
+    hf_config: PretrainedConfig,
+    tmp: Path,
+    dtype: torch.dtype,
+    copy_files_from: str | os.PathLike | None,
+    rank: int,
+) -> None:
+    """This rank's safetensors shards into ``tmp``; the first rank's also the index, the
+    config and tokenizer files and the export's marker."""
     tensors = gather_hf_tensors(model, hf_config, dtype=dtype)
     writers = all_gather_objects(sorted(tensors))
     files = [i for i, keys in enumerate(writers) if keys]
@@ -396,12 +417,7 @@ def export_hf_weights(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         hf_config.dtype = dtype
         write_config_files(hf_config, tmp, copy_files_from)
-    barrier()
-    if rank == 0:
-        _readable_as_umask_allows(tmp)
-        _replace_dir(tmp, out)
-    barrier()
-    return out
+        write_marker(tmp, dtype=str(dtype).removeprefix("torch."))
 
 
 def write_config_files(hf_config: PretrainedConfig, out: Path, copy_files_from: str | os.PathLike | None) -> None:
@@ -423,6 +439,16 @@ def _readable_as_umask_allows(directory: Path) -> None:
     directory.chmod(0o777 & ~mask)
     for path in directory.iterdir():
         path.chmod(0o666 & ~mask)
+
+
+def _fresh_temporary(out: Path) -> str:
+    """A new directory beside ``out`` to write the export into, after removing those a
+    killed export left there (named after ``out``: only an export makes them)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):
+        for stale in out.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
 
 
 def _replace_dir(new: Path, out: Path) -> None:
