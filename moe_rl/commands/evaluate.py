@@ -76,14 +76,13 @@ def _config(args: argparse.Namespace):
 def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from moe_rl.data.prompts import PromptFormatter
     from moe_rl.data.tasks import make_task
     from moe_rl.experience.evaluation import build_evaluator
     from moe_rl.experience.builders import build_sampler, build_scorer
 
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    formatter = PromptFormatter.from_config(d, tokenizer)
+    formatter = d.prompt_formatter(tokenizer)
     task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key)
     engine = _engine(args, cfg, model_dir)
     try:

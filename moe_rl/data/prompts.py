@@ -11,8 +11,6 @@ from moe_rl.data.tasks import Problem
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from moe_rl.config import DataConfig
-
 PROMPT_FIELD = "{prompt}"
 CHAT_TEXT_HINT = "a message's text (e.g. prompt.-1.content: the last message of the prompt field)"
 
@@ -39,10 +37,6 @@ class PromptFormatter:
                 'data.chat_template=true, but the model\'s tokenizer has no chat template: add one ("chat_template" in its '
                 f"tokenizer_config.json, e.g. its instruct variant's), or set data.chat_template=false and point data.prompt_key at {CHAT_TEXT_HINT}"
             )
-
-    @classmethod
-    def from_config(cls, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptFormatter:
-        return cls(tokenizer, data.prompt_template, data.system_prompt, data.chat_template, data.max_prompt_tokens)
 
     def text(self, problem: Problem) -> str:
         """The prompt as text (chat template applied when on)."""

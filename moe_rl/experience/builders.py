@@ -21,6 +21,7 @@ from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.multi_turn import MultiTurnSampler, Sampler, SingleTurnSampler, load_generate_fn
+from moe_rl.rollout.settings import PRECISIONS
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
 from moe_rl.experience.collector import ExperienceCollector
@@ -28,8 +29,6 @@ from moe_rl.experience.collector import ExperienceCollector
 log = logging.getLogger("moe_rl.train")
 if TYPE_CHECKING:
     from moe_rl.rollout.server import ServerSettings
-
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def wants_engine_routing(cfg: Config) -> bool:
@@ -124,7 +123,8 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     if r.engine == "local":
         from moe_rl.rollout.local import LocalEngine
 
-        engine = LocalEngine(hf_dir, weight_precision=_PRECISIONS[r.precision])
+        precision = PRECISIONS[r.precision]
+        engine = LocalEngine(hf_dir, weight_precision=getattr(torch, precision) if precision else None)
         closing.callback(engine.close)
         return engine
     from moe_rl.rollout.sglang import SGLangEngine

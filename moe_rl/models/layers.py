@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from moe_rl.config import ATTENTION_MODULES, EXPERT_MODULES, TRANSFORMER_IMPLS
+from moe_rl.models.settings import ATTENTION_MODULES, EXPERT_MODULES, TRANSFORMER_IMPLS
 from moe_rl.models.grouped_experts import GroupedExperts, init_device
 
 

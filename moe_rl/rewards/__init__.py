@@ -7,11 +7,11 @@ from moe_rl.rewards.base import (
     ConditionalSpec,
     RewardBatch,
     RewardInput,
-    RewardScorer,
     RewardSpec,
     check_reward_function,
     resolve_reward_fn,
 )
+from moe_rl.rewards.scorer import RewardScorer
 
 __all__ = [
     "FAILURE_KINDS",

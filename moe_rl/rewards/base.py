@@ -1,9 +1,8 @@
-"""Reward functions by name, and a scorer that turns samples into named reward columns.
+"""Reward functions by name: the registry, the types a reward sees and returns, and what
+turns a call's value into a score (the scorer is :mod:`moe_rl.rewards.scorer`).
 
-A reward function maps one :class:`RewardInput` to a float. The scorer runs every
-configured function on every sample; a function that raises, runs past its timeout or
-returns NaN/Inf scores 0 for that sample, is counted per reward and per kind, and never
-stops the run.
+A reward function maps one :class:`RewardInput` to a float; one that raises, runs past
+its timeout or returns NaN/Inf scores 0 for that sample.
 """
 
 from __future__ import annotations
@@ -12,17 +11,14 @@ import importlib
 import inspect
 import logging
 import math
-import queue
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from moe_rl.algorithms.registry import Registry
-from moe_rl.algorithms.reward_shaping import conditional_reward
 
 log = logging.getLogger(__name__)
 
@@ -116,155 +112,6 @@ def check_reward_function(fn: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"does not take kwargs {sorted(kwargs)} ({e})") from None
     except ValueError:  # no signature to inspect (a builtin)
         pass
-
-
-class RewardScorer:
-    """Scores samples with several named rewards, safely; see the module docstring."""
-
-    def __init__(
-        self,
-        specs: Sequence[RewardSpec],
-        conditionals: Sequence[ConditionalSpec] = (),
-        timeout_s: float = 10.0,
-        workers: int = 0,
-    ) -> None:
-        if not specs:
-            raise ValueError("at least one reward is needed")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique, got {names}")
-        if timeout_s <= 0:
-            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
-        for c in conditionals:
-            for ref in (c.target, c.condition):
-                if ref not in names:
-                    raise ValueError(f"conditional reward refers to unknown reward {ref!r}; rewards: {names}")
-        self.specs = list(specs)
-        self.names = names
-        self.weights = [float(s.weight) for s in specs]
-        self.conditionals = list(conditionals)
-        self.timeout_s = timeout_s
-        self._fns = [resolve_reward_fn(s.fn) for s in specs]
-        self.failure_totals: dict[str, Counter] = {n: Counter() for n in names}
-        self._pool = None
-        self._thread: _RewardThread | None = None
-        if workers > 0:
-            from moe_rl.rewards.pool import RewardPool
-
-            self._pool = RewardPool(workers, timeout_s, functions=sorted({s.fn for s in specs}))
-        else:  # while the run builds its model
-            self._thread = _RewardThread()
-            self._thread.submit([(warm_up, fn, {}) for fn in self._fns])
-
-    def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
-        """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
-        a hung call's worker killed at the timeout), or one call at a time in a thread."""
-        values = torch.zeros(len(samples), len(self.specs), dtype=torch.float32)
-        failures = {n: Counter() for n in self.names}
-        if self._pool is not None:
-            tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
-            outcomes = iter(self._pool.score(tasks))
-        else:
-            outcomes = self._call_all(
-                [(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples]
-            )
-        for j, spec in enumerate(self.specs):
-            for i in range(len(samples)):
-                value, failure = next(outcomes)
-                if failure is not None:
-                    failures[spec.name][failure] += 1
-                    if self.failure_totals[spec.name][failure] == 0:
-                        log.warning(
-                            "reward %r: %s on a sample (scored 0; counted, further ones not logged)", spec.name, failure
-                        )
-                    self.failure_totals[spec.name][failure] += 1
-                values[i, j] = value
-        for c in self.conditionals:
-            values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
-        return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
-
-    def _call_all(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> Iterator[tuple[float, str | None]]:
-        """Each call's (value, failure kind), in order, run one at a time on the scorer's
-        reward thread. The calls are queued together (one hand-off per batch: a hand-off
-        per call cost more than a cached rule reward) and each gets ``timeout_s`` from when
-        the one before it ended (a warm-up still running at the first batch counts against its
-        first call); a call past it scores a timeout, and the thread, still busy with it, is
-        left behind: a fresh one runs the rest."""
-        while calls:
-            if self._thread is None:
-                self._thread = _RewardThread()
-            pending = self._thread.submit(calls)
-            for k, call in enumerate(pending):
-                if not call.done.wait(self.timeout_s):
-                    self._thread.abandon()
-                    self._thread = None
-                    yield 0.0, "timeout"
-                    calls = calls[k + 1 :]
-                    break
-                yield call.outcome()
-            else:
-                calls = []
-
-    def close(self) -> None:
-        """Stop the worker processes (if any)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-
-@dataclass
-class _PendingCall:
-    """One reward call queued on a :class:`_RewardThread`; ``done`` is set once it ran."""
-
-    fn: Callable[..., Any]  # a reward function (or, at the start, :func:`warm_up`)
-    sample: Any  # its first argument: a RewardInput (for warm_up: the reward function)
-    kwargs: dict
-    done: threading.Event = field(default_factory=threading.Event)
-    value: Any = None
-    error: BaseException | None = None
-
-    def outcome(self) -> tuple[float, str | None]:
-        if self.error is not None:
-            log.debug("reward function raised: %r", self.error)
-            return 0.0, "error"
-        return reward_outcome(self.value)
-
-
-class _RewardThread:
-    """One daemon thread that runs reward calls in turn (a thread per call cost more than
-    a rule reward itself). A call past its timeout leaves the thread behind
-    (:meth:`abandon`: the calls queued after it are dropped) and a new one takes over: the
-    hung call cannot stall the step, but its thread is not stopped (use
-    ``reward.workers`` for that)."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._abandoned = threading.Event()
-        threading.Thread(
-            target=self._serve, args=(self._tasks, self._abandoned), daemon=True, name="moe-rl-reward"
-        ).start()
-
-    @staticmethod
-    def _serve(tasks: queue.SimpleQueue, abandoned: threading.Event) -> None:
-        while not abandoned.is_set():
-            for call in tasks.get():
-                if abandoned.is_set():
-                    return
-                try:
-                    call.value = call.fn(call.sample, **call.kwargs)
-                except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
-                    call.error = e
-                call.done.set()
-
-    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> list[_PendingCall]:
-        """Queue ``calls`` (run in order); wait on each one's ``done``."""
-        pending = [_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls]
-        self._tasks.put(pending)
-        return pending
-
-    def abandon(self) -> None:
-        """Drop what is queued behind the running call; the thread ends after it."""
-        self._abandoned.set()
 
 
 def warm_up(fn: RewardFn) -> None:

@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from moe_rl.rewards.base import RewardInput, reward_outcome, warm_up
+from moe_rl.rewards.base import RewardInput, resolve_reward_fn, reward_outcome, warm_up
 
 Task = tuple[str, dict[str, Any], RewardInput]
 Outcome = tuple[float, str | None]  # (value, failure kind or None)
@@ -102,7 +102,7 @@ class RewardPool:
 
 def _serve(conn: Connection, names: Sequence[str]) -> None:
     """A worker: import ``names``, announce readiness, then score tasks until the pipe closes."""
-    from moe_rl.rewards import resolve_reward_fn  # registers the built-in rewards
+    from moe_rl.rewards import rules  # noqa: F401  (registers the built-in rewards)
 
     functions: dict[str, Any] = {name: resolve_reward_fn(name) for name in names}
     conn.send("ready")

@@ -552,6 +552,6 @@ def _make_task(cfg: Config, spec: str, key: str) -> Task:
 
 def _make_formatter(cfg: Config, tokenizer) -> PromptFormatter:
     try:
-        return PromptFormatter.from_config(cfg.data, tokenizer)
+        return cfg.data.prompt_formatter(tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
