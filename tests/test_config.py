@@ -47,6 +47,12 @@ def test_defaults_and_overrides() -> None:
     )
 
 
+def test_run_dir_under_home_is_expanded() -> None:
+    """``train.run_dir=~/x`` is the home's x, not a literal ./~ directory."""
+    cfg = load_config(overrides=["train.run_dir=~/moe-rl-runs/x"])
+    assert cfg.train.run_dir == str(Path.home() / "moe-rl-runs" / "x")
+
+
 def test_yaml_file(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("algorithm: {loss: gmpo, loss_params: {log_clip: 0.3}}\ntrain: {steps: 5}\n")
@@ -74,6 +80,10 @@ BAD = [
     (
         ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/no/such/python"],
         "rollout.server_python='/no/such/python' is not an executable",
+    ),
+    (
+        ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/usr/bin"],
+        "rollout.server_python='/usr/bin' is not an executable file",
     ),
     (["rollout.server_start_timeout_s=0"], "rollout.server_start_timeout_s=0.0 must be > 0"),
     (["rollout.group_size=1"], "rollout.group_size=1 must be >= 2"),
@@ -238,7 +248,7 @@ def test_bad_model_directories(tmp_path: Path) -> None:
     "argv, message",
     [
         (["train", "--nproc", "0"], "--nproc 0 must be >= 1"),
-        (["export", "--checkpoint", "x", "--out", "{tmp}/work"], "is not empty and holds no earlier export"),
+        (["export", "--checkpoint", "x", "--out", "{tmp}/work"], "is not empty and was not written by moe-rl export"),
         (["compare", "--config", "{tmp}/shape.yaml"], "runs must map each run name to a mapping"),
         (["compare", "--config", "{tmp}/list.yaml"], "must hold a mapping"),
         (["compare", "--config", str(GOOD), "--seeds", "1,x"], "--seeds '1,x' must be comma-separated integers"),
