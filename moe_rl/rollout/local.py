@@ -23,10 +23,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.hf_routing import RouterCapture
+from moe_rl.rollout.contracts import InProcessWeightReceiver
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
 
-class LocalEngine(RolloutEngine):
+class LocalEngine(RolloutEngine, InProcessWeightReceiver):
     """Generates with ``model`` (or loads ``model_path``); fp32 on CPU by default.
 
     ``weight_precision`` (e.g. ``torch.bfloat16``) rounds every weight it loads or

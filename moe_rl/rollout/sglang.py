@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moe_rl.rollout.contracts import DistributedWeightReceiver, MemoryReleaser, TensorWeightReceiver
 from moe_rl.rollout.types import (
     RolloutEngine,
     RolloutError,
@@ -61,7 +62,7 @@ class _Retryable(Exception):
     pass
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceiver, MemoryReleaser):
     def __init__(
         self,
         urls: Sequence[str],

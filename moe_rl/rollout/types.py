@@ -6,7 +6,7 @@ import asyncio
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from torch import Tensor
 
@@ -118,10 +118,6 @@ class RolloutEngine(ABC):
     def returns_routed_experts(self) -> bool:
         """Whether ``generate(..., return_routed_experts=True)`` gets the routing."""
         return False
-
-    def update_weights(self, hf_tensors: Mapping[str, Tensor], weight_version: str) -> None:
-        """Take full weights by HF checkpoint names from this process (engines that can)."""
-        raise NotImplementedError(f"{type(self).__name__} does not take weights in process; sync them through disk")
 
     def turns(self, *, return_routed_experts: bool) -> AsyncContextManager[TurnSource]:
         """A :class:`TurnSource` over this engine for one event loop (``async with``), within

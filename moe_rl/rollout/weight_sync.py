@@ -22,6 +22,12 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor
 
+from moe_rl.rollout.contracts import (
+    DistributedWeightReceiver,
+    InProcessWeightReceiver,
+    TensorWeightReceiver,
+    require_capability,
+)
 from moe_rl.rollout.types import RolloutEngine
 
 if TYPE_CHECKING:
@@ -77,6 +83,10 @@ class WeightSync(ABC):
 class InProcessSync(WeightSync):
     """Full tensors gathered to the first rank, handed to an engine in this process."""
 
+    def __init__(self, engine: InProcessWeightReceiver | None) -> None:
+        require_capability(engine, InProcessWeightReceiver, "an in-process weight sync")
+        super().__init__(engine)
+
     def push(self, weights: WeightSource, version: str) -> None:
         tensors = weights.gather()
         if self.engine is not None:
@@ -122,7 +132,7 @@ class DistributedSync(WeightSync):
 
     def __init__(
         self,
-        engine: RolloutEngine | None,
+        engine: DistributedWeightReceiver | None,
         *,
         bucket_bytes: int,
         dtype: torch.dtype,
@@ -132,6 +142,7 @@ class DistributedSync(WeightSync):
         flattened: bool | None = None,
         per_stage: bool = True,
     ) -> None:
+        require_capability(engine, DistributedWeightReceiver, "rollout.weight_sync=distributed")
         super().__init__(engine)
         self.bucket_bytes, self.dtype, self.address = bucket_bytes, dtype, address
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -277,8 +288,14 @@ class TensorSync(WeightSync):
     until every server has replied."""
 
     def __init__(
-        self, engine: RolloutEngine | None, *, bucket_bytes: int, dtype: torch.dtype, flattened: bool | None = None
+        self,
+        engine: TensorWeightReceiver | None,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        flattened: bool | None = None,
     ) -> None:
+        require_capability(engine, TensorWeightReceiver, "rollout.weight_sync=tensor")
         super().__init__(engine)
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.flattened = flattened  # None: where every server supports it (asked at the first push)

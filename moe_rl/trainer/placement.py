@@ -20,6 +20,7 @@ import contextlib
 from typing import Callable, Iterator, Protocol
 
 from moe_rl.config import Config
+from moe_rl.rollout.contracts import MemoryReleaser, require_capability
 from moe_rl.rollout.types import RolloutEngine
 from moe_rl.trainer.policy import Policy
 from parallel.collectives import barrier
@@ -58,13 +59,14 @@ class Colocation:
     :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere.
     Made after :meth:`free_engine_memory`, which runs before the trainer builds its state."""
 
-    def __init__(self, engine, offloader: DeviceOffloader) -> None:
+    def __init__(self, engine: MemoryReleaser | None, offloader: DeviceOffloader) -> None:
+        require_capability(engine, MemoryReleaser, "rollout.colocate=true")
         self.engine = engine
         self.offloader = offloader
         self.released: set[str] = set(ENGINE_MEMORY)  # the engine memory kinds released now (first rank)
 
     @staticmethod
-    def free_engine_memory(engine) -> None:
+    def free_engine_memory(engine: MemoryReleaser | None) -> None:
         """Collective, at start-up: the servers (started, and sized, on free GPUs) release
         all their memory before any rank builds its model, DDP buffers and masters."""
         if engine is not None:
