@@ -16,3 +16,9 @@ RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.whi
 def test_ruff(args: list[str]) -> None:
     result = subprocess.run([RUFF, *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_imports_run_downward_without_circles() -> None:
+    """tools/import_graph.py: no import runs upward through the layers, no file or folder circle."""
+    result = subprocess.run([sys.executable, "tools/import_graph.py"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

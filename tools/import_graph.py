@@ -18,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe_rl", "parallel")
 
-# Lowest first. A module belongs to the first prefix it starts with.
+# Lowest first. A module belongs to the longest prefix it starts with ("name$": that module only).
 LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
-    ("moe_rl.tags", "moe_rl.checks"),
+    ("moe_rl$", "moe_rl.tags", "moe_rl.checks"),  # moe_rl$: the package itself (its version)
     ("moe_rl.data", "moe_rl.rewards", "moe_rl.algorithms"),
     ("moe_rl.models", "moe_rl.routing"),
     ("moe_rl.rollout",),
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("moe_rl.trainer",),
     ("moe_rl.report", "moe_rl.claims"),
     ("moe_rl.commands",),
-    ("moe_rl.cli", "moe_rl.train", "moe_rl"),
+    ("moe_rl.cli", "moe_rl.train"),
 ]
 __doc__ += "\n".join("    " + ", ".join(layer) for layer in LAYERS) + "\n"
 
@@ -46,6 +46,10 @@ def layer_of(module: str) -> int:
     best, depth = len(LAYERS), -1
     for i, prefixes in enumerate(LAYERS):
         for p in prefixes:
+            if p.endswith("$"):
+                if module == p[:-1]:
+                    return i
+                continue
             if (module == p or module.startswith(p + ".")) and p.count(".") > depth:
                 best, depth = i, p.count(".")
     return best
