@@ -64,6 +64,7 @@ from moe_rl.trainer.metrics import (
     reduce_update_metrics,
     routing_split_scalars,
 )
+from moe_rl.trainer.old_policy import old_policy_pass
 from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.placement import Placement, build_placement, make_room_for_the_trainer
@@ -401,11 +402,7 @@ class Trainer:
         if self.on_policy:
             return []
         mbs = batch.micro_batches
-        routed = [mb.routed_experts for mb in mbs] if self.engine_routing else None
-        with self.monitor.old_pass(mbs, routed) if self.monitor else contextlib.nullcontext([]) as hooks:
-            outputs = self.policy.logprobs(mbs, hooks)
-        if self.monitor:  # the rollout mismatch split by train/rollout routing (last stage's log-probs)
-            self.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, mbs)
+        outputs = old_policy_pass(self.policy.logprobs, mbs, self.monitor, engine_routing=self.engine_routing)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
         a = self.cfg.algorithm
         for mb, out in zip(mbs, outputs):
