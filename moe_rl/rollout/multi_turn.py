@@ -14,7 +14,15 @@ routing of the whole sequence). :mod:`moe_rl.environments.calculator` is a worke
 A function that raises or outlives ``rollout.generate_timeout_s`` scores its sample 0
 (counted as ``rollout/multi_turn/failed_samples``; its tokens are kept out of the loss);
 an engine failure (:class:`RolloutError`) or a transcript that does not continue itself
-(:class:`TranscriptError`) stops the run.
+(:class:`TranscriptError`) stops the run. The timeout is a cancellation, delivered at the
+function's next ``await``: a function that ignores it is abandoned :data:`CANCEL_GRACE_S`
+later; one that blocks the event loop (synchronous work between two awaits) stalls every
+sample and cannot be stopped, only scored 0 when it ends late. Each stretch of a function's
+own code between two awaits is timed (two clock reads per suspension, the engine's share
+left out); one of :data:`BLOCKING_WARN_S` or more names the function in a warning.
+
+A function may carry a check of its ``rollout.generate_kwargs`` (:func:`checks_kwargs`),
+run when the config loads.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import importlib
 import inspect
 import logging
 import time
+from collections.abc import Coroutine, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
@@ -47,6 +56,9 @@ GENERATE_ARGS = ("prompt_ids", "engine", "tokenizer", "sampling")  # keyword arg
 FAILED = "failed"  # Sample.meta key: why the generate function failed (the sample scores 0)
 RESPONSE_TEXT = "response_text"  # Sample.meta key: what the rewards score, when the function said
 GenerateFn = Callable[..., Awaitable["Transcript"]]
+KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.generate_kwargs
+BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
+CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
 
 
 class TranscriptError(RuntimeError):
@@ -66,6 +78,51 @@ class Turn:
     routed_experts: Tensor | None = None
 
 
+class LoopClock:
+    """How long a sample's code held the event loop: ``engine_seconds`` in the engine
+    handle, ``longest`` the longest stretch of the generate function's own code between two
+    suspensions (the engine handle's work inside it left out)."""
+
+    def __init__(self) -> None:
+        self.engine_seconds = 0.0
+        self.longest = 0.0
+
+
+class _TimedSteps:
+    """Awaits ``coro`` as ``await coro`` would, timing each of its steps (what runs between
+    two suspensions) into ``clock``: as the engine's, or (``engine=False``) as the
+    function's own, less what engine steps inside it took."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], clock: LoopClock, *, engine: bool) -> None:
+        self.coro, self.clock, self.engine = coro, clock, engine
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        value, error = None, None
+        while True:
+            start, engine_before = time.perf_counter(), self.clock.engine_seconds
+            try:
+                yielded = self.coro.send(value) if error is None else self.coro.throw(error)
+            except StopIteration as done:
+                return done.value
+            finally:
+                self._count(time.perf_counter() - start, engine_before)
+            try:
+                value, error = (yield yielded), None
+            except BaseException as e:  # a cancellation (or close) goes on to the coroutine
+                value, error = None, e
+
+    def _count(self, seconds: float, engine_before: float) -> None:
+        if self.engine:
+            self.clock.engine_seconds += seconds
+        else:
+            self.clock.longest = max(self.clock.longest, seconds - (self.clock.engine_seconds - engine_before))
+
+
+async def timed(coro: Coroutine[Any, Any, Any], clock: LoopClock, *, engine: bool = False) -> Any:
+    """``await coro``, its steps timed into ``clock`` (:class:`_TimedSteps`)."""
+    return await _TimedSteps(coro, clock, engine=engine)
+
+
 class EngineHandle:
     """One sample's access to the engine: its sampling settings and seed (each turn gets
     its own), the run's concurrency limit, and routing when the run needs it."""
@@ -74,12 +131,18 @@ class EngineHandle:
         self._source, self.sampling, self.seed = source, sampling, seed
         self.turns: list[Turn] = []
         self.seconds = 0.0  # spent waiting for the engine
+        self.clock = LoopClock()
 
     async def generate(
         self, token_ids: Sequence[int], *, max_new_tokens: int | None = None, stop_token_ids: Sequence[int] = ()
     ) -> Turn:
         """Sample a continuation of ``token_ids`` (at most ``max_new_tokens``, default the
         run's ``rollout.max_new_tokens``; stopping at EOS and at ``stop_token_ids``)."""
+        return await timed(self._generate(token_ids, max_new_tokens, stop_token_ids), self.clock, engine=True)
+
+    async def _generate(
+        self, token_ids: Sequence[int], max_new_tokens: int | None, stop_token_ids: Sequence[int]
+    ) -> Turn:
         params = replace(
             self.sampling,
             max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
@@ -217,9 +280,25 @@ def load_generate_fn(spec: str) -> GenerateFn:
     return fn
 
 
+def checks_kwargs(check: Callable[[dict[str, Any]], None]) -> Callable[[GenerateFn], GenerateFn]:
+    """Decorates a generate function with ``check(rollout.generate_kwargs)``, run when the
+    config loads: it raises ``ValueError`` in one line naming the key and value."""
+
+    def decorate(fn: GenerateFn) -> GenerateFn:
+        setattr(fn, KWARGS_CHECK, check)
+        return fn
+
+    return decorate
+
+
+def function_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname``, as ``rollout.generate_fn`` names it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
 def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
-    """``ValueError`` unless ``spec`` loads and takes ``(problem, *, prompt_ids, engine,
-    tokenizer, sampling, **kwargs)``."""
+    """``ValueError`` unless ``spec`` loads, takes ``(problem, *, prompt_ids, engine,
+    tokenizer, sampling, **kwargs)`` and its own check (:func:`checks_kwargs`) passes."""
     fn = load_generate_fn(spec)
     try:
         inspect.signature(fn).bind(None, **{name: None for name in GENERATE_ARGS}, **kwargs)
@@ -228,6 +307,9 @@ def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
             f"rollout.generate_fn={spec!r} must take (problem, *, {', '.join(GENERATE_ARGS)}"
             f"{', ' + ', '.join(sorted(kwargs)) if kwargs else ''}): {e}"
         ) from None
+    check = getattr(fn, KWARGS_CHECK, None)
+    if check is not None:
+        check(dict(kwargs))
 
 
 # ------------------------------------------------------------------ samplers
@@ -277,6 +359,7 @@ class MultiTurnSampler:
     ) -> None:
         self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
         self.kwargs, self.timeout_s = dict(kwargs), timeout_s
+        self._warned: set[str] = set()  # what has been warned about once
 
     def sample(
         self,
@@ -289,7 +372,7 @@ class MultiTurnSampler:
         routed: bool,
     ) -> list[list[Sample]]:
         params.validate()
-        return asyncio.run(self._sample_all(problems, prompts, n, params, seed, routed))
+        return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed))
 
     async def _sample_all(
         self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool
@@ -310,7 +393,7 @@ class MultiTurnSampler:
             problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs
         )
         try:
-            transcript = await asyncio.wait_for(call, self.timeout_s)
+            transcript = await self._within_timeout(call, handle.clock)
             if not isinstance(transcript, Transcript):
                 raise TranscriptError(f"the generate function returned {type(transcript).__name__}, not a Transcript")
             sample = transcript.to_sample(seed)
@@ -326,6 +409,46 @@ class MultiTurnSampler:
             environment_seconds=max(0.0, time.perf_counter() - start - handle.seconds),
         )
         return sample
+
+    async def _within_timeout(self, call: Coroutine[Any, Any, Any], clock: LoopClock) -> Any:
+        """What ``call`` returns; ``TimeoutError`` when it runs past ``timeout_s`` (cancelled
+        then, and abandoned when it is still running :data:`CANCEL_GRACE_S` later), also when
+        it returns late because it blocked the event loop."""
+        start = time.perf_counter()
+        task = asyncio.ensure_future(timed(call, clock))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+            if not done:
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+                if done and not task.cancelled():
+                    task.exception()  # retrieved: it is superseded by the timeout
+                if not done:
+                    self._warn_once(
+                        "abandoned",
+                        "ignored its cancellation at rollout.generate_timeout_s and was abandoned (catch CancelledError only to clean up, then raise it again)",
+                    )
+                    raise TimeoutError("ignored its cancellation: abandoned")
+                raise TimeoutError
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            if clock.longest >= BLOCKING_WARN_S:
+                self._warn_once(
+                    "blocking",
+                    f"held the event loop for {clock.longest:.2f} s without an await: every sample and the engine waited meanwhile, and rollout.generate_timeout_s cannot interrupt it; run blocking work with await asyncio.to_thread(...)",
+                )
+        result = task.result()
+        elapsed = time.perf_counter() - start
+        if elapsed > self.timeout_s:  # it blocked the event loop past its deadline
+            raise TimeoutError(f"ran {elapsed:.1f} s, past rollout.generate_timeout_s={self.timeout_s:g}")
+        return result
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("rollout.generate_fn=%s %s", function_name(self.fn), message)
 
     async def _failed_sample(
         self,
@@ -357,3 +480,22 @@ class MultiTurnSampler:
             meta={FAILED: why},
             loss_mask=[0] * len(output),
         )
+
+
+def run_abandoning(main: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run(main)``, except that tasks still running at its end (a generate
+    function that ignored its cancellation) get :data:`CANCEL_GRACE_S` to stop after being
+    cancelled and are then left behind, not waited for."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
