@@ -1,6 +1,7 @@
 """Rollout corrections (TIS / MIS / IcePop / rejection), their off-policy diagnostics and
-SAPO against hand formulas: weights, kept masks, the normaliser without dropped tokens,
-gradients, micro-batch and data-parallel invariance, config errors."""
+SAPO against hand formulas: weights, kept masks, the normaliser without dropped tokens
+(and with IcePop's zero-weighted ones), one extreme token, gradients, micro-batch and
+data-parallel invariance, config errors."""
 
 from __future__ import annotations
 
@@ -40,14 +41,16 @@ def hand(name: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
         logs = [float(old[i, t] - rollout[i, t]) for t in toks]
         seq_log = (sum(logs) / max(len(logs), 1)) if p.get("seq_ratio") == "mean" else sum(logs)
         k3 = [math.exp(x) - 1 - x for x in logs]
+        lo, hi = p.get("lower", 0.5), p.get("upper", 2.0)
         for t, x in zip(toks, logs):
             r, R = math.exp(x), math.exp(seq_log)
             w, k = {
-                "token_tis": (min(r, p.get("upper", 2.0)), 1.0),
-                "seq_tis": (min(R, p.get("upper", 2.0)), 1.0),
-                "token_mis": (r, 1.0) if 0.5 <= r <= 2.0 else (0.0, 0.0),
-                "icepop": (1.0, 1.0) if 0.5 <= r <= 2.0 else (0.0, 0.0),
-                "seq_mis": (R, 1.0) if 0.5 <= R <= 2.0 else (0.0, 0.0),
+                "token_tis": (min(r, hi), 1.0),
+                "seq_tis": (min(R, hi), 1.0),
+                "token_mis": (r, 1.0) if lo <= r <= hi else (0.0, 0.0),
+                "icepop": (r, 1.0) if lo <= r <= hi else (0.0, 1.0),
+                "token_band_reject": (1.0, 1.0) if lo <= r <= hi else (0.0, 0.0),
+                "seq_mis": (R, 1.0) if lo <= R <= hi else (0.0, 0.0),
                 "reject": (1.0, 1.0) if max(k3) <= p.get("threshold", 0.01) else (0.0, 0.0),
             }[name]
             weights[i][t], keep[i][t] = w, k
@@ -61,6 +64,8 @@ CASES = [
     ("seq_tis", {"seq_ratio": "mean", "upper": 1.1}),
     ("token_mis", {}),
     ("icepop", {}),
+    ("icepop", {"lower": 0.8, "upper": 1.5}),
+    ("token_band_reject", {}),
     ("seq_mis", {}),
     ("reject", {"threshold": 0.05}),
 ]
@@ -76,8 +81,8 @@ def test_weights_and_kept_tokens_equal_the_formulas(name: str, params: dict) -> 
     assert not c.weights.requires_grad
     kept = c.keep.sum() / mask.sum()
     assert 0 < kept <= 1 and (kept < 1) == (
-        name in ("token_mis", "icepop", "seq_mis", "reject")
-    )  # the batch has outliers
+        name in ("token_mis", "token_band_reject", "seq_mis", "reject")
+    )  # the batch has outliers (IcePop zero-weights them but keeps every token)
 
 
 def test_every_registered_correction_is_tested() -> None:
@@ -135,6 +140,111 @@ def test_micro_batches_sum_to_the_full_batch_with_a_correction(loss_name: str, a
     )
     assert parts.item() == pytest.approx(full.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(torch.autograd.grad(parts, logp)[0], torch.autograd.grad(full, logp)[0])
+
+
+def icepop_step(agg: str):
+    """The policy objective over two micro-batches under ``icepop`` (kept counts as the
+    trainer takes them): its summed loss, the gradient, and the inputs."""
+    from types import SimpleNamespace
+
+    from moe_rl.config import AlgorithmConfig
+    from moe_rl.trainer.objective import PolicyObjective, kept_counts
+
+    old, rollout, mask = batch(seed=1)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+    logp = (
+        old + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ).requires_grad_(True)
+    rows = (slice(0, 2), slice(2, 5))
+    mbs = [
+        SimpleNamespace(
+            mask=mask[r],
+            advantages=adv[r],
+            old_logp=old[r],
+            rollout_logp=rollout[r],
+            ref_logp=None,
+            correction=rollout_correction("icepop", old[r], rollout[r], mask[r]),
+        )
+        for r in rows
+    ]
+    tokens, seqs = kept_counts(SimpleNamespace(micro_batches=mbs, num_tokens=None, num_seqs=None), corrected=True)
+    objective = PolicyObjective(AlgorithmConfig(rollout_correction="icepop", loss_params={"agg": agg}), tokens, seqs)
+    loss = sum(objective(torch.stack([logp[r], torch.zeros_like(logp[r])], -1), mb)[0] for r, mb in zip(rows, mbs))
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss, grad, (tokens, seqs), (logp.detach(), old, rollout, mask, adv)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_icepop_loss_counts_every_token_in_the_normaliser(agg: str) -> None:
+    """IcePop's objective end to end (rollout_correction -> kept_counts -> PolicyObjective):
+    ``sum_t M(k_t) * PPO_t`` over every response token (``M(k) = k`` in [0.5, 2], else 0),
+    over all tokens (token-mean) or per sequence over all its tokens (the paper's
+    seq-mean-token-mean); out-of-band tokens get no gradient."""
+    loss, grad, (tokens, seqs), (logp, old, rollout, mask, adv) = icepop_step(agg)
+    assert (tokens, seqs) == (float(mask.sum()), 4.0)
+    per_seq, masked = [], 0
+    for i in range(B):
+        terms = []
+        for t in range(LENGTHS[i]):
+            k = math.exp(float(old[i, t] - rollout[i, t]))
+            rho = math.exp(float(logp[i, t] - old[i, t]))
+            ppo = max(-float(adv[i]) * rho, -float(adv[i]) * min(max(rho, 0.8), 1.2))
+            terms.append(k * ppo if 0.5 <= k <= 2.0 else 0.0)
+            masked += not 0.5 <= k <= 2.0
+        per_seq.append(terms)
+    assert 0 < masked < tokens  # the batch has tokens on both sides of the band
+    if agg == "token-mean":
+        expected = sum(sum(terms) for terms in per_seq) / sum(LENGTHS)
+    else:
+        expected = sum(sum(terms) / len(terms) for terms in per_seq if terms) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    k, rho = (old - rollout).exp(), (logp - old).exp()
+    assert ((rho - 1).abs() < 0.2).all()  # no clip active: the gradient is -M(k) A rho / normaliser
+    band = ((k >= 0.5) & (k <= 2.0)).double() * mask
+    per_token = mask.sum() if agg == "token-mean" else 4 * mask.sum(-1, keepdim=True).clamp(min=1)
+    torch.testing.assert_close(grad, -k * band * adv[:, None] * rho / per_token)
+
+
+def test_icepop_diagnostics_count_zero_weighted_tokens_as_dropped() -> None:
+    old, rollout, mask = batch(seed=1)
+    c = rollout_correction("icepop", old, rollout, mask)
+    m = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old, rollout, mask, c).items()})
+    ratio = (old - rollout).exp()[mask.bool()]
+    band = (ratio >= 0.5) & (ratio <= 2.0)
+    assert 0 < m["dropped_token_frac"] == pytest.approx(float((~band).double().mean()))
+    assert m["is_weight_mean"] == pytest.approx(float(ratio[band].mean()))
+    assert 0.5 <= m["is_weight_min"] == pytest.approx(float(ratio[band].min()))
+    assert m["is_ess"] == pytest.approx(float(ratio[band].sum() ** 2 / (band.sum() * (ratio[band] ** 2).sum())))
+    in_band_rows = [(ratio_row >= 0.5) & (ratio_row <= 2.0) for ratio_row in (old - rollout).exp()]
+    empty = sum(1 for i in range(B) if LENGTHS[i] and not in_band_rows[i][: LENGTHS[i]].any())
+    assert m["rejected_seq_frac"] == pytest.approx(empty / 4)
+
+
+def test_one_extreme_token_moves_only_the_clamped_sequence_sum() -> None:
+    """Log-ratios beyond +-20 on single tokens: a sequence's weight is ``exp`` of the clamp
+    of the *sum* (25 - 24.5 + 0.1 = 0.6, not 20 - 20 + 0.1); k1 adds the log-ratios as
+    they are; k3's ``exp`` is capped at ``e^20``."""
+    log_r = torch.tensor([[25.0, -24.5, 0.1, 0.0], [-30.0, 29.8, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    rollout = -0.5 * mask
+    old = rollout + log_r
+    seq_sum = [0.6, -0.2]
+    tis = rollout_correction("seq_tis", old, rollout, mask, upper=5.0)
+    torch.testing.assert_close(tis.weights[:, 0], torch.tensor([math.exp(s) for s in seq_sum], dtype=torch.float64))
+    mis = rollout_correction("seq_mis", old, rollout, mask, seq_ratio="mean", lower=0.9, upper=1.5)
+    torch.testing.assert_close(mis.weights[0, :3], torch.full((3,), math.exp(0.2), dtype=torch.float64))
+    assert mis.keep[1].sum() == 2  # exp(-0.1) is in [0.9, 1.5]
+    # k1 summed over the sequence: -0.6 (kept) and 0.2 > 0.1 (dropped); a per-token clamp would give 0 for the second
+    rej = rollout_correction("reject", old, rollout, mask, estimator="k1", seq_agg="sum", threshold=0.1)
+    assert rej.keep.sum(-1).tolist() == [3.0, 0.0]
+    sums = mismatch_sums(old, rollout, mask)
+    tokens = [x for row, n in zip(log_r.tolist(), (3, 2)) for x in row[:n]]
+    assert float(sums["k1"]) == pytest.approx(-sum(tokens), abs=1e-12)
+    assert float(sums["k3"]) == pytest.approx(sum(math.exp(min(x, 20.0)) - 1 - x for x in tokens), rel=1e-12)
+    assert float(sums["chi2_seq"]) == pytest.approx(sum(math.expm1(s) ** 2 for s in seq_sum), rel=1e-12)
+    wide = torch.tensor([[30.0, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    capped = rollout_correction("seq_tis", rollout + wide, rollout, mask, upper=1e12)
+    assert capped.weights[0, 0].item() == pytest.approx(math.exp(20.0))  # the sum 29 clamped to 20
 
 
 def test_diagnostics_equal_their_formulas() -> None:

@@ -5,8 +5,9 @@ Each correction is a pure function of ``old_logp`` (the trainer's recomputed log
 the sampled tokens), ``rollout_logp`` (the engine's) and ``mask`` (``[B, T]`` each),
 returning a :class:`Correction`: detached per-token ``weights`` the policy loss's per-token
 terms are multiplied by, and ``keep`` (``[B, T]``, 0/1): the tokens left in the loss.
-Dropped tokens also leave the loss's normaliser (the trainer counts kept tokens and
-sequences over the whole step).
+Dropped tokens (``keep`` 0) also leave the loss's normaliser (the trainer counts kept
+tokens and sequences over the whole step); a token kept with weight 0 (IcePop's) gives no
+policy gradient but still counts in the normaliser.
 
 With ``r_t = pi_train(o_t) / pi_rollout(o_t)`` (``log r = old_logp - rollout_logp``):
 
@@ -15,12 +16,19 @@ With ``r_t = pi_train(o_t) / pi_rollout(o_t)`` (``log r = old_logp - rollout_log
   or its geometric mean ``exp(mean_t log r)`` (``"mean"``), on every token of the sequence;
 - ``token_mis``: tokens with ``r_t`` outside ``[lower, upper]`` are dropped, the rest
   weighted by ``r_t`` (masked IS);
-- ``icepop``: the same mask, kept tokens unweighted (IcePop);
+- ``icepop``: IcePop (Ring-1T, arXiv 2510.18855): ``w_t = r_t`` inside ``[lower, upper]``
+  and 0 outside, every token kept in the normaliser;
+- ``token_band_reject``: tokens with ``r_t`` outside ``[lower, upper]`` dropped, the rest
+  unweighted (token-level rejection sampling);
 - ``seq_mis``: sequences with ``R_i`` outside ``[lower, upper]`` dropped, the rest weighted
   by ``R_i``;
 - ``reject``: sequences whose divergence ``seq_agg`` (mean | sum | max) over tokens of the
   per-token ``estimator`` (k1 | k2 | k3 of KL(rollout || trainer)) exceeds ``threshold``
   are dropped, the rest unweighted.
+
+Only what goes into ``exp()`` is clamped to ``+-LOG_RATIO_LIMIT``: a token's ``log r``
+before its ratio, a sequence's sum (or mean) of the unclamped ``log r`` before ``R_i``;
+k1 and k2 use ``log r`` as it is.
 
 ``old_logprobs=rollout`` needs none of these: the policy ratio is then taken against the
 engine's log-probs, which folds the weight into it (verl's "bypass" mode).
@@ -69,8 +77,7 @@ def rollout_correction(name: str, old_logp: Tensor, rollout_logp: Tensor, mask: 
             f"{tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(mask.shape)}"
         )
     m = mask.to(old_logp.dtype)
-    log_ratio = ((old_logp.detach() - rollout_logp.detach()) * m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    out = fn(log_ratio, m, **params)
+    out = fn((old_logp.detach() - rollout_logp.detach()) * m, m, **params)
     return Correction(out.weights.detach() * m, out.keep * m, out.truncated * m)
 
 
@@ -101,7 +108,12 @@ def check_correction_params(name: str, params: dict) -> None:
         raise ValueError(f"upper={merged['upper']!r} must be > 0")
 
 
+def _token_ratio(log_ratio: Tensor) -> Tensor:
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+
+
 def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor, seq_ratio: str) -> Tensor:
+    """Each row's sum (or mean) of the unclamped token log-ratios, then clamped for ``exp()``."""
     total = (log_ratio * mask).sum(-1)
     if seq_ratio == "mean":
         total = total / mask.sum(-1).clamp(min=1)
@@ -111,12 +123,12 @@ def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor, seq_ratio: str) -> Tens
 def token_divergence(log_ratio: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(rollout || trainer) from samples of the rollout policy,
     ``log r = log pi_train - log pi_rollout``: k1 ``-log r``, k2 ``(log r)^2 / 2``, k3
-    ``r - 1 - log r``."""
+    ``r - 1 - log r`` (its ``r`` at most ``exp(LOG_RATIO_LIMIT)``)."""
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    return torch.expm1(log_ratio) - log_ratio
+    return torch.expm1(log_ratio.clamp(max=LOG_RATIO_LIMIT)) - log_ratio
 
 
 def _untouched(mask: Tensor) -> Tensor:
@@ -125,7 +137,7 @@ def _untouched(mask: Tensor) -> Tensor:
 
 @ROLLOUT_CORRECTIONS.register("token_tis")
 def token_tis(log_ratio: Tensor, mask: Tensor, *, upper: float = 2.0) -> Correction:
-    ratio = log_ratio.exp()
+    ratio = _token_ratio(log_ratio)
     return Correction(ratio.clamp(max=upper), torch.ones_like(mask), (ratio > upper).to(mask.dtype))
 
 
@@ -135,17 +147,27 @@ def seq_tis(log_ratio: Tensor, mask: Tensor, *, upper: float = 2.0, seq_ratio: s
     return Correction(ratio.clamp(max=upper), torch.ones_like(mask), (ratio > upper).to(mask.dtype))
 
 
+def _in_band(ratio: Tensor, lower: float, upper: float) -> Tensor:
+    return ((ratio >= lower) & (ratio <= upper)).to(ratio.dtype)
+
+
 @ROLLOUT_CORRECTIONS.register("token_mis")
 def token_mis(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0) -> Correction:
-    ratio = log_ratio.exp()
-    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype)
+    ratio = _token_ratio(log_ratio)
+    keep = _in_band(ratio, lower, upper)
     return Correction(ratio * keep, keep, _untouched(mask))
 
 
 @ROLLOUT_CORRECTIONS.register("icepop")
 def icepop(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0) -> Correction:
-    ratio = log_ratio.exp()
-    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype)
+    """IcePop's ``M(k) = k`` inside ``[lower, upper]``, 0 outside; no token leaves the normaliser."""
+    ratio = _token_ratio(log_ratio)
+    return Correction(ratio * _in_band(ratio, lower, upper), torch.ones_like(mask), _untouched(mask))
+
+
+@ROLLOUT_CORRECTIONS.register("token_band_reject")
+def token_band_reject(log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0) -> Correction:
+    keep = _in_band(_token_ratio(log_ratio), lower, upper)
     return Correction(keep.clone(), keep, _untouched(mask))
 
 
@@ -154,7 +176,7 @@ def seq_mis(
     log_ratio: Tensor, mask: Tensor, *, lower: float = 0.5, upper: float = 2.0, seq_ratio: str = "sum"
 ) -> Correction:
     ratio = _sequence_log_ratio(log_ratio, mask, seq_ratio).exp()
-    keep = ((ratio >= lower) & (ratio <= upper)).to(mask.dtype).unsqueeze(1).expand_as(mask)
+    keep = _in_band(ratio, lower, upper).unsqueeze(1).expand_as(mask)
     return Correction(ratio.unsqueeze(1) * keep, keep, _untouched(mask))
 
 
@@ -198,40 +220,41 @@ def mismatch_sums(
     """Off-policy diagnostics of one micro-batch as sums (``MISMATCH_SUMS``) plus the
     weights' ``weight_min`` / ``weight_max``: KL(rollout || trainer) by k1 and k3, both
     sides' negative log-likelihoods (perplexities), chi-squared of the token and sequence
-    ratios, the IS weights over kept tokens (the correction's, else the raw token ratio)
-    and how many tokens were truncated / dropped and sequences dropped."""
+    ratios, the IS weights over the tokens in the policy gradient (kept with a nonzero
+    weight: the correction's, else the raw token ratio) and how many tokens were truncated,
+    how many left the gradient (dropped, or weighted 0 as IcePop's) and sequences left
+    without any."""
     m = mask.to(torch.float64)
-    log_ratio = ((old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m).clamp(
-        -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT
-    )
-    seq_log_ratio = (log_ratio * m).sum(-1)
+    log_ratio = (old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m
+    seq_log_ratio = _sequence_log_ratio(log_ratio, m, "sum")
     has_tokens = (m.sum(-1) > 0).to(torch.float64)
     if correction is None:
-        weights, keep, truncated = log_ratio.exp() * m, m, torch.zeros_like(m)
+        weights, keep, truncated = _token_ratio(log_ratio) * m, m, torch.zeros_like(m)
     else:
         weights, keep, truncated = (
             correction.weights.to(torch.float64),
             correction.keep.to(torch.float64),
             correction.truncated.to(torch.float64),
         )
-    kept = keep > 0  # (no boolean indexing: no host sync on a GPU)
+    in_gradient = keep * (weights != 0).to(torch.float64)
+    counted = in_gradient > 0  # (no boolean indexing: no host sync on a GPU)
     return {
         "tokens": m.sum(),
         "seqs": has_tokens.sum(),
-        "k1": (-log_ratio * m).sum(),
-        "k3": ((torch.expm1(log_ratio) - log_ratio) * m).sum(),
+        "k1": (token_divergence(log_ratio, "k1") * m).sum(),
+        "k3": (token_divergence(log_ratio, "k3") * m).sum(),
         "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(),
         "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
-        "chi2_token": ((torch.expm1(log_ratio) ** 2) * m).sum(),
-        "chi2_seq": ((torch.expm1(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * has_tokens).sum(),
-        "weight": (weights * keep).sum(),
-        "weight_sq": (weights**2 * keep).sum(),
-        "weighted_tokens": keep.sum(),
+        "chi2_token": ((torch.expm1(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * m).sum(),
+        "chi2_seq": ((torch.expm1(seq_log_ratio) ** 2) * has_tokens).sum(),
+        "weight": (weights * in_gradient).sum(),
+        "weight_sq": (weights**2 * in_gradient).sum(),
+        "weighted_tokens": in_gradient.sum(),
         "truncated": truncated.sum(),
-        "dropped_tokens": (m - keep).sum(),
-        "dropped_seqs": (has_tokens * (keep.sum(-1) == 0).to(torch.float64)).sum(),
-        "weight_min": weights.masked_fill(~kept, math.inf).amin() if weights.numel() else m.new_tensor(math.inf),
-        "weight_max": weights.masked_fill(~kept, -math.inf).amax() if weights.numel() else m.new_tensor(-math.inf),
+        "dropped_tokens": (m - in_gradient).sum(),
+        "dropped_seqs": (has_tokens * (in_gradient.sum(-1) == 0).to(torch.float64)).sum(),
+        "weight_min": weights.masked_fill(~counted, math.inf).amin() if weights.numel() else m.new_tensor(math.inf),
+        "weight_max": weights.masked_fill(~counted, -math.inf).amax() if weights.numel() else m.new_tensor(-math.inf),
     }
 
 

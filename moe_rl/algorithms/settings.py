@@ -18,7 +18,7 @@ class AlgorithmConfig:
     loss_params: dict = field(default_factory=dict)  # the loss's parameters, e.g. {eps_low: 0.2, eps_high: 0.28}
     old_logprobs: str = "recompute"  # recompute | rollout (the engine's: the mismatch folded into the ratio)
     # train-inference mismatch correction (moe_rl.algorithms.rollout_correction): none |
-    # token_tis | seq_tis | token_mis | icepop | seq_mis | reject, with its parameters
+    # token_tis | seq_tis | token_mis | icepop | token_band_reject | seq_mis | reject, with its parameters
     rollout_correction: str = "none"
     rollout_correction_params: dict = field(default_factory=dict)  # its parameters, e.g. {upper: 2.0}
     kl_coef: float = 0.0  # KL to the reference (starting) policy; 0: off
