@@ -4,6 +4,7 @@ with ``tests/`` on ``PYTHONPATH``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from moe_rl.rollout.multi_turn import Transcript
 
@@ -43,6 +44,22 @@ async def sometimes_fails(problem, *, prompt_ids, engine, tokenizer, sampling) -
 async def hangs(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
     await asyncio.sleep(3600)
     raise AssertionError("unreachable")
+
+
+async def blocks(problem, *, prompt_ids, engine, tokenizer, sampling, seconds: float = 0.2) -> Transcript:
+    """A turn, then ``seconds`` of synchronous sleep on the event loop (no await)."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids))
+    time.sleep(seconds)
+    return transcript
+
+
+async def ignores_cancellation(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            continue
 
 
 def not_async(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:

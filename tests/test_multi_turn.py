@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.data.tasks import ArithmeticChainTask, Problem
 from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
+from moe_rl.rollout import multi_turn
 from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
 from moe_rl.experience.types import Experience
@@ -169,6 +171,41 @@ def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> No
         and hung.output_ids == []
         and len(hung.routed_experts) == len(hung.prompt_ids) - 1
     )
+
+
+class BlockingPolicy(ScriptedPolicy):
+    """A scripted policy whose every turn blocks the event loop for ``seconds`` (the engine's
+    share, never the generate function's)."""
+
+    def __init__(self, script: list[str], seconds: float) -> None:
+        super().__init__(script)
+        self.seconds = seconds
+
+    async def generate_turn(self, token_ids, params, *, seed, routing_from=0) -> Sample:
+        time.sleep(self.seconds)
+        return await super().generate_turn(token_ids, params, seed=seed, routing_from=routing_from)
+
+
+def test_a_function_blocking_the_event_loop_is_named_and_its_late_sample_scores_zero(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(multi_turn, "BLOCKING_WARN_S", 0.1)
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
+        s = sample_with(ScriptedPolicy(["1<eos>"]), multi_turn_fns.blocks, Problem("1=", "1"), timeout_s=0.15)
+    assert s.meta[FAILED].startswith("TimeoutError: ran 0.2 s, past rollout.generate_timeout_s=0.15")
+    assert "rollout.generate_fn=multi_turn_fns:blocks held the event loop for 0.2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):  # the engine's own blocking is not its
+        s = sample_with(BlockingPolicy(["1<eos>"], 0.2), multi_turn_fns.blocks, Problem("1=", "1"), seconds=0.0)
+    assert FAILED not in s.meta and caplog.text == ""
+
+
+def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(multi_turn, "CANCEL_GRACE_S", 0.1)
+    start = time.perf_counter()
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
+        s = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.ignores_cancellation, Problem("1=", "1"), timeout_s=0.1)
+    assert time.perf_counter() - start < 2.0  # the timeout, the grace, the loop's own grace at its end
+    assert s.meta[FAILED] == "TimeoutError: ignored its cancellation: abandoned"
+    assert "multi_turn_fns:ignores_cancellation ignored its cancellation" in caplog.text
 
 
 def test_a_transcript_that_does_not_continue_itself_stops_the_run() -> None:

@@ -27,6 +27,7 @@ import math
 import operator
 import re
 import time
+import warnings
 from typing import Any
 
 from moe_rl.rollout.multi_turn import EngineHandle, Transcript, checks_kwargs
@@ -57,7 +58,9 @@ def evaluate(expression: str, *, deadline: float = math.inf) -> int | float:
     if not text.isascii():
         raise ToolError("not an expression: ASCII digits and + - * / // % only")
     try:
-        tree = ast.parse(text, mode="eval")
+        with warnings.catch_warnings():  # "invalid decimal literal" and the like: the policy's, not the run's
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, mode="eval")
         return _value(tree.body, deadline)
     except ToolError:
         raise

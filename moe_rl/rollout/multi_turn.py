@@ -421,29 +421,35 @@ class MultiTurnSampler:
             if not done:
                 task.cancel()
                 done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-                if done and not task.cancelled():
-                    task.exception()  # retrieved: it is superseded by the timeout
                 if not done:
                     self._warn_once(
                         "abandoned",
-                        "ignored its cancellation at rollout.generate_timeout_s and was abandoned (catch CancelledError only to clean up, then raise it again)",
+                        "ignored its cancellation at rollout.generate_timeout_s and was abandoned"
+                        " (catch CancelledError only to clean up, then raise it again)",
                     )
                     raise TimeoutError("ignored its cancellation: abandoned")
-                raise TimeoutError
+                if task.cancelled():
+                    raise TimeoutError
+                # it ended on its own (with the timeout due at once, or despite its cancellation): late below
         except asyncio.CancelledError:
             task.cancel()
             raise
         finally:
-            if clock.longest >= BLOCKING_WARN_S:
-                self._warn_once(
-                    "blocking",
-                    f"held the event loop for {clock.longest:.2f} s without an await: every sample and the engine waited meanwhile, and rollout.generate_timeout_s cannot interrupt it; run blocking work with await asyncio.to_thread(...)",
-                )
+            self._warn_if_blocking(clock)
         result = task.result()
         elapsed = time.perf_counter() - start
-        if elapsed > self.timeout_s:  # it blocked the event loop past its deadline
+        if elapsed > self.timeout_s:  # it blocked the event loop past its deadline, or outran its cancellation
             raise TimeoutError(f"ran {elapsed:.1f} s, past rollout.generate_timeout_s={self.timeout_s:g}")
         return result
+
+    def _warn_if_blocking(self, clock: LoopClock) -> None:
+        if clock.longest >= BLOCKING_WARN_S:
+            self._warn_once(
+                "blocking",
+                f"held the event loop for {clock.longest:.2f} s without an await: every sample and the engine"
+                " waited meanwhile, and rollout.generate_timeout_s cannot interrupt it; run blocking work with"
+                " await asyncio.to_thread(...)",
+            )
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

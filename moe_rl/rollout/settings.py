@@ -72,7 +72,9 @@ class RolloutConfig:
     # gets, and how long one sample's function may run before it scores 0
     generate_fn: str = ""
     generate_kwargs: dict = field(default_factory=dict)  # keyword arguments of rollout.generate_fn
-    generate_timeout_s: float = 300.0  # one sample's generate function may run this long before it scores 0
+    # a sample's generate function past this scores 0: cancelled at its next await (abandoned 1 s later
+    # if it ignores that); one that blocks the event loop cannot be stopped, only named in a warning
+    generate_timeout_s: float = 300.0
 
     def validate(self) -> None:
         require_choice("rollout.engine", self.engine, ENGINES)
