@@ -272,8 +272,8 @@ def test_weight_syncs(tmp_path: Path) -> None:
     assert weights.exported == [tmp_path / "w"] and engine.calls == [("disk", str((tmp_path / "w").resolve()), "3")]
     DiskSync(None, tmp_path / "w").push(weights, "4")  # another rank: exports its part, talks to no engine
     assert len(weights.exported) == 2 and len(engine.calls) == 1
-    with pytest.raises(NotImplementedError, match="does not take weights in process"):
-        InProcessSync(engine).push(weights, "5")
+    with pytest.raises(TypeError, match="InProcessWeightReceiver"):  # a disk-only engine takes no weights in process
+        InProcessSync(engine)
 
 
 def test_local_engine_rounds_weights_to_its_precision(tmp_path: Path) -> None:
