@@ -86,6 +86,33 @@ def r3_maxdiff(hf_dir: str, model, replay, batches: list[MicroBatch], plain: lis
     return max(((a["logprobs"] - b["logprobs"]).abs().max().item() for a, b in zip(plain, r3)), default=0.0)
 
 
+def sampled_probe_in_recompute(model, config, vocab: int) -> bool:
+    """A probe observing half of each micro-batch's tokens (the drift metrics'
+    ``routing.metrics_sample_frac=0.5``) through a training pass with activation recompute,
+    micro-batches growing in tokens (6, 24, 16): under pipeline parallelism the first
+    stage's backward recomputes micro-batch i after micro-batch i+1's forward. The sampled
+    routing must equal a full probe's at those tokens."""
+    from moe_rl.routing.probe import RouterProbe
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(1, 6), (2, 12), (2, 8)]
+    batches = [MicroBatch(torch.randint(0, vocab, shape, generator=gen)) for shape in shapes]
+    split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    tokens = [torch.randperm(b * s // split, generator=gen)[: b * s // split // 2].sort().values for b, s in shapes]
+    full, sampled = RouterProbe(model), RouterProbe(model)
+    full.start(with_probs=False)
+    sampled.start(with_probs=False, tokens=tokens)
+    run_microbatches(
+        model, batches, loss_fn=lambda le, mb: (le[..., 0].sum() * 1e-3, {}), forward_only=False, hooks=[full, sampled]
+    )
+    every, some = full.stop(), sampled.stop()
+    full.remove()
+    sampled.remove()
+    return len(some) == len(every) and all(
+        torch.equal(s.natural, f.natural[t]) and torch.equal(s.used, f.used[t]) for s, f, t in zip(some, every, tokens)
+    )
+
+
 def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[MicroBatch], out: Path) -> None:
     import json
 
@@ -135,6 +162,7 @@ def replay_checks(hf_dir: str, hf_config, layout: ParallelLayout, batches: list[
     )
     grads = [r.weight.grad for _, r in moe_layers(model)]
     result["router_grad_min"] = min(float(g.norm()) for g in grads) if grads else None
+    result["sampled_probe_in_recompute"] = sampled_probe_in_recompute(model, config, hf_config.vocab_size)
 
     # the drift the router change causes, reduced over ranks
     stats = RoutingStats(hf_config.num_hidden_layers, architecture_of(hf_config).num_experts(hf_config))
@@ -357,7 +385,7 @@ def main() -> None:
         if reporter:
             torch.save(torch.tensor(losses), out / "losses.pt")
 
-        # 4. routing replay (r2 with activation recompute, r3 from transformers' routing)
+        # 4. routing replay (r2 with activation recompute, r3 from transformers' routing), a sampled probe
         replay_checks(hf_dir, hf_config, layout, my_batches, out)
 
         # 5. other architectures: log-probs and replay

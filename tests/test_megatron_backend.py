@@ -186,6 +186,7 @@ def test_routing_replay_on_every_layout(qwen3_runs: Path, layout: str) -> None:
     for r in results:
         assert r["replay_identical"], "replay before any update must reproduce the old log-probs exactly"
         assert r["used_equals_recorded"], "the replayed pass must dispatch to the recorded experts"
+        assert r["sampled_probe_in_recompute"], "a probe's sampled tokens must be its forward's, recompute or not"
         assert r["router_grad_min"] is None or r["router_grad_min"] > 0, "the router must keep a gradient"
         assert r["r3_maxdiff"] <= 2e-5, "R3 with the model's own routing must reproduce its log-probs"
     assert sum(r["natural_changed_tokens"] for r in results) > 0, "the router change must change routing"

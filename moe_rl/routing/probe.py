@@ -7,7 +7,9 @@ to: the router's routing map) and, when a pass asks for it, the router's distrib
 over experts ``probs`` (:func:`moe_rl.routing.scores.router_distribution`).
 Tensors are ``[T, L_local, ...]`` in megatron's token order for this rank, or of the
 tokens a pass selects per micro-batch; expert indices are kept in
-:func:`moe_rl.routing.encoding.expert_index_dtype`.
+:func:`moe_rl.routing.encoding.expert_index_dtype`. Only a micro-batch's own forward is
+observed: activation recompute re-runs a router in the backward, outside it (under
+pipeline parallelism after later micro-batches' forwards), and is skipped.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ class RouterProbe:
         self._probs_device: torch.device | None = None
         self._reference_bias: dict[int, Tensor] = {}
         self._tokens: Sequence[Tensor | None] | None = None
-        self._tokens_now: Tensor | None = None
+        self._in_forward = False  # between before_forward and after_forward of one micro-batch
+        self._tokens_now: Tensor | None = None  # that micro-batch's observed tokens (None: all)
         self._layer_of = {id(router): n for n, router in layers}
         self._handles = [router.register_forward_hook(self._hook) for _, router in layers]
 
     def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
-        if not self.enabled:
+        if not self.enabled or not self._in_forward:  # e.g. activation recompute in a backward
             return
         with torch.no_grad():
             hidden, routing_map = args[0].reshape(-1, args[0].shape[-1]), output[1]
@@ -77,10 +80,11 @@ class RouterProbe:
         self._current.append((natural, used, probs, with_reference))
 
     def before_forward(self, index: int, num_tokens: int) -> None:
-        self._current = []
+        self._current, self._in_forward = [], True
         self._tokens_now = self._tokens[index] if self._tokens is not None else None
 
     def after_forward(self, index: int) -> None:
+        self._in_forward, self._tokens_now = False, None
         if not self.enabled or not self._current:
             return
         natural, used, probs, with_reference = zip(*self._current)
@@ -117,11 +121,12 @@ class RouterProbe:
         self.captured, self.enabled = {}, True
         self._consume, self._probs_device = consume, probs_device
         self._reference_bias = reference_bias or {}
-        self.with_probs, self._tokens, self._tokens_now = with_probs, tokens, None
+        self.with_probs, self._tokens, self._tokens_now, self._in_forward = with_probs, tokens, None, False
 
     def stop(self) -> list[ProbedRouting]:
         """The kept routings in micro-batch order (none when a consumer took them)."""
         self.enabled, self._consume, self._reference_bias, self._tokens = False, None, {}, None
+        self._in_forward, self._tokens_now, self._current = False, None, []
         return [self.captured[i] for i in sorted(self.captured)]
 
     def remove(self) -> None:
