@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import moe_rl
+
 ROOT = Path(__file__).parents[1]
 TINY = [
     "rollout.prompts_per_step=4",
@@ -23,13 +25,6 @@ TINY = [
     "train.progress=false",
     "algorithm.micro_batch_size=8",
 ]
-
-
-def moe_rl(*args: str, cwd: Path | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
-    )
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -471,6 +466,8 @@ LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer
         "pp2-kl+dyn:1,2,1,1:kl+dyn",
         "ep2-mt:1,1,2,1:mt",
         "pp2-r3l3:1,2,1,1:r3+l3",  # 3 layers on 2 pipeline stages: 2 + 1
+        # drift metrics on half the tokens through recompute (r3) on pp2 (test_sampled_drift_metrics_...)
+        "pp2-r3+dyn+half:1,2,1,1:r3+dyn+half",
         # checkpoints resumed under other layouts (pp2 -> one process; ep2 x dp2, distributed optimizer -> tp2 x dp2)
         "pp2-save:1,2,1,1:none:2:save=one-from-pp2",
         "ep2-save:1,1,2,1:none:2:save=tp2dp2-from-ep2",
@@ -539,7 +536,13 @@ def test_reference_swapped_in_from_host_equals_a_second_model(layout_runs: Path)
 
 
 @pytest.mark.parametrize(
-    "run", [r.split(":")[0] for n in (2, 4) for r in LAYOUT_RUNS[n] if ":save=" not in r and "-from-" not in r]
+    "run",
+    [
+        r.split(":")[0]
+        for n in (2, 4)
+        for r in LAYOUT_RUNS[n]
+        if ":save=" not in r and "-from-" not in r and "+half" not in r  # sampled metrics: their own test
+    ],
 )
 def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: str) -> None:
     """Same model, data and seed: rank 0's rollouts are identical, and the first update's
@@ -579,6 +582,23 @@ def test_first_step_on_every_layout_equals_one_process(layout_runs: Path, run: s
         + ref_row.get("routing/train_vs_rollout/routing_changed_tokens/mean", 0)
         > 0
     )
+
+
+def test_sampled_drift_metrics_through_recompute_on_pp2(layout_runs: Path) -> None:
+    """routing.metrics_sample_frac=0.5 with activation recompute (r3), 2 pipeline stages and
+    token-budget micro-batches of unequal sizes: the first stage's backward recomputes
+    micro-batch i after micro-batch i+1's forward (whose sampled tokens reached past
+    micro-batch i's: IndexError before the probe skipped recompute). The step trains as
+    the one-process run does, and the drift metrics estimate all tokens from half."""
+    got = json.loads((layout_runs / "pp2-r3+dyn+half.json").read_text())
+    ref = json.loads((layout_runs / "one-r3.json").read_text())
+    assert got["reward/total"] == ref["reward/total"]
+    assert got["train/loss"] == pytest.approx(ref["train/loss"], abs=1e-5)
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)
+    row, ref_row = rows(layout_runs / "pp2-r3+dyn+half")[1], rows(layout_runs / "one-r3")[1]
+    assert row["routing/replayed/changed_frac/mean"] == row["routing/train_vs_rollout/changed_frac/mean"] == 0.0
+    tokens = "routing/train_vs_rollout/routing_same_tokens/mean"
+    assert row[tokens] == pytest.approx(ref_row[tokens], rel=0.1)
 
 
 @pytest.mark.parametrize("run", ["one-from-pp2", "tp2dp2-from-ep2"])

@@ -10,7 +10,7 @@ processes (another layout) resumes from and runs to its STEPS.)
 VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference policy), with
 ``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``), ``+qwen2`` / ``+olmoe``
 / ``+glm`` / ``+dsv3``: the built-in model in that family; ``+l3``: with 3 layers; ``+async``: asynchronous rollouts;
-``mt``: multi-turn samples with environment tokens.
+``mt``: multi-turn samples with environment tokens; ``+half``: the drift metrics on half the tokens.
 The pytest side compares every layout with the one-process run of the same variant.
 """
 
@@ -39,6 +39,7 @@ VARIANTS = {
     "kl": ["algorithm.kl_coef=0.1"],  # the reference swapped in from host memory (the default)
     "kldev": ["algorithm.kl_coef=0.1", "algorithm.reference=device"],  # ... or a second model
     "dyn": ["algorithm.max_tokens_per_micro_batch=24"],  # micro-batches of varying shapes (pipeline: shapes exchanged)
+    "half": ["routing.metrics_sample_frac=0.5"],  # the drift metrics observe a seeded half of each micro-batch
     # the built-in model in another family (GLM-4.5: sigmoid router whose expert bias moves 0.01 per update)
     # (a short warm start: these runs check mechanics, not learning)
     "qwen2": ["model.architecture=qwen2_moe", "warm_start.steps=4"],
