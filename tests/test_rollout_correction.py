@@ -223,7 +223,8 @@ def test_icepop_diagnostics_count_zero_weighted_tokens_as_dropped() -> None:
 def test_one_extreme_token_moves_only_the_clamped_sequence_sum() -> None:
     """Log-ratios beyond +-20 on single tokens: a sequence's weight is ``exp`` of the clamp
     of the *sum* (25 - 24.5 + 0.1 = 0.6, not 20 - 20 + 0.1); k1 adds the log-ratios as
-    they are; k3's ``exp`` is capped at ``e^20``."""
+    they are; k3 takes ``log r`` capped at 20 (exact below: ~23.5 and ~29 for -24.5 and -30),
+    so an engine log-prob of -inf rejects its sequence instead of giving NaN."""
     log_r = torch.tensor([[25.0, -24.5, 0.1, 0.0], [-30.0, 29.8, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
     rollout = -0.5 * mask
@@ -240,11 +241,16 @@ def test_one_extreme_token_moves_only_the_clamped_sequence_sum() -> None:
     sums = mismatch_sums(old, rollout, mask)
     tokens = [x for row, n in zip(log_r.tolist(), (3, 2)) for x in row[:n]]
     assert float(sums["k1"]) == pytest.approx(-sum(tokens), abs=1e-12)
-    assert float(sums["k3"]) == pytest.approx(sum(math.exp(min(x, 20.0)) - 1 - x for x in tokens), rel=1e-12)
+    assert float(sums["k3"]) == pytest.approx(sum(math.expm1(min(x, 20.0)) - min(x, 20.0) for x in tokens), rel=1e-12)
     assert float(sums["chi2_seq"]) == pytest.approx(sum(math.expm1(s) ** 2 for s in seq_sum), rel=1e-12)
     wide = torch.tensor([[30.0, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     capped = rollout_correction("seq_tis", rollout + wide, rollout, mask, upper=1e12)
     assert capped.weights[0, 0].item() == pytest.approx(math.exp(20.0))  # the sum 29 clamped to 20
+    impossible = rollout.clone()
+    impossible[1, 0] = -math.inf
+    rej = rollout_correction("reject", old, impossible, mask, estimator="k3", seq_agg="max", threshold=1.0)
+    assert rej.keep.sum(-1).tolist() == [0.0, 0.0]  # k3 of log r = 25 (row 0) and of +inf (row 1)
+    assert math.isfinite(float(mismatch_sums(old, impossible, mask)["k3"]))  # not NaN
 
 
 def test_diagnostics_equal_their_formulas() -> None:
@@ -326,6 +332,7 @@ def _dp_worker(rank: int, port: int, out: dict) -> None:
         destroy_distributed()
 
 
+@pytest.mark.distributed
 def test_two_data_parallel_ranks_equal_one_process() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

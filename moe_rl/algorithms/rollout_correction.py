@@ -27,8 +27,8 @@ With ``r_t = pi_train(o_t) / pi_rollout(o_t)`` (``log r = old_logp - rollout_log
   are dropped, the rest unweighted.
 
 Only what goes into ``exp()`` is clamped to ``+-LOG_RATIO_LIMIT``: a token's ``log r``
-before its ratio, a sequence's sum (or mean) of the unclamped ``log r`` before ``R_i``;
-k1 and k2 use ``log r`` as it is.
+before its ratio or k3, a sequence's sum (or mean) of the unclamped ``log r`` before
+``R_i``; k1 and k2 use ``log r`` as it is.
 
 ``old_logprobs=rollout`` needs none of these: the policy ratio is then taken against the
 engine's log-probs, which folds the weight into it (verl's "bypass" mode).
@@ -123,12 +123,13 @@ def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor, seq_ratio: str) -> Tens
 def token_divergence(log_ratio: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(rollout || trainer) from samples of the rollout policy,
     ``log r = log pi_train - log pi_rollout``: k1 ``-log r``, k2 ``(log r)^2 / 2``, k3
-    ``r - 1 - log r`` (its ``r`` at most ``exp(LOG_RATIO_LIMIT)``)."""
+    ``r - 1 - log r`` (of ``log r`` at most ``LOG_RATIO_LIMIT``: finite, and growing with it)."""
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    return torch.expm1(log_ratio.clamp(max=LOG_RATIO_LIMIT)) - log_ratio
+    capped = log_ratio.clamp(max=LOG_RATIO_LIMIT)
+    return torch.expm1(capped) - capped
 
 
 def _untouched(mask: Tensor) -> Tensor:
