@@ -24,6 +24,82 @@ SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 STAND_IN_SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
 
 
+def moe_rl(
+    *args: str, timeout: int = 400, cwd: Path | None = None, log: Path | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``moe-rl ARGS`` in a process of its own (warnings off), its output captured, or
+    written to ``log`` (a file: a pipe would hang when a child, such as the tensor sync's
+    shared-memory manager, outlives the command holding it). ``env``: added variables."""
+    command = [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args]
+    environ = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    if log is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=environ)
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=out, timeout=timeout, cwd=cwd, env=environ)
+    return subprocess.CompletedProcess(done.args, done.returncode, "", "")
+
+
+def moe_rl_in_process(*args: str) -> subprocess.CompletedProcess:
+    """``moe-rl ARGS`` in this process (for commands that start no process group), as a
+    completed process with its exit code and output."""
+    import contextlib
+    import io
+
+    from moe_rl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["moe-rl", *args], code, out.getvalue(), err.getvalue())
+
+
+# ------------------------------------------------------------------ lanes
+# Every test gets one lane marker by what it costs (README "Tests"): unit (one process, no
+# server; `pytest -m unit` runs in about two minutes), server (an SGLang stand-in or a
+# launched server process), distributed (gloo worker processes), e2e (whole trainer runs and
+# CLI commands). real_sglang (a real SGLang server) is marked on its tests and combines with
+# them. A test marks its own lane where its file's default does not fit it.
+LANES = ("unit", "server", "distributed", "e2e")
+E2E_FILES = {
+    "test_trainer.py",
+    "test_reliability.py",
+    "test_backend_cli.py",
+    "test_newcomer.py",
+    "test_presets_and_cli.py",
+    "test_drift_engine.py",
+}
+DISTRIBUTED_FILES = {
+    "test_advantages_distributed.py",
+    "test_cpu_bridge.py",
+    "test_megatron_backend.py",
+    "test_optim.py",
+    "test_routing_monitor.py",
+    "test_device_discipline.py",
+}
+SERVER_FIXTURES = {"servers", "server", "stand_in_sglang", "real_sglang", "sglang_servers"}
+
+
+def lane_of(item: pytest.Item) -> str:
+    """The lane a test runs in: its own marker, else its file's, else by the fixtures it uses."""
+    own = [lane for lane in LANES if item.get_closest_marker(lane) is not None]
+    if own:
+        return own[0]
+    if item.path.name in E2E_FILES:
+        return "e2e"
+    if item.path.name in DISTRIBUTED_FILES:
+        return "distributed"
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("real_sglang"):
+        return "server"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        lane = lane_of(item)
+        if item.get_closest_marker(lane) is None:
+            item.add_marker(getattr(pytest.mark, lane))
+
+
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> str:
     """A warm-start cache holding the built-in model the end-to-end tests train, made once

@@ -17,15 +17,7 @@ from moe_rl.models.export_dir import MARKER
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 
-
-def moe_rl(*args: str, timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+from conftest import moe_rl
 
 
 def tree(root: Path) -> dict[str, bytes | None]:

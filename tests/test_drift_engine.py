@@ -5,16 +5,13 @@ reference (transformers' fp32 routing and log-probs of the very samples the serv
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import STAND_IN_SERVER
+from conftest import STAND_IN_SERVER, moe_rl
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout.server import ServerSettings, SGLangServer
 from moe_rl.rollout.sglang import SGLangEngine
@@ -25,13 +22,6 @@ from parallel.launch import free_port
 SERVER = STAND_IN_SERVER
 LAYERS, TOP_K, EXPERTS = 3, 4, 16  # many experts with a random router: bf16 rounding flips some choices
 SAMPLES, NEW_TOKENS = 2, 16
-
-
-def moe_rl(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=300, env=env
-    )
 
 
 def test_engine_drift_equals_a_transformers_reference(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ def result(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(
     "variant", ["grouped_sdpa", "fallback_sdpa", "grouped_local", "sequential_sdpa", "grouped_sdpa_alltoall"]
 )
+@pytest.mark.distributed
 def test_every_module_choice_gives_the_reference_model(result, variant: str) -> None:
     r, scale = result[variant], result["grad_max_abs"]
     assert scale > 1e-3
@@ -33,6 +34,7 @@ def test_every_module_choice_gives_the_reference_model(result, variant: str) -> 
     assert r["grad_max_diff"] <= (0.0 if exact else 1e-5 * scale)
 
 
+@pytest.mark.distributed
 def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
     assert result["grouped_sdpa"]["grouped_matmuls"] == 4 and result["fallback_sdpa"]["grouped_matmuls"] == 0
     assert result["grouped_sdpa"]["sdpa_modules"] == 2 and result["grouped_local"]["sdpa_modules"] == 0
@@ -48,6 +50,7 @@ def test_the_chosen_modules_are_the_ones_that_ran(result) -> None:
         (2, 2, 1, "alltoall"),
     ],
 )
+@pytest.mark.distributed
 def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(
     tp: int, ep: int, etp: int | None, dispatcher: str
 ) -> None:
@@ -57,6 +60,7 @@ def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(
     assert token_dispatcher_type(ParallelLayout(tp=tp, ep=ep, etp=etp)) == dispatcher
 
 
+@pytest.mark.distributed
 def test_the_allgather_dispatcher_chosen_at_ep_1_equals_alltoall(result) -> None:
     """One process (EP = expert TP = 1) builds the allgather dispatcher; megatron's alltoall
     one gives the same log-probs and gradients to the last bit."""
@@ -66,6 +70,7 @@ def test_the_allgather_dispatcher_chosen_at_ep_1_equals_alltoall(result) -> None
 
 
 @pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])
+@pytest.mark.distributed
 def test_sdpa_attention_equals_megatrons_local_attention(result, mask: str) -> None:
     assert result["attention"][mask] < 1e-5
 
@@ -112,6 +117,7 @@ def test_the_shared_causal_mask_is_recognised_and_only_the_newest_are_kept() -> 
     assert not is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(107, cpu))
 
 
+@pytest.mark.distributed
 def test_transformer_engine_swaps_only_linears_and_core_attention(result) -> None:
     """The TE spec (built with TE's placeholder classes: no TE here) names TE's linears and
     fused attention where the local spec has megatron's, in every family's layers and

@@ -402,6 +402,7 @@ def assert_multi_turn_r3(rows: dict[int, dict]) -> None:
         assert abs(row["train/loss"]) < 10
 
 
+@pytest.mark.e2e
 def test_multi_turn_r3_training_on_the_local_engine(demo_cache, tmp_path) -> None:
     rows = train(
         demo_cache,
@@ -414,6 +415,7 @@ def test_multi_turn_r3_training_on_the_local_engine(demo_cache, tmp_path) -> Non
     assert_multi_turn_r3(rows)
 
 
+@pytest.mark.e2e
 def test_multi_turn_r3_training_against_an_sglang_server(demo_cache, stand_in_sglang, tmp_path) -> None:
     from conftest import demo_weights_on
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import SGLANG_PYTHON, WARM_START, demo_model_dir, demo_weights_on, start_sglang
+from conftest import SGLANG_PYTHON, WARM_START, demo_model_dir, demo_weights_on, moe_rl, start_sglang
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.sglang import SGLangEngine
 from moe_rl.rollout.types import RolloutError, SamplingParams
@@ -41,17 +41,11 @@ SMALL = [
 ]
 
 
-def moe_rl(*args: str, log: Path, timeout: int = 400, tests_importable: bool = False) -> int:
-    """``moe-rl ARGS`` with its output in ``log`` (a file: the tensor sync's shared-memory
-    manager outlives the trainer while the server holds its connection, so a pipe would hang);
-    ``tests_importable``: ``tests/`` on its ``PYTHONPATH`` (for the test generate functions)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if tests_importable:
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    with open(log, "w") as out:
-        return subprocess.run(
-            [sys.executable, "-m", "moe_rl.cli", *args], stdout=out, stderr=out, timeout=timeout, env=env
-        ).returncode
+def moe_rl_logged(*args: str, log: Path, timeout: int = 400, tests_importable: bool = False) -> int:
+    """``moe-rl ARGS``'s exit code, its output in ``log``; ``tests_importable``: ``tests/`` on
+    its ``PYTHONPATH`` (for the test generate functions)."""
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    return moe_rl(*args, log=log, timeout=timeout, env=env if tests_importable else None).returncode
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -178,7 +172,7 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
     checkpoint's exported weights."""
     url = demo_weights_on(real_sglang, demo_cache)
     run = tmp_path / "run"
-    code = moe_rl(
+    code = moe_rl_logged(
         "train",
         *SMALL,
         f"warm_start.cache_dir={demo_cache}",
@@ -232,7 +226,7 @@ def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp
     the policy's and the environment's tokens."""
     url = demo_weights_on(real_sglang, demo_cache)
     run = tmp_path / "run"
-    code = moe_rl(
+    code = moe_rl_logged(
         "train",
         *SMALL,
         f"warm_start.cache_dir={demo_cache}",
@@ -276,7 +270,7 @@ def test_drift_and_eval_against_real_sglang(real_sglang, demo_cache, tmp_path):
     model = demo_model_dir(demo_cache)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS[:3]))
-    code = moe_rl(
+    code = moe_rl_logged(
         "drift",
         "--engine",
         url,
@@ -296,7 +290,7 @@ def test_drift_and_eval_against_real_sglang(real_sglang, demo_cache, tmp_path):
     report = json.loads((tmp_path / "drift" / "drift.json").read_text())
     assert report["engine_weight_version"] == "demo" and report["samples"] == 6
     assert 0 <= report["metrics"]["changed_frac"]["mean"] < 0.1 and report["logp_mismatch"]["logp_mismatch_max"] < 0.25
-    code = moe_rl(
+    code = moe_rl_logged(
         "eval",
         "--checkpoint",
         model,

@@ -102,7 +102,9 @@ def test_scorer_columns_weights_and_conditionals() -> None:
     assert torch.equal(batch.column("format"), torch.tensor([1.0, 1.0, 0.0]))
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "process-pool"])
+@pytest.mark.parametrize(
+    "workers", [0, pytest.param(2, marks=pytest.mark.distributed)], ids=["threads", "process-pool"]
+)
 def test_failing_rewards_score_zero_are_counted_and_never_raise(workers: int) -> None:
     """In this process or in worker processes (where a hung call's worker is killed and
     replaced), every failure scores 0 and is counted; the other rewards are unaffected."""
@@ -144,6 +146,7 @@ def _sleeps(s: RewardInput) -> float:
     return 1.0
 
 
+@pytest.mark.distributed
 def test_pool_keeps_an_answer_that_came_while_another_worker_was_replaced() -> None:
     # worker A hangs (deadline 2 s); B answers at 1 s, then takes the 1.4 s task (deadline
     # 3 s) and answers at 2.4 s, while A's replacement is starting (a spawn: ~2 s)

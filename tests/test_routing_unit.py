@@ -4,12 +4,12 @@ the rank-reduced stats (one process), TensorBoard tags, and the drift command.""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import moe_rl_in_process
 from moe_rl.routing.drift import drift_metrics, load_metrics
 from moe_rl.routing.encoding import (
     decode_routed_experts,
@@ -227,20 +227,6 @@ def test_tensorboard_tags(tmp_path: Path) -> None:
     )
 
 
-def moe_rl(*args: str) -> subprocess.CompletedProcess:
-    """``moe-rl ARGS`` in this process (the drift command's --a/--b mode starts no process
-    group), as a completed process with its exit code and output."""
-    import contextlib
-    import io
-
-    from moe_rl.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(["moe-rl", *args], code, out.getvalue(), err.getvalue())
-
-
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     from safetensors.torch import save_file
@@ -267,7 +253,7 @@ def two_checkpoints(tmp_path_factory):
 
 def test_drift_command_nonzero_for_changed_routers_zero_for_identical(two_checkpoints, tmp_path: Path) -> None:
     a, b, prompts = two_checkpoints
-    out = moe_rl("drift", "--a", a, "--b", b, "--prompts", prompts, "--out", str(tmp_path / "ab"))
+    out = moe_rl_in_process("drift", "--a", a, "--b", b, "--prompts", prompts, "--out", str(tmp_path / "ab"))
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "ab" / "drift.json").read_text())
     assert report["tokens"] == 40 and report["layers"] == [0, 1]
@@ -275,7 +261,7 @@ def test_drift_command_nonzero_for_changed_routers_zero_for_identical(two_checkp
     assert len(report["metrics"]["expert_change_frac"]["layers"]) == 2
     assert (tmp_path / "ab" / "expert_load_heatmap.png").stat().st_size > 1000
     assert list((tmp_path / "ab" / "tensorboard").glob("events.out.tfevents.*"))
-    same = moe_rl("drift", "--a", a, "--b", a, "--prompts", prompts, "--out", str(tmp_path / "aa"))
+    same = moe_rl_in_process("drift", "--a", a, "--b", a, "--prompts", prompts, "--out", str(tmp_path / "aa"))
     assert same.returncode == 0, same.stderr
     zero = json.loads((tmp_path / "aa" / "drift.json").read_text())["metrics"]
     assert all(v["mean"] == 0.0 for v in zero.values())
@@ -288,7 +274,7 @@ def test_drift_command_on_saved_routing_files(tmp_path: Path) -> None:
     save_routing(tmp_path / "step1.safetensors", idx)
     save_routing(tmp_path / "step2.safetensors", other)
     assert torch.equal(load_routing(tmp_path / "step1.safetensors")["indices"], idx.int())
-    out = moe_rl(
+    out = moe_rl_in_process(
         "drift",
         "--a",
         str(tmp_path / "step1.safetensors"),
@@ -306,9 +292,9 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
     a, _, _ = two_checkpoints
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": [1, 2]}\nnot json\n')
-    out = moe_rl("drift", "--a", a, "--b", a, "--prompts", str(bad), "--out", str(tmp_path / "x"))
+    out = moe_rl_in_process("drift", "--a", a, "--b", a, "--prompts", str(bad), "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and f"{bad}:2: not valid JSON" in out.stderr and "Traceback" not in out.stderr
-    missing = moe_rl("drift", "--a", a, "--b", a, "--out", str(tmp_path / "y"))
+    missing = moe_rl_in_process("drift", "--a", a, "--b", a, "--out", str(tmp_path / "y"))
     assert missing.returncode == 2 and "--prompts is needed" in missing.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [1, 2]}\n')
@@ -334,7 +320,7 @@ def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
         ([*engine[:2], *engine[4:]], "--engine needs --checkpoint and --prompts"),
         ([*engine[:3], str(tmp_path), *engine[4:]], "not a Hugging Face model directory or a moe-rl checkpoint"),
     ]:
-        out = moe_rl("drift", *args)
+        out = moe_rl_in_process("drift", *args)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
 
 
