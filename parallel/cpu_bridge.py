@@ -1,4 +1,4 @@
-"""Run megatron-core on a machine without CUDA (DESIGN.md §3).
+"""Run megatron-core on a machine without CUDA.
 
 megatron-core assumes a CUDA device in a few places that have nothing to do with the
 math: ``torch.cuda.current_device()`` used as a device, CUDA streams and events, the

@@ -82,7 +82,7 @@ def test_gdpo_matches_reference(group_size: int) -> None:
 
 
 def test_gdpo_separates_what_grpo_collapses() -> None:
-    # DESIGN.md §2: two binary rewards, G=2; summed rewards (0,1) and (0,2).
+    # GDPO's motivating example: two binary rewards, G=2; summed rewards (0,1) and (0,2).
     r = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
     grpo = compute_advantages("grpo", r, 2)
     gdpo = compute_advantages("gdpo", r, 2)

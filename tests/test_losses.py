@@ -168,7 +168,7 @@ def test_gspo_token_accepts_token_advantages_and_gspo_refuses_them() -> None:
 
 
 def ref_gmpo_objective(logp, old, adv, mask, d):
-    """DESIGN.md's product formula, computed literally (not in log space)."""
+    """GMPO's product formula, computed literally (not in log space)."""
     total = 0.0
     for i in range(B):
         a = adv[i].item()

@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO and GDPO (DESIGN.md §2).
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO and GDPO.
 
 Every estimator takes rewards ``[B, n_rewards]`` with the ``group_size`` samples of one
 prompt contiguous, reward weights ``[n_rewards]`` and returns one advantage per sample.

@@ -1,5 +1,5 @@
 """Policy losses: GRPO/PPO token clip (DAPO clip-higher, dual clip), GSPO, GSPO-token,
-GMPO (token clip in log space), its sequence-clip ablation, CISPO (DESIGN.md §2) and
+GMPO (token clip in log space), its sequence-clip ablation, CISPO and
 SAPO (a soft sigmoid gate instead of a clip, arXiv 2511.20347).
 
 Each loss is a pure function of ``logp``, ``old_logp``, ``advantages`` (already expanded

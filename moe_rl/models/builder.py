@@ -127,7 +127,7 @@ def build_model(
         LogProbHead.attach(model, logprob_config)
     # megatron-core 0.16.1 marks expert weights allreduce=True when EP == 1, so DDP never
     # sums their gradients across the tensor-parallel ranks that see other tokens
-    # (ETP < TP) and the replicas diverge silently (DESIGN.md §3.10; upstream PR #5916).
+    # (ETP < TP) and the replicas diverge silently (upstream Megatron-LM PR #5916).
     for name, param in model.named_parameters():
         if ".experts." in name:
             param.allreduce = False

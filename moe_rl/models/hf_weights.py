@@ -7,7 +7,7 @@ tensor-parallel shards are gathered inside their group, and one rank per replica
 experts' tensors; rank 0 writes the index, the config and the tokenizer files. The
 directory is written under a temporary name and renamed when complete.
 
-Layout facts (DESIGN.md §3.12): megatron's fused QKV is interleaved per KV group (that
+Layout facts (measured against transformers' Qwen3-MoE): megatron's fused QKV is interleaved per KV group (that
 group's query heads, then its key, then its value head); ``linear_fc1`` is
 ``cat(gate_proj, up_proj)`` *per tensor-parallel shard*; ``pre_mlp_layernorm`` is HF's
 ``post_attention_layernorm``; ``router`` is the MoE block's ``gate``. Routed experts are
