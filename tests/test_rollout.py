@@ -22,7 +22,8 @@ from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.models.weight_buckets import Bucket, WeightEntry, plan_buckets
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
-from moe_rl.rollout.sglang import SGLangEngine, _HttpTurns, weight_group_offsets
+from moe_rl.rollout.sglang import SGLangEngine, weight_group_offsets
+from moe_rl.rollout.sglang_turns import HttpTurns
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
 from moe_rl.rollout.weight_sync import DistributedSync
 from parallel.launch import free_port
@@ -323,7 +324,7 @@ def test_more_requests_in_flight_than_httpxs_default_pool(servers) -> None:
 def test_multi_turn_requests_keep_their_prompts_server() -> None:
     """A request that continues an earlier one's tokens (its next turn, or another sample of
     its prompt) goes to that one's server; others take the servers in turn."""
-    turns = _HttpTurns(SGLangEngine(["http://a", "http://b", "http://c"]), None, [], False, "v")
+    turns = HttpTurns(SGLangEngine(["http://a", "http://b", "http://c"]), None, [], False, "v")
     assert [
         turns.server_for(ids)
         for ids in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3, 9, 8], [4, 5, 6], [7], [1, 2], [1, 2, 3, 9])
@@ -332,14 +333,14 @@ def test_multi_turn_requests_keep_their_prompts_server() -> None:
 
 def test_prefix_hashes_follow_the_polynomial_recurrence() -> None:
     """The vectorised prefix hashes equal h_i = h_(i-1) * B + t_i (mod 2**64), token by token."""
-    from moe_rl.rollout.sglang import _HASH_BASE, _prefix_hashes
+    from moe_rl.rollout.sglang_turns import _HASH_BASE, prefix_hashes
 
     tokens = torch.randint(0, 151_936, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     expected, h = [], 0
     for t in tokens:
         h = (h * _HASH_BASE + t) % 2**64
         expected.append(h)
-    assert _prefix_hashes(tokens) == expected and _prefix_hashes([]) == []
+    assert prefix_hashes(tokens) == expected and prefix_hashes([]) == []
 
 
 def test_weight_group_offsets_count_every_server_rank() -> None:

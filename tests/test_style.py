@@ -22,3 +22,13 @@ def test_imports_run_downward_without_circles() -> None:
     """tools/import_graph.py: no import runs upward through the layers, no file or folder circle."""
     result = subprocess.run([sys.executable, "tools/import_graph.py"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_module_over_700_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for package in ("moe_rl", "parallel")
+        for p in (ROOT / package).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 700
+    }
+    assert not long, f"split these modules: {long}"
