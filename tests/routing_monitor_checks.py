@@ -1,4 +1,5 @@
-"""One-process training steps through RoutingMonitor (run by test_routing_monitor).
+"""One-process training steps through a step's routing passes: StepReplay and RoutingMonitor
+(run by test_routing_monitor).
 
 Prints one JSON line of results per replay mode."""
 
@@ -13,6 +14,8 @@ from moe_rl.models.forward import run_microbatches
 from moe_rl.models.hf_weights import load_hf_weights
 from moe_rl.routing.hf_routing import transformers_routing
 from moe_rl.routing.monitor import RoutingMonitor
+from moe_rl.routing.step_replay import StepReplay
+from moe_rl.trainer.old_policy import StepRouting
 from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, moe_layers, replay_config_overrides
 from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
@@ -23,10 +26,10 @@ hf_config, layout = start_one_process(hf_dir)
 gen = torch.Generator().manual_seed(0)
 batches = random_micro_batches([10, 7], gen)
 engine = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-engine_routing = []
-for mb in batches:
+for mb in batches:  # the "engine"'s routed experts travel with each micro-batch, as the trainer's do
     idx, _ = transformers_routing(engine, mb.input_ids)
-    engine_routing.append([idx[j, : int(mb.lengths[j]) - 1] for j in range(2)])
+    mb.routed_experts = [idx[j, : int(mb.lengths[j]) - 1] for j in range(2)]
+engine_routing = [mb.routed_experts for mb in batches]
 
 
 def loss_fn(le, mb):
@@ -52,30 +55,32 @@ for mode, sample_frac in (("none", 1.0), ("r2", 1.0), ("r3", 1.0), ("r3_sampled"
     optimizer = build_optimizer([ddp], settings)
     monitor = RoutingMonitor(
         model,
-        mode.split("_")[0],
         hf_config.num_hidden_layers,
         hf_config.num_experts,
         sample_frac=sample_frac,
         router_kl=sample_frac == 1,
     )
-    try:  # a pass that fails leaves the monitor idle, ready for the next step
-        with monitor.old_pass(batches, engine_routing) as hooks:
+    replay_mode = mode.split("_")[0]
+    replay = StepReplay(model, replay_mode) if replay_mode != "none" else None
+    routing = StepRouting(model, hf_config.num_experts, replay, monitor)
+    try:  # a pass that fails leaves the monitor and the replay idle, ready for the next step
+        with routing.old_pass(batches, engine_routing=True) as hooks:
             raise RuntimeError("a failed forward")
     except RuntimeError:
         pass
-    with monitor.old_pass(batches, engine_routing) as hooks:
+    with routing.old_pass(batches, engine_routing=True) as hooks:
         run_microbatches([ddp], batches, hooks=hooks)
     kept = {
         "observed_tokens": [len(r.used) for r in monitor._old],
         "index_dtypes": sorted({str(r.used.dtype) for r in monitor._old}),
         "old_probs_kept": [r.probs is not None for r in monitor._old],
-        "replay_dtypes": sorted({str(t.dtype) for mb in monitor._replay_indices for t in mb}),
+        "replay_dtypes": sorted({str(t.dtype) for mb in (replay.indices if replay else []) for t in mb}),
     }
-    with monitor.update_pass() as hooks:
+    with routing.update_pass() as hooks:
         train_step(
             [ddp], optimizer, lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False, hooks=hooks)
         )
-    with monitor.after_update_pass() as hooks:
+    with routing.after_update_pass() as hooks:
         run_microbatches([ddp], batches, hooks=hooks)
     metrics = monitor.reduce()
     print(

@@ -18,7 +18,6 @@ Prints ``BENCH_JSON {...}`` with the routing-data figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import tempfile
@@ -28,22 +27,6 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-
-
-class _NoMonitor:
-    """The plain step's stand-in for a RoutingMonitor: passes without hooks."""
-
-    def old_pass(self, batches, engine_routing=None):
-        return contextlib.nullcontext([])
-
-    def update_pass(self):
-        return contextlib.nullcontext([])
-
-    def after_update_pass(self):
-        return contextlib.nullcontext([])
-
-    def reduce(self) -> dict:
-        return {}
 
 
 QWEN3_30B = dict(tokens=8192, layers=48, top_k=8, experts=128)  # one long response of Qwen3-30B-A3B
@@ -154,6 +137,8 @@ def main() -> None:
     from moe_rl.models.tiny import save_tiny_checkpoint
     from moe_rl.routing.hf_routing import transformers_routing
     from moe_rl.routing.monitor import RoutingMonitor
+    from moe_rl.routing.step_replay import StepReplay
+    from moe_rl.trainer.old_policy import StepRouting
     from moe_rl.routing.replay import replay_config_overrides
     from parallel.distributed import init_distributed
     from parallel.layout import ParallelLayout
@@ -180,7 +165,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     engine = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    engine_routing = [[r[:-1] for r in transformers_routing(engine, mb.input_ids)[0]] for mb in batches]
+    for mb in batches:  # the engine's routed experts travel with each micro-batch, as the trainer's do
+        mb.routed_experts = [r[:-1] for r in transformers_routing(engine, mb.input_ids)[0]]
 
     def loss_fn(le, mb):
         return -le[..., 0].sum() / tokens, {}
@@ -201,15 +187,16 @@ def main() -> None:
         settings = OptimSettings(lr=1e-5)
         ddp = wrap_ddp(model, config, settings)
         optimizer = build_optimizer([ddp], settings)
-        monitor = (
-            RoutingMonitor(model, mode, hf_config.num_hidden_layers, hf_config.num_experts, measure=drift)
-            if (mode != "none" or drift)
-            else None
+        passes = StepRouting(
+            model,
+            hf_config.num_experts,
+            StepReplay(model, mode) if mode != "none" else None,
+            RoutingMonitor(model, hf_config.num_hidden_layers, hf_config.num_experts) if drift else None,
         )
-        passes = monitor or _NoMonitor()
+        with_engine = mode == "r3" or drift
 
-        def step(ddp=ddp, optimizer=optimizer, passes=passes, drift=drift, after=after):
-            with passes.old_pass(batches, engine_routing) as hooks:
+        def step(ddp=ddp, optimizer=optimizer, passes=passes, drift=drift, after=after, with_engine=with_engine):
+            with passes.old_pass(batches, engine_routing=with_engine) as hooks:
                 run_microbatches([ddp], batches, hooks=hooks)
             with passes.update_pass() as hooks:
                 train_step(
@@ -221,7 +208,7 @@ def main() -> None:
                 with passes.after_update_pass() as hooks:
                     run_microbatches([ddp], batches, hooks=hooks)
             if drift:
-                passes.reduce()
+                passes.monitor.reduce()
 
         step()  # warm-up
         steps[name] = step
@@ -294,7 +281,7 @@ def probe_memory(hf_config, hf_dir: str, layout) -> list[dict]:
 
     def old_pass(batches, **options) -> tuple[int, int, int]:
         """(device bytes, host bytes, bytes at the previous types) the old pass keeps."""
-        monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, hf_config.num_experts, **options)
+        monitor = RoutingMonitor(model, hf_config.num_hidden_layers, hf_config.num_experts, **options)
         with monitor.old_pass(batches) as hooks:
             run_microbatches(model, batches, hooks=hooks)
         indices = [t for r in monitor._old for t in (r.natural, r.used)]

@@ -115,7 +115,7 @@ def _measure(
     from moe_rl.trainer.batch import build_train_batch
     from moe_rl.trainer.metrics import reduce_mismatch
     from moe_rl.trainer.objective import logprob_mismatch
-    from moe_rl.trainer.old_policy import old_policy_pass
+    from moe_rl.trainer.old_policy import StepRouting, old_policy_pass
     from moe_rl.trainer.policy import build_reference
     from moe_rl.trainer.packing import MicroBatchPlanner
     from parallel.collectives import rank_device
@@ -129,9 +129,12 @@ def _measure(
     mbs = batch.micro_batches
     num_experts = architecture_of(hf_config).num_experts(hf_config)
     # SGLang returns no router scores
-    monitor = RoutingMonitor(model, "none", hf_config.num_hidden_layers, num_experts, router_kl=False)
+    monitor = RoutingMonitor(model, hf_config.num_hidden_layers, num_experts, router_kl=False)
     outputs = old_policy_pass(
-        lambda batches, hooks: run_microbatches(model, batches, hooks=hooks), mbs, monitor, engine_routing=True
+        lambda batches, hooks: run_microbatches(model, batches, hooks=hooks),
+        mbs,
+        StepRouting(model, num_experts, monitor=monitor),
+        engine_routing=True,
     )
     mismatch = reduce_mismatch(
         [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for out, mb in zip(outputs, mbs)]

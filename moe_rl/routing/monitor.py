@@ -1,10 +1,11 @@
-"""Routing in one RL training step: replay (none / r2 / r3) and the drift measured
-wherever the data exists. Each pass of a step is a context that yields the pass's
-forward hooks, so a pass can never be left open:
+"""Routing drift in one RL training step, measured wherever the data exists; it only
+observes (replay, which changes the forward, is :class:`~moe_rl.routing.step_replay.StepReplay`).
+Each pass of a step is a context that yields the pass's forward hooks, so a pass can
+never be left open:
 
-    with monitor.old_pass(batches, engine_routing) as hooks:   # r2 records, r3 replays
+    with monitor.old_pass(batches, engine_indices) as hooks:   # the old policy's routing
         old = run_microbatches(model, batches, hooks=hooks)
-    with monitor.update_pass() as hooks:                      # r2/r3 replay; once per update
+    with monitor.update_pass() as hooks:                      # once per update
         outputs = train_step(..., run_microbatches(..., hooks=hooks))
     monitor.add_update_log_ratios(outputs, batches, counted=True)  # split by routing change
     with monitor.after_update_pass() as hooks:                # optional: what an update changed
@@ -24,7 +25,8 @@ token's routing differed in any layer: ``train_vs_rollout`` the old pass's
 ``replayed`` the update passes' ``|log-ratio|`` and clipping (``log_ratio_abs_...``,
 ``clip_frac_...``).
 
-The old pass keeps its routing for the step (expert indices in their compact type, and the
+The hooks of a step's replay and of this monitor go together into each pass (the replay's
+last: the probe reads what the router chose). The old pass keeps its routing for the step (expert indices in their compact type, and the
 router distributions in host memory only when ``router_kl`` is wanted); with
 ``sample_frac`` < 1 every pass observes only that share of each micro-batch's tokens (a
 seeded draw, the same on every rank holding those tokens), weighted so that counts
@@ -42,8 +44,7 @@ from torch import Tensor
 
 from moe_rl.models.forward import MicroBatch
 from moe_rl.routing.probe import Consumer, ProbedRouting, RouterProbe
-from moe_rl.routing.modes import REPLAY_MODES
-from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, to_local_tokens
+from moe_rl.routing.replay import to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
 STAT_GROUPS = ("old_vs_new", "train_vs_rollout", "replayed", "load", "expert_bias_effect")
@@ -58,8 +59,7 @@ def _mismatch_token_values(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
 
 class RoutingMonitor:
-    """Replay (``mode``) and, when ``measure``, the drift metrics (``measure=False``: replay
-    only, no router probe and no statistics). ``split_environment`` (multi-turn runs): the
+    """The drift metrics of a step's passes. ``split_environment`` (multi-turn runs): the
     train-vs-rollout routing of the tokens environments inserted is also reported on its
     own (``train_vs_rollout_environment``). ``router_kl``: keep the old pass's router
     distributions for the after-update pass's ``router_kl`` (set it false when no such pass
@@ -68,31 +68,22 @@ class RoutingMonitor:
     def __init__(
         self,
         model: torch.nn.Module,
-        mode: str,
         num_layers: int,
         num_experts: int,
         *,
-        recompute: bool = False,
-        measure: bool = True,
         split_environment: bool = False,
         router_kl: bool = True,
         sample_frac: float = 1.0,
     ) -> None:
-        if mode not in REPLAY_MODES:
-            raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(REPLAY_MODES)}")
         if not 0 < sample_frac <= 1:
             raise ValueError(f"sample_frac={sample_frac} must be in (0, 1]")
-        self.mode = mode
         self.router_kl, self.sample_frac = router_kl, sample_frac
         self._tokens: list[Tensor] | None = None  # per micro-batch: the observed tokens (None: all)
         self._weights: list[float] = []  # per micro-batch: tokens / observed tokens
         self._passes = 0
         self.probe = RouterProbe(model)
-        self.measure = measure
         self.split_environment = split_environment
-        self.replay = RoutingReplay(model, recompute=recompute) if mode != "none" else None
         self.num_layers, self.num_experts = num_layers, num_experts
-        self._replay_indices: list[list[Tensor]] = []
         self._old: list[ProbedRouting] = []
         self._masks: list[Tensor] = []
         self._environment_masks: list[Tensor] = []
@@ -104,11 +95,12 @@ class RoutingMonitor:
 
     @contextlib.contextmanager
     def old_pass(
-        self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None = None
+        self, batches: Sequence[MicroBatch], engine_indices: Sequence[Sequence[Tensor]] | None = None
     ) -> Iterator[list]:
-        """The old-policy pass over ``batches``; ``engine_routing[i][j]`` is micro-batch i,
-        sequence j's engine routing ``[n, num_layers, k]`` (required for r3)."""
-        hooks = self._begin_old_pass(batches, engine_routing)
+        """The old-policy pass over ``batches``; ``engine_indices``: the engine's routing as
+        this rank's per-layer indices (:func:`~moe_rl.routing.step_replay.engine_indices`),
+        for the train-vs-rollout drift."""
+        hooks = self._begin_old_pass(batches, engine_indices)
         with self._cleanup_on_error():
             yield hooks
         self._end_old_pass()
@@ -116,16 +108,12 @@ class RoutingMonitor:
     @contextlib.contextmanager
     def update_pass(self) -> Iterator[list]:
         """One policy-update pass (forward and backward) over the old pass's batches."""
-        if self.replay is not None:
-            self.replay.start_replay(self._replay_indices)
 
         def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
             self._stats["replayed"].add_drift(self.probe.layer_numbers, self._old[i].used, new.used, self._masks[i])
 
         with self._cleanup_on_error():
-            yield self._start_probe(compare, with_probs=False) + ([self.replay] if self.replay else [])
-        if self.replay is not None:
-            self.replay.finish()
+            yield self._start_probe(compare, with_probs=False)
         self._stop_probe(compare)
 
     @contextlib.contextmanager
@@ -157,7 +145,7 @@ class RoutingMonitor:
         response ``mask``: ``|difference|`` and the k3 estimate of KL(rollout || trainer)
         kept per token for :meth:`reduce` to split by routing change (how much of the
         train-inference mismatch routing explains)."""
-        if self._engine is None or not self.measure:
+        if self._engine is None:
             return
         values = None
         if logprobs is not None:
@@ -173,8 +161,6 @@ class RoutingMonitor:
         ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
         this), on each batch's response ``mask``; ``counted=False`` keeps a pass out of the
         split (zeros: e.g. a first update, whose ratios are all 1, or a skipped one)."""
-        if not self.measure:
-            return
         values = None
         if outputs is not None:
             values = []
@@ -199,33 +185,18 @@ class RoutingMonitor:
                 local.append(torch.cat([values[:, :-1], weights], dim=1).transpose(0, 1))
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
 
-    def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_routing: Sequence[Sequence[Tensor]] | None) -> list:
+    def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_indices: Sequence[Sequence[Tensor]] | None) -> list:
         groups = STAT_GROUPS + ((ENVIRONMENT_GROUP,) if self.split_environment else ())
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in groups}
         self._sample_tokens([self._local(_routing_mask(mb)) for mb in batches])
         if self.split_environment:
             environment = [self._local(_environment_mask(mb)) for mb in batches]
             self._environment_masks = [self._observed(i, m) * self._weights[i] for i, m in enumerate(environment)]
-        self._engine = None
-        if engine_routing is not None:
-            self._engine = [self._engine_local(mb, routed) for mb, routed in zip(batches, engine_routing)]
-        if self.mode == "r3":
-            if self._engine is None:
-                raise ValueError("routing replay r3 needs the rollout engine's routing (return_routed_experts)")
-            self._replay_indices = self._engine
-            self.replay.start_replay(self._engine, forward_only=True)
-        elif self.mode == "r2":
-            self.replay.start_record()
-        return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl) + (
-            [self.replay] if self.replay else []
-        )
+        self._engine = [list(mb) for mb in engine_indices] if engine_indices is not None else None
+        return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl)
 
     def _end_old_pass(self) -> None:
         self._old = self._stop_probe()
-        if self.mode == "r2":
-            self._replay_indices = self.replay.recorded()
-        elif self.mode == "r3":
-            self.replay.finish()
         layers = self.probe.layer_numbers
         for i, old in enumerate(self._old):
             self._stats["load"].add_load(layers, old.used, self._masks[i])
@@ -245,10 +216,7 @@ class RoutingMonitor:
         *,
         with_probs: bool,
     ) -> list:
-        """The probe's hooks for a pass over the observed tokens (none when not measuring:
-        it then captures nothing); see :meth:`RouterProbe.start`."""
-        if not self.measure:
-            return []
+        """The probe's hooks for a pass over the observed tokens; see :meth:`RouterProbe.start`."""
         self.probe.start(consume, probs_device, reference_bias, with_probs=with_probs, tokens=self._tokens)
         return [self.probe]
 
@@ -257,7 +225,7 @@ class RoutingMonitor:
         empty routings of its tokens (kept, or handed to ``consume``), so every stage adds
         the same token flags to the statistics."""
         probed = self.probe.stop()
-        if probed or self.probe.layer_numbers or not self.measure:
+        if probed or self.probe.layer_numbers:
             return probed
         empty = lambda t: torch.zeros(t, 0, 0, dtype=self.probe.index_dtype, device=self._masks[0].device)  # noqa: E731
         probed = [ProbedRouting(empty(len(m)), empty(len(m)), None) for m in self._masks]
@@ -269,13 +237,11 @@ class RoutingMonitor:
 
     @contextlib.contextmanager
     def _cleanup_on_error(self) -> Iterator[None]:
-        """A pass that raised leaves the probe off and replay idle (no stats recorded)."""
+        """A pass that raised leaves the probe off (no stats recorded)."""
         try:
             yield
         except BaseException:
             self.probe.stop()
-            if self.replay is not None:
-                self.replay.abort()
             raise
 
     def reduce(self) -> dict[str, dict[str, Tensor]]:
@@ -309,19 +275,6 @@ class RoutingMonitor:
         cfg = self._config
         return to_local_tokens(
             per_position,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            sequence_parallel=cfg.sequence_parallel,
-        )
-
-    def _engine_local(self, mb: MicroBatch, routed: Sequence[Tensor]) -> list[Tensor]:
-        cfg = self._config
-        return engine_routing_to_replay(
-            routed,
-            mb.input_ids.shape[1],
-            self.probe.layer_numbers,
-            self.probe.top_k,
-            num_experts=self.num_experts,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=cfg.sequence_parallel,

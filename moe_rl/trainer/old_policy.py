@@ -1,29 +1,78 @@
-"""The old-policy pass of a step: log-probs of the step's micro-batches under the weights
-that sampled them (routing recorded for R2, the engine's replayed for R3), with the
-train-inference drift observed. The trainer runs it each step; ``moe-rl drift --engine``
-runs the same pass on a frozen model."""
+"""A step's routing passes and the old-policy pass.
+
+:class:`StepRouting` puts together what a run asked for: routing replay (R2/R3, which
+changes the forward: :class:`~moe_rl.routing.step_replay.StepReplay`) and the drift
+metrics (which only observe: :class:`~moe_rl.routing.monitor.RoutingMonitor`), one context
+per pass yielding both parts' hooks. :func:`old_policy_pass` is the old-policy pass of a
+step: log-probs under the weights that sampled the batch, with the train-inference drift
+observed. The trainer runs it each step; ``moe-rl drift --engine`` runs the same pass on a
+frozen model."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
 
 from moe_rl.models.forward import MicroBatch
 from moe_rl.routing.monitor import RoutingMonitor
+from moe_rl.routing.step_replay import StepReplay, engine_indices
 
 Forward = Callable[[Sequence[MicroBatch], list], list[dict]]  # (micro-batches, hooks) -> per micro-batch outputs
 
 
+@dataclass
+class StepRouting:
+    """A run's routing parts (either may be ``None``) over ``model``'s MoE layers."""
+
+    model: torch.nn.Module
+    num_experts: int
+    replay: StepReplay | None = None  # changes the forward (R2/R3)
+    monitor: RoutingMonitor | None = None  # observes it (drift metrics)
+
+    @contextlib.contextmanager
+    def old_pass(self, batches: Sequence[MicroBatch], engine_routing: bool) -> Iterator[list]:
+        """``engine_routing``: the batches carry the engine's routed experts (R3 replays them,
+        the monitor compares with them)."""
+        indices = (
+            engine_indices(self.model, batches, [mb.routed_experts for mb in batches], self.num_experts)
+            if engine_routing
+            else None
+        )
+        with contextlib.ExitStack() as passes:
+            hooks = passes.enter_context(self.monitor.old_pass(batches, indices)) if self.monitor else []
+            if self.replay:  # last: the probe reads what the replayed router chose
+                hooks = hooks + passes.enter_context(self.replay.old_pass(indices))
+            yield hooks
+
+    @contextlib.contextmanager
+    def update_pass(self) -> Iterator[list]:
+        """One policy-update pass (forward and backward)."""
+        with contextlib.ExitStack() as passes:
+            hooks = passes.enter_context(self.monitor.update_pass()) if self.monitor else []
+            if self.replay:
+                hooks = hooks + passes.enter_context(self.replay.update_pass())
+            yield hooks
+
+    @contextlib.contextmanager
+    def after_update_pass(self, bias_before: dict[int, Tensor] | None = None) -> Iterator[list]:
+        """The monitor's forward-only pass after the optimizer step (no replay)."""
+        with self.monitor.after_update_pass(bias_before) if self.monitor else contextlib.nullcontext([]) as hooks:
+            yield hooks
+
+
 def old_policy_pass(
-    forward: Forward, batches: Sequence[MicroBatch], monitor: RoutingMonitor | None, *, engine_routing: bool
+    forward: Forward, batches: Sequence[MicroBatch], routing: StepRouting | None, *, engine_routing: bool
 ) -> list[dict]:
-    """Collective: ``forward(batches, hooks)`` inside the monitor's old pass (``engine_routing``:
+    """Collective: ``forward(batches, hooks)`` inside the routing's old pass (``engine_routing``:
     the batches carry the engine's routed experts, for R3 and the train-vs-rollout drift);
     the rollout log-prob mismatch is added to the monitor (the last stage's log-probs).
     Returns the outputs (empty off the last pipeline stage)."""
-    routed = [mb.routed_experts for mb in batches] if engine_routing else None
-    with monitor.old_pass(batches, routed) if monitor else contextlib.nullcontext([]) as hooks:
+    with routing.old_pass(batches, engine_routing) if routing else contextlib.nullcontext([]) as hooks:
         outputs = forward(batches, hooks)
-    if monitor:
-        monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, batches)
+    if routing and routing.monitor:
+        routing.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, batches)
     return outputs

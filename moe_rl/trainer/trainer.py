@@ -51,6 +51,7 @@ from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
 from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
+from moe_rl.routing.step_replay import StepReplay
 from moe_rl.trainer.batch import TrainBatch, build_train_batch
 from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience_transport import share_experience
@@ -64,7 +65,7 @@ from moe_rl.trainer.metrics import (
     reduce_update_metrics,
     routing_split_scalars,
 )
-from moe_rl.trainer.old_policy import old_policy_pass
+from moe_rl.trainer.old_policy import StepRouting, old_policy_pass
 from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.placement import Placement, build_placement, make_room_for_the_trainer
@@ -105,7 +106,7 @@ class Trainer:
     hf_dir: str  # the starting weights (a HF directory)
     policy: Policy  # this rank's stage of the trained model, its DDP wrapper and optimizer
     reference: Reference | None  # frozen starting policy, for the KL penalty
-    monitor: RoutingMonitor | None  # routing replay and drift
+    routing: StepRouting | None  # routing replay (R2/R3) and drift metrics
     start_step: int  # steps already done (resumed from a checkpoint)
     engine_routing: bool  # the engine returns routed experts
     collector: ExperienceCollector | None  # prompts -> rollout -> rewards -> advantages (first rank only)
@@ -186,7 +187,7 @@ class Trainer:
             if cfg.algorithm.kl_coef > 0
             else None
         )
-        self.monitor = self._build_monitor()
+        self.routing = self._build_routing()
         self.checkpointer = Checkpointer(
             self.run_dir,
             cfg.train.keep_last,
@@ -231,7 +232,7 @@ class Trainer:
         self.on_policy = (
             cfg.algorithm.updates_per_batch == 1
             and cfg.algorithm.old_logprobs == "recompute"
-            and self.monitor is None
+            and self.routing is None
             and not cfg.algorithm.corrects_rollout
         )
 
@@ -240,22 +241,36 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
-    def _build_monitor(self) -> RoutingMonitor | None:
+    def _build_routing(self) -> StepRouting | None:
+        """Replay (``routing.replay``) and the drift metrics (``routing.metrics``), either or both."""
         routing = self.cfg.routing
         if routing.replay == "none" and not routing.metrics:
             return None
         num_experts = architecture_of(self.hf_config).num_experts(self.hf_config)
-        return RoutingMonitor(
-            self.policy.model,
-            routing.replay,
-            self.hf_config.num_hidden_layers,
-            num_experts,
-            recompute=routing.recompute_activations,
-            measure=routing.metrics,
-            split_environment=bool(self.cfg.rollout.generate_fn),
-            router_kl=routing.after_update_pass,
-            sample_frac=routing.metrics_sample_frac,
+        model = self.policy.model
+        replay = (
+            StepReplay(model, routing.replay, recompute=routing.recompute_activations)
+            if routing.replay != "none"
+            else None
         )
+        monitor = (
+            RoutingMonitor(
+                model,
+                self.hf_config.num_hidden_layers,
+                num_experts,
+                split_environment=bool(self.cfg.rollout.generate_fn),
+                router_kl=routing.after_update_pass,
+                sample_frac=routing.metrics_sample_frac,
+            )
+            if routing.metrics
+            else None
+        )
+        return StepRouting(model, num_experts, replay, monitor)
+
+    @property
+    def monitor(self) -> RoutingMonitor | None:
+        """The drift metrics (``None`` when ``routing.metrics`` is off)."""
+        return self.routing.monitor if self.routing else None
 
     def _build_expert_bias_tracker(self) -> ExpertBiasTracker | None:
         arch = architecture_of(self.hf_config)
@@ -331,7 +346,7 @@ class Trainer:
             **reduce_mismatch(mismatch_parts),
             **reduce_offpolicy(mismatch_parts),
         }
-        routing = self.monitor.reduce() if self.monitor and self.cfg.routing.metrics else {}
+        routing = self.monitor.reduce() if self.monitor else {}
         step_time = time.perf_counter() - start
         scalars = {
             **rollout_scalars,
@@ -402,7 +417,7 @@ class Trainer:
         if self.on_policy:
             return []
         mbs = batch.micro_batches
-        outputs = old_policy_pass(self.policy.logprobs, mbs, self.monitor, engine_routing=self.engine_routing)
+        outputs = old_policy_pass(self.policy.logprobs, mbs, self.routing, engine_routing=self.engine_routing)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
         a = self.cfg.algorithm
         for mb, out in zip(mbs, outputs):
@@ -434,7 +449,7 @@ class Trainer:
         objective = self.objective_for(batch, counts)
         result, skipped = None, 0
         for i in range(self.cfg.algorithm.updates_per_batch):
-            with self.monitor.update_pass() if self.monitor else contextlib.nullcontext([]) as hooks:
+            with self.routing.update_pass() if self.routing else contextlib.nullcontext([]) as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
             skipped += not result.updated
             if self.monitor:  # |log-ratio| and clipping by routing change since the old pass
@@ -454,7 +469,7 @@ class Trainer:
 
     def measure_routing_after_update(self, batch: TrainBatch) -> None:
         """One more forward pass: how the updates changed routing (old -> new)."""
-        if self.monitor and self.cfg.routing.metrics and self.cfg.routing.after_update_pass:
+        if self.monitor and self.cfg.routing.after_update_pass:
             with self.monitor.after_update_pass(self.expert_bias.before() if self.expert_bias else None) as hooks:
                 self.policy.logprobs(batch.micro_batches, hooks)
 
