@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_rl.models.export_dir import MARKER
-from moe_rl.models.hf_weights import SafetensorsDir
+from moe_rl.models.hf_weights import SafetensorsDir, write_config_files
 from moe_rl.models.tiny import save_tiny_checkpoint
 
 from conftest import moe_rl
@@ -86,6 +86,24 @@ def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> Non
     assert not (tmp_path / "hf" / "stale.txt").exists()
     assert SafetensorsDir(tmp_path / "hf").dtype() == torch.bfloat16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or moved-aside directory left
+
+
+def test_config_and_tokenizer_files_honour_the_umask(tmp_path: Path) -> None:
+    """A checkpoint's hf/ files are written with the umask's permissions, whatever the
+    source's (a world-readable tokenizer in a shared cache stays private under umask 077)."""
+    from transformers import AutoConfig
+
+    source = Path(save_tiny_checkpoint(tmp_path / "base", "qwen3_moe", seed=1))
+    (source / "tokenizer.json").write_text("{}")
+    (source / "tokenizer.json").chmod(0o644)
+    mask = os.umask(0o077)
+    try:
+        write_config_files(AutoConfig.from_pretrained(source), tmp_path / "hf", source)
+    finally:
+        os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "tokenizer.json" in modes and "config.json" in modes
+    assert set(modes.values()) == {0o600}, modes
 
 
 def test_export_never_replaces_a_directory_it_did_not_make(checkpoints, tmp_path: Path) -> None:

@@ -426,8 +426,8 @@ def write_config_files(hf_config: PretrainedConfig, out: Path, copy_files_from: 
     if copy_files_from is not None:
         for name in _TOKENIZER_FILES:
             src = Path(copy_files_from) / name
-            if src.exists():
-                shutil.copy2(src, out / name)
+            if src.exists():  # the bytes only: the copy's mode comes from the umask, not the source's
+                shutil.copyfile(src, out / name)
 
 
 def _readable_as_umask_allows(directory: Path) -> None:
