@@ -88,6 +88,7 @@ def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or moved-aside directory left
 
 
+@pytest.mark.unit  # one process, no CLI
 def test_config_and_tokenizer_files_honour_the_umask(tmp_path: Path) -> None:
     """A checkpoint's hf/ files are written with the umask's permissions, whatever the
     source's (a world-readable tokenizer in a shared cache stays private under umask 077)."""
