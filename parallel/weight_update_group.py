@@ -44,3 +44,11 @@ def leave_weight_update_group(group: dist.ProcessGroup | None) -> None:
     """Destroy ``group`` (safe on ``None``)."""
     if group is not None:
         dist.destroy_process_group(group)
+
+
+def abort_weight_update_group(group: dist.ProcessGroup | None) -> None:
+    """Abort ``group`` (safe on ``None``): a collective another thread waits in (for a peer
+    that will not enter it) fails instead of lasting until the group's timeout, and the
+    process can exit (a gloo group destroyed under a waiting collective aborts it at exit)."""
+    if group is not None:
+        c10d._abort_process_group(group)

@@ -28,6 +28,10 @@ Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
 /generate), ``die_after`` (exit the process when the Nth next /generate arrives),
 ``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once),
+``refuse_buckets`` (answer the next N ``/update_weights_from_distributed`` HTTP 400 at once,
+never entering the broadcast, as a server that does not take the request's ``load_format``),
+``stall_weight_groups`` / ``stall_buckets`` (the next N of those requests wait ``stall_s``
+seconds without joining the group or receiving, then are refused: a server that never joins),
 ``old_info_endpoints`` (404 for ``/model_info`` and ``/server_info``, as older servers),
 ``server_version`` (report that version; before 0.5.6 ignore ``load_format`` in
 ``/update_weights_from_distributed``, as those servers do). ``GET /_test/stats`` counts
@@ -365,6 +369,8 @@ def _join_group(st: State, body: dict) -> tuple[int, dict]:
     if st.faults.get("refuse_weight_groups", 0) > 0:
         st.faults["refuse_weight_groups"] -= 1
         return 200, {"success": False, "message": "Failed to initialize custom process group: injected refusal"}
+    if _stalled(st.faults, "stall_weight_groups"):
+        return 200, {"success": False, "message": "Failed to initialize custom process group: injected stall"}
     try:
         group = join_weight_update_group(
             backend=body["backend"],
@@ -388,6 +394,11 @@ def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
     group = st.groups.get(body.get("group_name"))
     if group is None:
         return 400, {"success": False, "message": f"unknown group_name {body.get('group_name')!r}"}
+    if st.faults.get("refuse_buckets", 0) > 0:
+        st.faults["refuse_buckets"] -= 1
+        return 400, {"success": False, "message": f"injected refusal of load_format={body.get('load_format')}"}
+    if _stalled(st.faults, "stall_buckets"):
+        return 400, {"success": False, "message": "injected stall: the bucket was never received"}
     names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
     if not (len(names) == len(dtypes) == len(shapes)):
         return 400, {"success": False, "message": "names, dtypes and shapes differ in length"}
@@ -407,6 +418,15 @@ def _receive_broadcast(st: State, body: dict) -> tuple[int, dict]:
         torch.distributed.broadcast(tensor, group=group, group_src=0)
         st.received[name] = tensor
     return 200, {}
+
+
+def _stalled(faults: dict, kind: str) -> bool:
+    """Fault ``kind`` is due: take one, wait ``stall_s`` (never joining or receiving)."""
+    if faults.get(kind, 0) <= 0:
+        return False
+    faults[kind] -= 1
+    time.sleep(float(faults.get("stall_s", 30)))
+    return True
 
 
 def _flat_bucket(

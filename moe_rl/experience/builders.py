@@ -28,7 +28,7 @@ from moe_rl.experience.collector import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")
 if TYPE_CHECKING:
-    from moe_rl.rollout.server import ServerSettings
+    from moe_rl.rollout.server import ServerSettings, SGLangServer
 
 
 def wants_engine_routing(cfg: Config) -> bool:
@@ -129,13 +129,15 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         return engine
     from moe_rl.rollout.sglang import SGLangEngine
 
-    urls = [_start_server(cfg, hf_dir, closing)] if r.launch_server else list(r.sglang_urls)
+    launched = [_start_server(cfg, hf_dir, closing)] if r.launch_server else []
+    urls = [server.url for server in launched] or list(r.sglang_urls)
     engine = SGLangEngine(
         urls,
         num_layers=hf_config.num_hidden_layers,
         top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
         max_concurrency=r.concurrency_per_server * len(urls),
+        nccl_version_probes=[server.nccl_version for server in launched] or None,
     )
     closing.callback(engine.close)
     engine.wait_healthy()
@@ -169,13 +171,13 @@ def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
     )
 
 
-def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> str:
+def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> SGLangServer:
     from moe_rl.rollout.server import SGLangServer
 
     server = SGLangServer(server_settings(cfg, hf_dir), Path(cfg.train.run_dir) / "logs")
     closing.callback(server.stop)
     server.wait_healthy(timeout_s=cfg.rollout.server_start_timeout_s)
-    return server.url
+    return server
 
 
 def check_server_placement(cfg: Config) -> None:

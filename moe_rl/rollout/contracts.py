@@ -42,6 +42,11 @@ class DistributedWeightReceiver(WeightUpdateSession, Protocol):
         """The ranks each server has in a weight-update group (its TP size)."""
         ...
 
+    def server_nccl_versions(self) -> list[str | None]:
+        """Each server's NCCL version (``"2.27.7"``), ``None`` where it cannot be known (a
+        server this run did not start: SGLang does not report it)."""
+        ...
+
     def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str, backend: str, join: Callable[[int], Any]
     ) -> Any:

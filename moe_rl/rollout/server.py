@@ -146,6 +146,7 @@ class SGLangServer:
         stop_stale_server(self.pid_path)
         _check_port_free(settings.host, settings.port)
         self.settings = settings
+        self._nccl_version: str | None | object = _NOT_ASKED
         self.log_path = Path(log_dir) / f"sglang-{settings.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
@@ -163,6 +164,13 @@ class SGLangServer:
     @property
     def url(self) -> str:
         return self.settings.url
+
+    def nccl_version(self) -> str | None:
+        """The NCCL version of the server's python (its torch's, which its weight-update
+        groups use), ``None`` when it cannot tell (no NCCL in that torch); asked once."""
+        if self._nccl_version is _NOT_ASKED:
+            self._nccl_version = python_nccl_version(self.settings.launch_command[0], self.settings.environment())
+        return self._nccl_version
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Wait on ``/health_generate``; fail at once if the process dies (with its log tail)."""
@@ -209,6 +217,28 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_NOT_ASKED = object()
+_NCCL_VERSION_SCRIPT = (
+    "import torch\n"
+    "try:\n"
+    "    print('.'.join(str(p) for p in torch.cuda.nccl.version() if p != ''))\n"
+    "except (AttributeError, RuntimeError):\n"
+    "    pass\n"
+)
+
+
+def python_nccl_version(python: str, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> str | None:
+    """``torch.cuda.nccl.version()`` as ``"2.27.7"`` in the interpreter ``python``; ``None``
+    where that torch has no NCCL or the interpreter does not answer."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _NCCL_VERSION_SCRIPT], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def stop_stale_server(pid_path: Path, timeout_s: float = 30.0) -> None:

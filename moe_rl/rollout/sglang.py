@@ -29,7 +29,6 @@ import itertools
 import logging
 import math
 import re
-import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import httpx
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from moe_rl.rollout.contracts import DistributedWeightReceiver, MemoryReleaser, TensorWeightReceiver
 from moe_rl.rollout.sglang_turns import HttpTurns
+from moe_rl.rollout.sglang_waits import leave_group_when_made, on_daemon_thread, unless_refused
 from moe_rl.rollout.types import (
     RolloutEngine,
     RolloutError,
@@ -77,6 +77,7 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         max_retries: int = 3,
         backoff_s: float = 0.5,
         check_weight_version: bool = True,
+        nccl_version_probes: Sequence[Callable[[], str | None]] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("rollout.sglang.urls is empty: give at least one server URL")
@@ -94,6 +95,10 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         self._rr = itertools.count()
         self.retries = 0
         self._server_ranks: list[int] | None = None
+        # per server, how to learn its NCCL version (asked only before an NCCL weight-update group)
+        self._nccl_probes = list(nccl_version_probes or [lambda: None] * len(self.urls))
+        if len(self._nccl_probes) != len(self.urls):
+            raise ValueError(f"{len(self._nccl_probes)} NCCL version probes for {len(self.urls)} servers")
 
     @property
     def weight_version(self) -> str:
@@ -369,6 +374,11 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
             sizes.append(int(info.get("tp_size") or 1))
         return sizes
 
+    def server_nccl_versions(self) -> list[str | None]:
+        """Each server's NCCL version where its probe (a server this run started: its
+        python asked) knows it, else ``None``: SGLang does not report it."""
+        return [probe() for probe in self._nccl_probes]
+
     def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str, backend: str, join: Callable[[int], Any]
     ) -> Any:
@@ -392,7 +402,7 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         ]
         try:
             return self._post_each(
-                "/init_weights_update_group", payloads, lambda: join(world_size), wait_in_thread=True
+                "/init_weights_update_group", payloads, lambda: join(world_size), abandon=leave_group_when_made
             )
         except RolloutError:
             raise
@@ -412,19 +422,20 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
     @contextlib.contextmanager
     def weight_update(self, weight_version: str) -> Iterator[None]:
         """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``;
-        afterwards every server must report ``weight_version``."""
-        began = False
+        afterwards every server must report ``weight_version``. When anything inside fails,
+        the servers are asked to end, flush and continue, best effort (the failure stands)."""
         try:
             self._post_all("/pause_generation", check_success=False)
             self._post_all("/begin_weight_update")
-            began = True
             yield
-        finally:
-            try:
-                self._end_weight_update(began)
-            finally:  # never leave the servers paused
-                self._post_all("/flush_cache", check_success=False)
-                self._post_all("/continue_generation", check_success=False)
+        except BaseException:
+            self._leave_failed_update()
+            raise
+        try:
+            self._post_all("/end_weight_update")
+        finally:  # never leave the servers paused
+            self._post_all("/flush_cache", check_success=False)
+            self._post_all("/continue_generation", check_success=False)
         self._version = weight_version
         served = self.read_weight_version()
         if served != weight_version:
@@ -432,15 +443,23 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
                 f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}"
             )
 
-    def _end_weight_update(self, began: bool) -> None:
-        """``/end_weight_update`` on every server; after a refused begin, the sessions the
-        other servers did open are closed and the refusals of those without one ignored."""
-        try:
-            self._post_all("/end_weight_update")
-        except RolloutError as e:
-            if began:
-                raise
-            log.info("closing the weight-update sessions after a refused begin: %s", e)
+    def _leave_failed_update(self, timeout_s: float = 5.0) -> None:
+        """After a failed update (a refused begin or bucket): every server at once is asked to
+        end its session, flush and continue generating, each request within ``timeout_s`` (a
+        server still waiting in a broadcast cannot answer); what fails is only logged."""
+
+        def leave(url: str) -> None:
+            with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
+                for path in ("/end_weight_update", "/flush_cache", "/continue_generation"):
+                    try:
+                        response = client.post(url + path, json={})
+                    except httpx.TransportError as e:
+                        log.warning("%s%s after a failed weight update: %s: %s", url, path, type(e).__name__, e)
+                        return
+                    if response.status_code >= 400:  # e.g. no session open (its begin was refused)
+                        log.info("%s%s after a failed weight update: %s", url, path, response.text[:200])
+
+        concurrent.futures.wait([on_daemon_thread(leave, url) for url in self.urls], timeout=3 * timeout_s + 5)
 
     def update_weights_from_distributed(
         self,
@@ -467,7 +486,14 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         }
         if flattened:
             body["load_format"] = "flattened_bucket"
-        self._post_each("/update_weights_from_distributed", [body] * len(self.urls), broadcast)
+        try:
+            self._post_each("/update_weights_from_distributed", [body] * len(self.urls), broadcast)
+        except RolloutError:
+            raise
+        except (OSError, RuntimeError, ValueError) as e:  # the broadcast itself (e.g. its group's timeout)
+            raise RolloutError(
+                f"broadcasting a bucket over weight-update group {group_name} failed: {type(e).__name__}: {e}"
+            ) from e
 
     def update_weights_from_tensor(self, serialized: str, *, weight_version: str, flattened: bool = False) -> None:
         """Hand every server one bucket by reference (``serialized``: SGLang's
@@ -505,30 +531,31 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         self,
         path: str,
         payloads: Sequence[dict],
-        while_waiting: Callable[[], Any] = lambda: None,
+        while_waiting: Callable[[], Any] | None = None,
         *,
-        wait_in_thread: bool = False,
+        abandon: Callable[[concurrent.futures.Future], None] | None = None,
     ) -> Any:
-        """``payloads[i]`` to server ``i``, all in flight at once (requests that block until
-        this process acts: ``while_waiting()`` runs meanwhile; its result is returned); every
-        request has been answered when this returns or raises. ``wait_in_thread``: instead,
-        ``while_waiting`` runs on a thread of its own and a failed request is raised as soon
-        as it fails (a rendezvous that a refusing server never joins is left to its own
-        timeout, on a daemon thread; a group it still makes is left at once)."""
-        requests = [_on_daemon_thread(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
-        if wait_in_thread:
-            return _unless_refused(requests, _on_daemon_thread(while_waiting))
-        try:
-            result = while_waiting()
-        finally:
+        """``payloads[i]`` to server ``i``, all in flight at once; without ``while_waiting``
+        every request has been answered when this returns or raises. Requests that block until
+        this process acts (a rendezvous, a broadcast) run ``while_waiting()`` meanwhile, on a
+        thread of its own (the caller's CUDA stream), whose result is returned once it and
+        every request succeeded. A failed request is raised as soon as it fails, never after
+        waiting in a rendezvous or collective that a refusing server will not enter:
+        ``abandon`` is then handed ``while_waiting``'s future (running or done)."""
+        requests = [on_daemon_thread(self._post_one, url, path, payload) for url, payload in zip(self.urls, payloads)]
+        if while_waiting is None:
             concurrent.futures.wait(requests)
-        for f in requests:
-            f.result()
-        return result
+            for f in requests:
+                f.result()
+            return None
+        return unless_refused(requests, on_daemon_thread(while_waiting), abandon)
 
     def _post_one(self, url: str, path: str, payload: dict) -> dict:
-        with httpx.Client(timeout=self.timeout) as client:
-            response = client.post(url + path, json=payload)
+        try:
+            with httpx.Client(timeout=self.timeout) as client:
+                response = client.post(url + path, json=payload)
+        except httpx.TransportError as e:
+            raise RolloutError(f"{url}{path}: {type(e).__name__}: {e}") from None
         try:
             body = response.json()
         except ValueError:
@@ -550,24 +577,32 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         return [url for url, info in zip(self.urls, infos) if not info.get("enable_return_routed_experts", False)]
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
-        """Block until every server answers ``/health_generate``; a clear error after ``timeout_s``."""
+        """Block until every server answers ``/health_generate``; a clear error after
+        ``timeout_s``. A server that does not answer at once is named in one warning (an
+        attached URL nobody listens on would otherwise wait in silence)."""
         import time
 
         deadline = time.monotonic() + timeout_s
         pending = list(self.urls)
-        last = ""
+        last, warned = "", False
         with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
             while pending:
                 for url in list(pending):
                     try:
-                        if client.get(url + "/health_generate").status_code == 200:
+                        status = client.get(url + "/health_generate").status_code
+                        if status == 200:
                             pending.remove(url)
+                        else:
+                            last = f"HTTP {status}"
                     except httpx.TransportError as e:
                         last = f"{type(e).__name__}: {e}"
                 if pending and time.monotonic() > deadline:
                     raise RolloutError(
                         f"SGLang server(s) {pending} not healthy after {timeout_s:.0f}s ({last or 'no answer'})"
                     )
+                if pending and not warned:
+                    log.warning("waiting up to %.0fs for SGLang server(s) %s (%s)", timeout_s, pending, last)
+                    warned = True
                 if pending:
                     time.sleep(poll_s)
 
@@ -606,40 +641,3 @@ def weight_group_offsets(server_ranks: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(next_rank)
         next_rank += n
     return offsets, next_rank
-
-
-def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """``fn(*args)`` on a daemon thread (unlike a thread pool's, it never holds up the
-    interpreter's exit: a request or rendezvous left blocked ends with the process)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
-
-
-def _unless_refused(requests: list[concurrent.futures.Future], join: concurrent.futures.Future) -> Any:
-    """``join``'s result once it and every request succeeded; a failed request is raised as
-    soon as it fails (a group ``join`` still makes is then left)."""
-    concurrent.futures.wait([join, *requests], return_when=concurrent.futures.FIRST_EXCEPTION)
-    failed = [f for f in requests if f.done() and f.exception() is not None]
-    if failed:
-        join.add_done_callback(_leave_group_if_made)
-        failed[0].result()
-    result = join.result()
-    for f in requests:
-        f.result()
-    return result
-
-
-def _leave_group_if_made(join: concurrent.futures.Future) -> None:
-    """Leave the weight-update group a finished ``join`` made (one no server will use)."""
-    if join.exception() is None:
-        from parallel.weight_update_group import leave_weight_update_group
-
-        leave_weight_update_group(join.result())

@@ -28,7 +28,7 @@ from moe_rl.rollout.contracts import (
     TensorWeightReceiver,
     require_capability,
 )
-from moe_rl.rollout.types import RolloutEngine
+from moe_rl.rollout.types import RolloutEngine, RolloutError
 
 if TYPE_CHECKING:
     from moe_rl.models.weight_buckets import Bucket
@@ -168,8 +168,12 @@ class DistributedSync(WeightSync):
                 flattened=self.link.flattened,
             )
 
-        with self.engine.weight_update(version):
-            plan = weights.stream(self.bucket_bytes, self.dtype, announce_and_send, per_stage=self.per_stage)
+        try:
+            with self.engine.weight_update(version):
+                plan = weights.stream(self.bucket_bytes, self.dtype, announce_and_send, per_stage=self.per_stage)
+        except BaseException:
+            self._abandon_link()
+            raise
         log.info(
             "weights %s sent to %d server(s) in %d %s bucket(s) from %d sender(s) in %.2fs",
             version,
@@ -179,6 +183,16 @@ class DistributedSync(WeightSync):
             len(self.link.group_names),
             time.perf_counter() - start,
         )
+
+    def _abandon_link(self) -> None:
+        """After a failed push: this rank's group is aborted (its broadcast may still wait
+        for a server that refused the bucket) and the link forgotten, the servers' groups
+        left to them (one may be waiting in it; a new link takes new names)."""
+        from parallel.weight_update_group import abort_weight_update_group
+
+        if self.link is not None:
+            abort_weight_update_group(self.link.group)
+            self.link = None
 
     def _send(self, bucket: Bucket, flat: Tensor | None) -> None:
         """Broadcast a bucket this rank packed (nothing for one another rank sends), and wait
@@ -205,6 +219,10 @@ class DistributedSync(WeightSync):
         )
         setup = None
         if self.engine is not None:
+            if self.backend == "nccl":
+                check_nccl_versions(
+                    trainer_nccl_version(), dict(zip(self.engine.urls, self.engine.server_nccl_versions()))
+                )
             flattened = self.engine.supports_flattened_buckets() if self.flattened is None else self.flattened
             # a name of its own: servers keep a group by name, and one that an earlier trainer
             # left (a restarted or resumed run against long-lived servers) refuses the name
@@ -331,6 +349,37 @@ class TensorSync(WeightSync):
             "flattened" if self.flattened else "per-tensor",
             time.perf_counter() - start,
         )
+
+
+def trainer_nccl_version() -> str | None:
+    """The NCCL this process's torch runs (``"2.27.7"``), ``None`` without one (no CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return ".".join(str(part) for part in torch.cuda.nccl.version() if part != "")
+    except (AttributeError, RuntimeError):  # a torch built without NCCL
+        return None
+
+
+def check_nccl_versions(trainer: str | None, servers: dict[str, str | None]) -> None:
+    """A weight-update group over NCCL needs one NCCL version on every rank (NCCL refuses a
+    peer of another: "Mismatched NCCL version detected"): a :class:`RolloutError` naming
+    both and the fix where a server's differs; a warning for those whose version is unknown."""
+    unknown = [url for url, version in servers.items() if version is None]
+    if unknown:
+        log.warning(
+            "cannot check the NCCL version of SGLang server(s) %s (SGLang does not report it; moe-rl asks the servers "
+            "it starts): they must run NCCL %s, the trainer's, or the first weight update fails",
+            unknown,
+            trainer or "(unknown)",
+        )
+    for url, version in servers.items():
+        if version is not None and version != trainer:
+            raise RolloutError(
+                f"the trainer runs NCCL {trainer or '(none)'} and the SGLang server {url} NCCL {version or '(none)'}: a "
+                "weight-update group needs one NCCL on both sides (install both on one torch: bash tools/setup.sh "
+                "--sglang, README 'Weight sync'), or use rollout.weight_sync=disk"
+            )
 
 
 def flattened_bucket(bucket: Bucket, flat: Tensor) -> dict:
