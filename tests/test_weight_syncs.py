@@ -139,3 +139,36 @@ def test_an_attached_url_nobody_listens_on_is_reported_at_once(caplog) -> None:
     (warning,) = [r for r in caplog.records if "waiting up to 2s for SGLang server(s)" in r.getMessage()]
     assert url in warning.getMessage() and "ConnectError" in warning.getMessage()
     assert warning.created - start < 1.5, "reported at the first refusal, not at the bound"
+
+
+@pytest.mark.e2e
+def test_a_run_whose_server_refuses_a_bucket_stops_with_its_message(demo_cache, stand_in_sglang, tmp_path) -> None:
+    """``moe-rl train`` against a server that refuses the first bucket of its first sync:
+    exit 3, one line naming the server and its message, the group timeout never waited."""
+    from conftest import WARM_START, demo_weights_on, moe_rl
+
+    url = demo_weights_on(stand_in_sglang, demo_cache)
+    before = httpx.get(url + "/_test/stats", timeout=10).json()["weight_groups"]
+    faults(stand_in_sglang, refuse_buckets=1)
+    try:
+        out = moe_rl(
+            "train",
+            *WARM_START,
+            f"warm_start.cache_dir={demo_cache}",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.progress=false",
+            "rollout.engine=sglang",
+            f"rollout.sglang_urls=[{url}]",
+            timeout=300,
+        )
+    finally:
+        faults(stand_in_sglang)
+        for name in set(httpx.get(url + "/_test/stats", timeout=10).json()["weight_groups"]) - set(before):
+            httpx.post(url + "/destroy_weights_update_group", json={"group_name": name}, timeout=10)
+    assert out.returncode == 3, out.stderr[-3000:]
+    stopped = [line for line in out.stderr.splitlines() if line.startswith("moe-rl: ")]
+    assert stopped == [
+        f"moe-rl: stopped: {url}/update_weights_from_distributed failed (HTTP 400): "
+        "injected refusal of load_format=flattened_bucket"
+    ], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
