@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
-# One command on a single-GPU machine that has torch (and maybe transformers) but no
-# network: install what is missing from ./wheels, then run tools/gpu_check.py, which
-# writes gpu_check.json (about 5-8 minutes on one H200; see its docstring for the stages).
+# One command on a GPU machine with no network (the lent H200): install what it lacks from
+# wheels/ (carried with the tree), then run tools/gpu_check.py's stages; gpu_check.json and
+# gpu_check.log go to $OUT when it is set (the folder the device tool brings back), else to
+# runs/gpu_check/. Within 8 minutes on one H200 (--quick: 4).
 #
-#   bash tools/gpu_check.sh [--only env,matmul,parity,train,colocated,big_moe,logprob_memory,kernels,fusions]
+#   bash tools/gpu_check.sh [--quick | --smoke] [--only STAGE,...] [--in-process]
+#   bash tools/gpu_check.sh --dry-run [--packages LIST]   # what it would install; nothing runs
 #
-# ./wheels (git-ignored) is filled on a machine with network by `bash tools/gpu_wheels.sh`
-# (for the GPU machine's Python, 3.12 on the lent H200s): every wheel moe-rl needs except
-# torch's own family (torch, triton, nvidia-*), which the GPU machine already has. Each
-# wheel is installed with --no-deps when its package is missing or at another version (a
-# preinstalled older transformers is upgraded); a missing dependency shows as a failed
-# import in gpu_check.json's "env" stage instead of a download attempt.
+# --smoke: tiny sizes, any machine (CPU: the CUDA-only checks say SKIPPED). --dry-run plans
+# against LIST (e.g. tools/gpu_check_h200_packages.txt), else against this python's packages.
+# wheels/ and tools/gpu_check_wheels.json come from `bash tools/gpu_wheels.sh`; only the locked
+# packages this python lacks are installed (pip --no-deps, into a folder of their own put on
+# PYTHONPATH): nothing preinstalled is replaced.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [[ -d wheels ]] && compgen -G "wheels/*.whl" >/dev/null; then
-  for wheel in wheels/*.whl; do
-    file=$(basename "$wheel")
-    name=$(echo "$file" | cut -d- -f1 | tr '_' '-')
-    version=$(echo "$file" | cut -d- -f2)
-    installed=$("$PYTHON" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
-    if [[ "$installed" != "$version" ]]; then
-      "$PYTHON" -m pip install -q --no-index --no-deps "$wheel" || echo "[gpu_check] could not install $wheel"
-    fi
-  done
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+mode=full dry=0 packages=() pass=()
+while (($#)); do
+  case "$1" in
+    --quick) mode=quick ;;
+    --smoke) mode=smoke ;;
+    --dry-run) dry=1 ;;
+    --packages) packages=(--packages "$2"); shift ;;
+    *) pass+=("$1") ;;
+  esac
+  shift
+done
+if ((dry)); then
+  exec "$PYTHON" tools/gpu_check_install.py plan "${packages[@]}" --wheels wheels
 fi
-PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" tools/gpu_check.py --out gpu_check.json "$@"
+out=${OUT:-runs/gpu_check}
+mkdir -p "$out"
+log="$out/gpu_check.log"
+site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
+{
+  echo "[gpu_check] $(date '+%F %T') mode=$mode python=$PYTHON out=$out"
+  timeout 30 "$PYTHON" tools/gpu_check_install.py install --wheels wheels --target "$site" --report "$out/install.json"
+  echo "[gpu_check] install step exit $?"
+} 2>&1 | tee "$log"
+export PYTHONPATH=".:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PYTHON" tools/gpu_check.py --mode "$mode" --out-dir "$out" --install-report "$out/install.json" "${pass[@]}" 2>&1 | tee -a "$log"
+exit "${PIPESTATUS[0]}"

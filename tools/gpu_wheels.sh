@@ -1,28 +1,15 @@
 #!/usr/bin/env bash
-# On a machine with network: fill ./wheels for tools/gpu_check.sh on a GPU machine that
-# has torch (and its CUDA libraries) but no network. Resolves what moe-rl needs for the
-# GPU machine's Python, then downloads every wheel except torch's own family (torch,
-# triton, nvidia-*, and torch's pure-Python deps sympy/mpmath/networkx), each --no-deps,
-# so no multi-GB CUDA wheel is fetched.
+# Where the package registry answers: fill ./wheels (git-ignored) with what tools/gpu_check.sh
+# installs on the lent GPU machine (no network there), and pin it in tools/gpu_check_wheels.json.
 #
-#   bash tools/gpu_wheels.sh [PYTHON_VERSION]      # default 3.12 (the lent H200s)
+#   bash tools/gpu_wheels.sh [MACHINE_PACKAGE_LIST]    # default: tools/gpu_check_h200_packages.txt
+#
+# Only what that machine lacks: moe-rl's dependencies (pyproject.toml) not on the list, less those
+# the check never imports (deepspeed, datasets: tools/gpu_check_install.py LEFT_OUT), and what they
+# need that the list lacks; wheels for Python 3.12 on linux x86_64, each pinned to this python's
+# version where it fits (what the tests ran), fetched --no-deps. Prints the wheels' size and what
+# travels with the working tree; exits 1 over 40 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYVER=${1:-3.12}
-PIP=${PIP:-python3 -m pip}
-PLATFORMS=(--only-binary=:all: --python-version "$PYVER" --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any)
-PACKAGES=("megatron-core==0.16.1" "transformers>=4.56" safetensors tensorboard "math-verify>=0.8" httpx pyyaml tqdm matplotlib)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-$PIP install --dry-run --ignore-installed --quiet --report "$work/report.json" --target "$work/target" "${PLATFORMS[@]}" "${PACKAGES[@]}"
-python3 - "$work/report.json" >"$work/wheels.txt" <<'PY'
-import json, sys
-skip = ("torch", "triton", "nvidia-", "sympy", "mpmath", "networkx")
-for item in json.load(open(sys.argv[1]))["install"]:
-    name, version = item["metadata"]["name"], item["metadata"]["version"]
-    if not name.lower().replace("_", "-").startswith(skip):
-        print(f"{name}=={version}")
-PY
-mkdir -p wheels
-$PIP download --no-deps --dest wheels "${PLATFORMS[@]}" -r "$work/wheels.txt"
-echo "[gpu_wheels] $(wc -l <"$work/wheels.txt") wheels in ./wheels (torch's family left to the GPU machine)"
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+exec "$PYTHON" tools/gpu_check_install.py lock --packages "${1:-tools/gpu_check_h200_packages.txt}" --wheels wheels

@@ -1,0 +1,153 @@
+"""What every ``tools/gpu_check.py`` stage shares: its checks (each a value against a stated
+threshold, ok / FAILED / SKIPPED), the device, timing and memory helpers, and the run modes."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OK, FAILED, SKIPPED = "ok", "FAILED", "SKIPPED"
+OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
+MODES = ("smoke", "quick", "full")
+# the built-in model's warm-start cache, shared by the stages that train it (keyed by its config)
+CACHE = Path(tempfile.gettempdir()) / "gpu_check_cache"  # smoke: tiny sizes, any machine (the numbers mean nothing)
+
+
+@dataclass
+class Checks:
+    """One stage's assertions, in the order made."""
+
+    items: list[dict] = field(default_factory=list)
+
+    def check(self, name: str, value, op: str, threshold, note: str = "") -> bool:
+        """``value op threshold`` holds (a NaN never does); recorded with both numbers."""
+        passed = _finite(value) and bool(OPS[op](value, threshold))
+        self.items.append(
+            {
+                "name": name,
+                "verdict": OK if passed else FAILED,
+                "value": _plain(value),
+                "op": op,
+                "threshold": _plain(threshold),
+            }
+            | ({"note": note} if note else {})
+        )
+        return passed
+
+    def skip(self, name: str, why: str) -> None:
+        self.items.append({"name": name, "verdict": SKIPPED, "why": why})
+
+    def fail(self, name: str, why: str) -> None:
+        self.items.append({"name": name, "verdict": FAILED, "why": why})
+
+    def verdict(self) -> str:
+        """FAILED if any check failed (or none was made), SKIPPED if every one was skipped."""
+        verdicts = {item["verdict"] for item in self.items}
+        if FAILED in verdicts or not verdicts:
+            return FAILED
+        return SKIPPED if verdicts == {SKIPPED} else OK
+
+
+def _finite(value) -> bool:
+    return not (isinstance(value, float) and math.isnan(value))
+
+
+def _plain(value):
+    return round(value, 8) if isinstance(value, float) and math.isfinite(value) else value
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device():
+    import torch
+
+    return torch.device("cuda") if cuda() else torch.device("cpu")
+
+
+def sync() -> None:
+    import torch
+
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def peak_mb(reset: bool = False) -> float:
+    import torch
+
+    if not cuda():
+        return 0.0
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def timed(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Seconds per call of ``fn`` over ``reps`` calls after ``warmup`` ones (device synced)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps
+
+
+def rel_err(got, want) -> float:
+    """``max |got - want| / max |want|`` in fp64 (0 where both are all zero)."""
+    got, want = got.double(), want.double()
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    diff = float((got - want).abs().max()) if want.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def cli_env() -> dict:
+    return {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+
+
+def moe_rl(*args: str, log: Path, timeout: float) -> int:
+    """``moe-rl ARGS`` in a process of its own, its output to ``log`` (a file, not a pipe: the
+    tensor sync's shared-memory manager may outlive the command); its exit code."""
+    with open(log, "w") as out:
+        command = [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args]
+        return subprocess.run(command, stdout=out, stderr=out, timeout=timeout, env=cli_env(), cwd=ROOT).returncode
+
+
+def tail(path: Path, chars: int = 1200) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def one_rank(hf_config):
+    """A world of one (gloo + the CPU bridge on CPU, NCCL on CUDA) for ``hf_config``; a context
+    manager that tears megatron's groups down after."""
+    import contextlib
+
+    from moe_rl.models.architectures import model_dims
+    from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.layout import ParallelLayout
+
+    @contextlib.contextmanager
+    def world():
+        init_distributed(ParallelLayout(), model_dims(hf_config), seed=0)
+        try:
+            yield ParallelLayout()
+        finally:
+            destroy_distributed()
+
+    return world()
