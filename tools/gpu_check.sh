@@ -38,6 +38,6 @@ site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
   timeout 30 "$PYTHON" tools/gpu_check_install.py install --wheels wheels --target "$site" --report "$out/install.json"
   echo "[gpu_check] install step exit $?"
 } 2>&1 | tee "$log"
-export PYTHONPATH=".:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PYTHON" tools/gpu_check.py --mode "$mode" --out-dir "$out" --install-report "$out/install.json" "${pass[@]}" 2>&1 | tee -a "$log"
 exit "${PIPESTATUS[0]}"

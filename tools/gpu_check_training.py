@@ -291,7 +291,8 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
 
 def stage_perf(mode: str, checks: Checks, work: Path) -> dict:
     """The bf16 matmul rate (H100/H200: at least 500 TFLOP/s of their ~790), and one optimizer
-    step of a ~0.6B-parameter MoE (8 layers x 64 experts, top-8): finite, at least 5% MFU of it."""
+    step of a ~0.7B-parameter MoE (8 layers x 64 experts, top-8): finite, at least 2% MFU of it (a
+    floor against host syncs and fallbacks, not a target)."""
     import torch
 
     n = 256 if mode == "smoke" else 8192
@@ -304,7 +305,7 @@ def stage_perf(mode: str, checks: Checks, work: Path) -> dict:
         checks.skip("bf16 matmul TFLOP/s", f"no reference rate for {name}")
     figures = {"gpu": name, "matmul_tflops": tflops, "big_moe": _big_moe(mode, checks)}
     if cuda():
-        checks.check("big MoE step MFU vs the measured matmul rate", figures["big_moe"]["tflops"] / tflops, ">=", 0.05)
+        checks.check("big MoE step MFU vs the measured matmul rate", figures["big_moe"]["tflops"] / tflops, ">=", 0.02)
     else:
         checks.skip("big MoE step MFU vs the measured matmul rate", "rates mean nothing off a GPU")
     return figures
