@@ -40,7 +40,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_common import FAILED, MODES, ROOT, SKIPPED, Checks  # noqa: E402
+import gpu_check_common  # noqa: E402
+from gpu_check_common import FAILED, MODES, ROOT, SKIPPED, Checks, check_line  # noqa: E402
 
 # stage: (its module, limit in full mode, in quick mode or None when quick leaves it out), in run order
 STAGES = {
@@ -121,13 +122,14 @@ def stage_env(mode: str, checks: Checks, work: Path, install_report: Path | None
     return figures
 
 
-def run_stage(name: str, mode: str, install_report: Path | None = None) -> dict:
+def run_stage(name: str, mode: str, install_report: Path | None = None, limit: float | None = None) -> dict:
     """One stage in this process: its verdict, checks and figures (an exception is a FAILED check)."""
     import importlib
 
     checks = Checks()
     module = importlib.import_module(STAGES[name][0])
     start = time.perf_counter()
+    gpu_check_common.DEADLINE[:] = [] if limit is None else [time.monotonic() + limit]
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_{name}_") as work:
         try:
             extra = {"install_report": install_report} if name == "env" else {}
@@ -135,28 +137,28 @@ def run_stage(name: str, mode: str, install_report: Path | None = None) -> dict:
         except Exception as e:  # noqa: BLE001 (the stage's result says what broke)
             checks.fail("stage raised", f"{type(e).__name__}: {e}")
             figures = {"traceback": traceback.format_exc()[-3000:]}
-    return {
-        "verdict": checks.verdict(),
-        "seconds": round(time.perf_counter() - start, 1),
-        "checks": checks.items,
-        "figures": figures,
-    }
+    seconds = round(time.perf_counter() - start, 1)
+    return {"verdict": checks.verdict(), "seconds": seconds, "checks": checks.items, "figures": figures}
 
 
 def run_child(name: str, mode: str, limit: float, install_report: Path | None) -> dict:
-    """``name`` in a process (and session) of its own, killed with its children at ``limit``."""
+    """``name`` in a process (and session) of its own, killed with whatever it started at
+    ``limit`` (and at its end: nothing of it outlives the stage). Its output goes to a file,
+    printed here after it (no pipe a leftover process could hold open)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = Path(f.name)
     command = [sys.executable, "-W", "ignore", __file__, "--stage", name, "--mode", mode, "--result", str(result_path)]
-    command += ["--install-report", str(install_report)] if install_report else []
+    command += ["--limit", str(limit)] + (["--install-report", str(install_report)] if install_report else [])
     start = time.perf_counter()
-    child = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
-    try:
-        code = child.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        code = None
+    with tempfile.TemporaryFile("w+") as output:
+        child = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=output, stderr=output)
+        try:
+            code = child.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+        _kill_group(child)
+        output.seek(0)
+        print(output.read()[-20000:], end="", flush=True)
     try:
         result = json.loads(result_path.read_text()) if code == 0 else None
     except (OSError, json.JSONDecodeError):
@@ -165,26 +167,23 @@ def run_child(name: str, mode: str, limit: float, install_report: Path | None) -
         result_path.unlink(missing_ok=True)
     if result is None:
         why = f"over its {limit:.0f} s limit" if code is None else f"the stage's process exited {code}"
-        result = {
-            "verdict": FAILED,
-            "checks": [{"name": "stage finished", "verdict": FAILED, "why": why}],
-            "figures": {},
-        }
+        result = {"verdict": FAILED, "checks": [{"name": "stage finished", "verdict": FAILED, "why": why}]}
+        print(check_line(result["checks"][0]), flush=True)
     return result | {"seconds": round(time.perf_counter() - start, 1)}
 
 
-def report_lines(name: str, result: dict) -> list[str]:
-    lines = [f"[gpu_check] {name}: {result['verdict']} in {result['seconds']} s (limit {result.get('limit_s')})"]
-    for c in result["checks"]:
-        said = f"{c['value']} {c['op']} {c['threshold']}" if "op" in c else c.get("why", "")
-        lines.append(f"    {c['verdict']:7s} {c['name']}: {said}")
-    return lines
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
 
 
 def run_all(args: argparse.Namespace) -> dict:
     budget = BUDGET_S[args.mode]
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": args.mode, "budget_s": budget}
-    results |= {"verdicts": {}, "stages": {}}
+    results |= {"verdicts": {}, "stages": {}, "ok": True}
     out = args.out_dir / "gpu_check.json"
     start = time.perf_counter()
     for name in stages_of(args.mode, args.only):
@@ -197,12 +196,14 @@ def run_all(args: argparse.Namespace) -> dict:
                 "checks": [{"name": name, "verdict": SKIPPED, "why": "no time left"}],
             }
         elif args.in_process:
+            print(f"[gpu_check] {name} (in this process)", flush=True)
             result = run_stage(name, args.mode, args.install_report)
         else:
+            print(f"[gpu_check] {name} (limit {limit:.0f} s)", flush=True)
             result = run_child(name, args.mode, limit, args.install_report)
         result["limit_s"] = round(limit)
         results["stages"][name], results["verdicts"][name] = result, result["verdict"]
-        print("\n".join(report_lines(name, result)), flush=True)
+        print(f"[gpu_check] {name}: {result['verdict']} in {result['seconds']} s (limit {round(limit)})", flush=True)
         results["ok"] = FAILED not in results["verdicts"].values()
         out.write_text(json.dumps(results, indent=1, default=str))  # after every stage: nothing lost on a kill
     results["seconds"] = round(time.perf_counter() - start, 1)
@@ -220,9 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true", help="every stage in this process, no time limits")
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage:
-        args.result.write_text(json.dumps(run_stage(args.stage, args.mode, args.install_report), default=str))
+        args.result.write_text(
+            json.dumps(run_stage(args.stage, args.mode, args.install_report, args.limit), default=str)
+        )
         return 0
     unknown = set(args.only or []) - set(STAGES)
     if unknown:

@@ -26,27 +26,25 @@ class Checks:
     """One stage's assertions, in the order made."""
 
     items: list[dict] = field(default_factory=list)
+    echo: bool = True  # print each check as it is made (a stage killed at its limit still shows how far it got)
 
     def check(self, name: str, value, op: str, threshold, note: str = "") -> bool:
         """``value op threshold`` holds (a NaN never does); recorded with both numbers."""
         passed = _finite(value) and bool(OPS[op](value, threshold))
-        self.items.append(
-            {
-                "name": name,
-                "verdict": OK if passed else FAILED,
-                "value": _plain(value),
-                "op": op,
-                "threshold": _plain(threshold),
-            }
-            | ({"note": note} if note else {})
-        )
+        item = {"name": name, "verdict": OK if passed else FAILED, "value": _plain(value), "op": op}
+        self._add(item | {"threshold": _plain(threshold)} | ({"note": note} if note else {}))
         return passed
 
     def skip(self, name: str, why: str) -> None:
-        self.items.append({"name": name, "verdict": SKIPPED, "why": why})
+        self._add({"name": name, "verdict": SKIPPED, "why": why})
 
     def fail(self, name: str, why: str) -> None:
-        self.items.append({"name": name, "verdict": FAILED, "why": why})
+        self._add({"name": name, "verdict": FAILED, "why": why})
+
+    def _add(self, item: dict) -> None:
+        self.items.append(item)
+        if self.echo:
+            print(check_line(item), flush=True)
 
     def verdict(self) -> str:
         """FAILED if any check failed (or none was made), SKIPPED if every one was skipped."""
@@ -54,6 +52,11 @@ class Checks:
         if FAILED in verdicts or not verdicts:
             return FAILED
         return SKIPPED if verdicts == {SKIPPED} else OK
+
+
+def check_line(item: dict) -> str:
+    said = f"{item['value']} {item['op']} {item['threshold']}" if "op" in item else item.get("why", "")
+    return f"    {item['verdict']:7s} {item['name']}: {said}"
 
 
 def _finite(value) -> bool:
@@ -121,12 +124,27 @@ def cli_env() -> dict:
     }
 
 
+# when the running stage's time is up (``time.monotonic()``; set by gpu_check.py's stage process)
+DEADLINE: list[float] = []
+
+
 def moe_rl(*args: str, log: Path, timeout: float) -> int:
     """``moe-rl ARGS`` in a process of its own, its output to ``log`` (a file, not a pipe: the
-    tensor sync's shared-memory manager may outlive the command); its exit code."""
+    tensor sync's shared-memory manager may outlive the command); its exit code. Stopped 5 s
+    before the stage's own limit (the end of its log printed), so that the stage says why."""
+    if DEADLINE:
+        timeout = min(timeout, DEADLINE[0] - time.monotonic() - 5)
+    print(f"    moe-rl {args[0]} (at most {timeout:.0f} s; log {log.name})", flush=True)
     with open(log, "w") as out:
         command = [sys.executable, "-W", "ignore", "-m", "moe_rl.cli", *args]
-        return subprocess.run(command, stdout=out, stderr=out, timeout=timeout, env=cli_env(), cwd=ROOT).returncode
+        try:
+            code = subprocess.run(command, stdout=out, stderr=out, timeout=max(timeout, 1), env=cli_env(), cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            print(f"    moe-rl {args[0]} ran out of time; its log ends:\n{tail(log, 3000)}", flush=True)
+            raise
+    if code.returncode != 0:
+        print(f"    moe-rl {args[0]} exited {code.returncode}; its log ends:\n{tail(log, 3000)}", flush=True)
+    return code.returncode
 
 
 def tail(path: Path, chars: int = 1200) -> str:
