@@ -44,11 +44,11 @@ def grouped_mm_check(mode: str, checks: Checks) -> dict:
     layer = StackedLinear(len(counts), out_features, hidden, config, partition_dim=1)
     torch.nn.init.normal_(layer.weight, std=hidden**-0.5)
     figures = {"counts": counts, "hidden": hidden, "out": out_features, "chosen_by_default": layer.grouped}
-    if dev.type == "cuda" and torch.cuda.get_device_capability() >= (9, 0):
-        checks.check("StackedLinear picks grouped_mm by itself (bf16, SM90+)", layer.grouped, "==", True)
-    if not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm"):  # (the experts then take their per-expert loop)
         checks.skip("grouped_mm", f"torch {torch.__version__} has no torch.nn.functional.grouped_mm")
         return figures
+    if dev.type == "cuda" and torch.cuda.get_device_capability() >= (9, 0):
+        checks.check("StackedLinear picks grouped_mm by itself (bf16, SM90+)", layer.grouped, "==", True)
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(sum(counts), hidden, generator=gen).to(dev, dtype)
     upstream = torch.randn(sum(counts), out_features, generator=gen).to(dev)
@@ -151,9 +151,11 @@ def recomputed_attention_check(mode: str, checks: Checks, work: Path) -> dict:
     rerun, expected = len(recompute) - len(plain), hf_config.num_hidden_layers * len(batches)
     checks.check("attention calls the recompute re-ran (layers x micro-batches)", rerun, "==", expected)
     (lp_a, g_a, _), (lp_b, g_b, _) = calls["plain"][0], calls["recompute"][0]
-    checks.check("recompute log-probs vs plain (abs)", float((lp_a - lp_b).abs().max()), "<=", 1e-6)
+    # equal but for the order of the MoE combine's atomic adds on CUDA (a bf16 rounding apart)
+    fp32 = dtype == torch.float32
+    checks.check("recompute log-probs vs plain (abs)", float((lp_a - lp_b).abs().max()), "<=", 1e-6 if fp32 else 2e-2)
     worst = max(rel_err(g_b[k], g_a[k]) for k in g_a)
-    checks.check("recompute grads vs plain (rel)", worst, "<=", 1e-5 if dtype == torch.float32 else BF16_REL)
+    checks.check("recompute grads vs plain (rel)", worst, "<=", 1e-5 if fp32 else BF16_REL)
     return {"dtype": str(dtype), "attention_calls": {"plain": len(plain), "recompute": len(recompute)}}
 
 
