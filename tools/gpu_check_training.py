@@ -189,7 +189,8 @@ def resume_differences(straight: dict[int, dict], resumed: dict[int, dict], step
 def stage_trainer(mode: str, checks: Checks, work: Path) -> dict:
     """``moe-rl train`` on this device (the built-in model): 3 steps saving at step 2, the step-2
     checkpoint resumed to step 3 (step 3 as the straight run's: rewards equal, loss and grad norm
-    within 1e-3 relative), and (full) 2 steps of R3 with activation recompute."""
+    within 1e-3 relative: both start step 3 from the same saved weights, and the built-in model's
+    top-2 combine adds exactly in any order), and (full) 2 steps of R3 with activation recompute."""
     cache, a, b = CACHE, work / "straight", work / "resumed"
     common = [*TINY_RUN, f"warm_start.cache_dir={cache}", "routing.replay=r2"]
     code = moe_rl(
