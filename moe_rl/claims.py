@@ -27,6 +27,8 @@ OFFPOLICY_KL = tags.train("offpolicy/kl_k3")
 # starts (the step-0 evaluation is the same model in every run)
 IS_WEIGHT_MAX = tags.train("offpolicy/is_weight_max")
 DROPPED = tags.train("offpolicy/dropped_token_frac")
+TRUNCATED = tags.train("offpolicy/truncated_frac")
+EXTREME = tags.train("offpolicy/extreme_token_frac")
 
 
 def tag(name: str) -> Series:
@@ -58,6 +60,17 @@ def second_half(series: Series) -> Series:
         return {st: values[st] for st in steps[len(steps) // 2 :]}
 
     return cut
+
+
+def peak(series: Series) -> Series:
+    """The figure's largest value over the run (one point, under step 0 so that runs pair):
+    spikes, not means."""
+
+    def top(s: Scalars) -> dict[int, float]:
+        values = series(s)
+        return {0: max(values.values())} if values else {}
+
+    return top
 
 
 HELD_OUT = after_start(tag(tags.eval_pass_at(1)))
@@ -260,6 +273,102 @@ CLAIMS = (
     ),
 )
 
+# In a simulated 30B-scale train-inference mismatch (configs/compare/scale_regime.yaml:
+# rollout.simulate_mismatch.router_flip_frac=0.1, ~10% of tokens routed differently per
+# layer, and ~10% expert change per update): the papers' claims about replay and corrections.
+_TVR = (tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED, "train-vs-rollout routing changed")
+SCALE_REGIME_CLAIMS = (
+    Claim(
+        "R3 removes the engine's routing disagreement and lowers the train-inference KL and extreme-ratio tokens",
+        "R3 paper (Qwen3-30B-A3B, SGLang vs Megatron): ~10% of router choices differ per layer; replaying them lowers "
+        "the training-inference KL and the share of tokens with extreme ratios",
+        (
+            Comparison(Side("grpo", tag(_TVR[0]), _TVR[0]), Side("grpo_r3", tag(_TVR[0]), _TVR[0])),
+            Comparison(Side("grpo", tag(OFFPOLICY_KL), OFFPOLICY_KL), Side("grpo_r3", tag(OFFPOLICY_KL), OFFPOLICY_KL)),
+            Comparison(Side("grpo", tag(EXTREME), EXTREME), Side("grpo_r3", tag(EXTREME), EXTREME)),
+        ),
+        caveat="KL(rollout || trainer) by k3 on the old pass; a token is extreme when its ratio is outside [1/2, 2]",
+    ),
+    Claim(
+        "R3 lowers the train-inference KL more than TIS does",
+        "R3 paper: replay removes the routing part of the mismatch; importance weights only reweigh its tokens",
+        (
+            Comparison(
+                Side("grpo_tis", tag(OFFPOLICY_KL), OFFPOLICY_KL), Side("grpo_r3", tag(OFFPOLICY_KL), OFFPOLICY_KL)
+            ),
+        ),
+    ),
+    Claim(
+        "TIS and IcePop act in this regime: TIS truncates tokens, IcePop zeroes tokens outside its band",
+        "TIS / IcePop (Ring-1T) papers: the correction caps the weights' variance at the cost of some tokens' signal",
+        (
+            Comparison(
+                Side("grpo_tis", tag(TRUNCATED), TRUNCATED),
+                Side("grpo", tag(TRUNCATED), f"{TRUNCATED} (no correction: 0)"),
+            ),
+            Comparison(
+                Side("grpo_icepop", tag(DROPPED), DROPPED), Side("grpo", tag(DROPPED), f"{DROPPED} (no correction: 0)")
+            ),
+        ),
+    ),
+    Claim(
+        "GRPO without replay learns less on held-out problems than GRPO+R3",
+        "R3 paper: GRPO without replay degrades or collapses on MoE models where GRPO+R3 keeps improving",
+        (Comparison(Side("grpo_r3", HELD_OUT, tags.eval_pass_at(1)), Side("grpo", HELD_OUT, tags.eval_pass_at(1))),),
+        caveat="held-out pass@1 of the evaluations after step 0",
+    ),
+    Claim(
+        "GRPO without replay is less stable than GRPO+R3 (larger gradient-norm peaks)",
+        "R3 paper: the mismatch shows as gradient-norm spikes before a collapse",
+        (
+            Comparison(
+                Side("grpo", peak(tag(tags.TRAIN_GRAD_NORM)), f"peak {tags.TRAIN_GRAD_NORM}"),
+                Side("grpo_r3", peak(tag(tags.TRAIN_GRAD_NORM)), f"peak {tags.TRAIN_GRAD_NORM}"),
+            ),
+        ),
+    ),
+    Claim(
+        "GSPO and GMPO without replay learn as well as GRPO+R3",
+        "GSPO and GMPO papers: sequence-level (geometric) ratios make routing replay unnecessary",
+        (
+            Comparison(
+                Side("gspo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo_r3", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+            Comparison(
+                Side("gmpo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo_r3", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+        ),
+        caveat='"as well as" is judged within 2 standard errors over the seeds: with 3 seeds a small loss can pass',
+    ),
+    Claim(
+        "R2 removes the routing change inside the update",
+        "GSPO paper: ~10% of activated experts change after each update (48-layer Qwen3-30B-A3B); R2 replays the old "
+        "policy's experts so the update keeps the routing that generated the ratios",
+        (
+            Comparison(
+                Side("grpo", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
+                Side("grpo_r2", tag(tags.ROUTING_REPLAYED_CHANGED), tags.ROUTING_REPLAYED_CHANGED),
+            ),
+        ),
+    ),
+    Claim(
+        "SAPO without replay learns as well as GRPO+R3",
+        "SAPO paper: a soft gate instead of a hard clip, stable on MoE models",
+        (
+            Comparison(
+                Side("sapo", HELD_OUT, tags.eval_pass_at(1)),
+                Side("grpo_r3", HELD_OUT, tags.eval_pass_at(1)),
+                at_least=True,
+            ),
+        ),
+    ),
+)
+CLAIM_SETS = {"papers": CLAIMS, "scale_regime": SCALE_REGIME_CLAIMS}  # a compare config's `claims:`
+
 
 def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | None:
     """The paired comparison over the seeds both runs have (several), or over the steps
@@ -304,17 +413,20 @@ class ClaimResult:
 
 
 def evaluate_claims(
-    runs: dict[str, Scalars], seeds: list[int] | None = None, compared: set[str] | None = None
+    runs: dict[str, Scalars],
+    seeds: list[int] | None = None,
+    compared: set[str] | None = None,
+    claims: tuple[Claim, ...] = CLAIMS,
 ) -> list[ClaimResult]:
-    """The comparisons of every claim whose runs are all among ``compared`` (the base run
-    names the comparison configured; default: those in ``runs``), on the runs' scalars
-    (:func:`moe_rl.report.read_scalars`; run names ``<base>_s<seed>`` with seeds). A run
-    that failed leaves its claims "cannot be checked"."""
+    """The comparisons of every claim (of ``claims``: one of ``CLAIM_SETS``) whose runs are
+    all among ``compared`` (the base run names the comparison configured; default: those in
+    ``runs``), on the runs' scalars (:func:`moe_rl.report.read_scalars`; run names
+    ``<base>_s<seed>`` with seeds). A run that failed leaves its claims "cannot be checked"."""
     data = group_by_run(runs, seeds)
     names = set(data) if compared is None else compared
     return [
         ClaimResult(claim, [compare(c, data) for c in claim.comparisons])
-        for claim in CLAIMS
+        for claim in claims
         if _runs_of(claim) <= names
     ]
 

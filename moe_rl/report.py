@@ -498,3 +498,60 @@ def write_report(
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+REGIME_TOLERANCE = 0.2  # the flip fraction reached counts as the setting's within ±20%
+
+
+def _run_mean(data: dict[str, dict[str, dict[int, float]]], name: str, where=lambda v: True) -> float | None:
+    """The mean over runs (and their steps) of tag ``name``, over the runs whose own mean
+    passes ``where``."""
+    means = [sum(s[name].values()) / len(s[name]) for s in data.values() if s.get(name)]
+    means = [m for m in means if where(m)]
+    return sum(means) / len(means) if means else None
+
+
+def regime_section(data: dict[str, dict[str, dict[int, float]]], seeds: list[int] | None = None) -> str:
+    """The simulated train-inference mismatch the runs met (``rollout.simulate_mismatch``):
+    per MoE layer the target flip fraction, what the engine measured against its unperturbed
+    self, and what the trainer measured against the engine (runs without R3); the tokens
+    flipped in any layer, the KL, and the update-side routing change. Empty without one."""
+    target = _run_mean(data, tags.SIMULATED_TARGET_FLIP_FRAC)
+    if target is None:
+        return ""
+    prefix = tags.simulated_mismatch("flip_frac", 0).rsplit("_", 1)[0] + "_"
+    layers = sorted({int(t[len(prefix) :]) for s in data.values() for t in s if t.startswith(prefix)})
+    unreplayed = lambda m: m > 0  # noqa: E731  (R3 runs replay the engine's routing: exactly 0)
+    lines = [
+        "## The simulated mismatch regime",
+        "",
+        "**A simulation**: the local engine's routers were perturbed on the inference side only "
+        f"(`rollout.simulate_mismatch.router_flip_frac={sig(target)}`), calibrated by the engine so that this share of "
+        "tokens gets another top-k set per MoE layer; the trainer's forward is the model's own. R3 paper (Qwen3-30B-A3B, "
+        "SGLang vs Megatron): ~10% of router choices differ per layer, ~94% of tokens in at least one of 48 layers.",
+        "",
+        "| MoE layer | target | engine vs unperturbed (all runs) | trainer vs engine (runs without R3) | within ±20% |",
+        "|---|---|---|---|---|",
+    ]
+    for l in layers:
+        engine = _run_mean(data, tags.simulated_mismatch("flip_frac", l))
+        trainer = _run_mean(data, tags.routing("changed_frac", "train_vs_rollout", l), unreplayed)
+        reached = trainer if trainer is not None else engine
+        ok = reached is not None and abs(reached - target) <= REGIME_TOLERANCE * target
+        lines.append(f"| {l} | {sig(target)} | {_sig(engine)} | {_sig(trainer)} | {'yes' if ok else 'no'} |")
+    any_engine = _run_mean(data, tags.SIMULATED_ANY_LAYER_FLIPPED_FRAC)
+    any_trainer = _run_mean(data, tags.ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER, unreplayed)
+    kl_engine = _run_mean(data, tags.SIMULATED_KL_K3)
+    kl_trainer = _run_mean(data, tags.train("offpolicy/kl_k3"))
+    update = _run_mean(data, tags.ROUTING_REPLAYED_CHANGED, unreplayed)
+    expert_change = _run_mean(data, tags.ROUTING_EXPERT_CHANGE)
+    lines += [
+        "",
+        f"Tokens with a flip in at least one of the {len(layers)} MoE layers: {_sig(any_engine)} (engine), "
+        f"{_sig(any_trainer)} (trainer, runs without R3). KL(engine || unperturbed model), k3 per response token: "
+        f"{_sig(kl_engine)}; train-inference KL the trainer measured (`train/offpolicy/kl_k3`, all runs): {_sig(kl_trainer)}.",
+        f"Update side: {_sig(update)} of tokens changed their top-k set between the old pass and the update passes "
+        f"(`{tags.ROUTING_REPLAYED_CHANGED}`, runs without replay); {_sig(expert_change)} of activated experts changed "
+        f"per step (`{tags.ROUTING_EXPERT_CHANGE}`; GSPO paper: ~10% per update at 48 layers).",
+    ]
+    return "\n".join(lines)

@@ -20,6 +20,19 @@ DATA_KEPT_GROUP_FRAC = "data/kept_group_frac"  # dynamic sampling: groups with u
 DATA_SAMPLING_ROUNDS = "data/sampling_rounds"  # dynamic sampling: generation rounds this step
 
 
+def simulated_mismatch(metric: str, layer: int | None = None) -> str:
+    """``rollout/simulated_mismatch/<metric>[/layer_<l>]``: the local engine's simulated
+    train-inference mismatch (rollout.simulate_mismatch) as the engine measured it against
+    the unperturbed model: ``flip_frac`` (tokens whose top-k set differs; ``/mean`` over MoE
+    layers when ``layer`` is None), ``scale`` (its perturbation's relative norm)."""
+    return f"rollout/simulated_mismatch/{metric}/" + ("mean" if layer is None else f"layer_{layer}")
+
+
+SIMULATED_TARGET_FLIP_FRAC = "rollout/simulated_mismatch/target_flip_frac"
+SIMULATED_ANY_LAYER_FLIPPED_FRAC = "rollout/simulated_mismatch/any_layer_flipped_frac"
+SIMULATED_KL_K3 = "rollout/simulated_mismatch/kl_k3"  # KL(engine || unperturbed model), k3, per response token
+
+
 def multi_turn(name: str) -> str:
     """A multi-turn rollout scalar (``turns_mean``, ``tool_failures``, ...; rollout.generate_fn runs)."""
     return f"rollout/multi_turn/{name}"

@@ -457,6 +457,14 @@ FAMILY_RUNS = [
     for family in ("qwen2", "olmoe", "glm", "dsv3")
     for mode in ("r2", "r3")
 ]
+# the simulated mismatch (rollout.simulate_mismatch, 0.2 of tokens per layer): seen by the
+# trainer without replay, replayed exactly by R3 (softmax and sigmoid + bias routers)
+SIM_RUNS = [
+    "one-sim:1,1,1,1:none+sim:2",
+    "one-r3sim:1,1,1,1:r3+sim:2",
+    "dsv3-r3sim:1,1,1,1:r3+dsv3+sim:2",
+    "glm-r3sim:1,1,1,1:r3+glm+sim:2",
+]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer_layouts_worker.py), in this order
     # (+dyn: micro-batches packed under a budget of 24 tokens, smaller than the one-process reference's derived default)
     2: [
@@ -484,6 +492,7 @@ LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer
         "one-mt:1,1,1,1:mt",
         "one-r3l3:1,1,1,1:r3+l3",
         *FAMILY_RUNS,
+        *SIM_RUNS,
     ],
     4: [
         "tp2dp2-from-ep2:2,1,1,2:none:4",
@@ -614,6 +623,20 @@ def test_a_checkpoint_resumes_under_another_layout(layout_runs: Path, run: str) 
         assert got["reward/total"] == want["reward/total"] and got["advantage/std"] == want["advantage/std"], step
         assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-5), step
         assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-4), step
+
+
+@pytest.mark.parametrize("run", [r.split(":")[0] for r in SIM_RUNS])
+def test_simulated_mismatch_is_seen_by_the_trainer_and_replayed_exactly_by_r3(layout_runs: Path, run: str) -> None:
+    """The engine's perturbed routers: without replay the trainer finds about the target
+    share of its router choices differing from the engine's; R3 replays the engine's
+    choices, perturbed ones included, so none differ (Qwen3-MoE, DeepSeek-V3, GLM-4.5)."""
+    steps = rows(layout_runs / run)
+    assert sorted(steps) == [1, 2]
+    for row in steps.values():
+        assert row["rollout/simulated_mismatch/target_flip_frac"] == 0.2
+        assert 0.1 <= row["rollout/simulated_mismatch/flip_frac/mean"] <= 0.3
+        changed = row["routing/train_vs_rollout/changed_frac/mean"]
+        assert changed == 0.0 if "r3" in run else 0.05 <= changed <= 0.4, changed
 
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for r in FAMILY_RUNS])

@@ -71,21 +71,29 @@ def _default(f: dataclasses.Field) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _rows(prefix: str, cls: type) -> list[str]:
+    """A section's table rows; a nested section's keys under its own (``rollout.simulate_mismatch.*``)."""
+    comments = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        if dataclasses.is_dataclass(klass):
+            comments.update(field_comments(klass))
+    rows = []
+    for f in dataclasses.fields(cls):
+        nested = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(nested):
+            rows += _rows(f"{prefix}.{f.name}", type(nested))
+        else:
+            rows.append(f"| `{prefix}.{f.name}` | `{_default(f)}` | {comments.get(f.name, '').replace('|', '/')} |")
+    return rows
+
+
 def reference() -> str:
     """Markdown: one table per config section."""
     from moe_rl.config import Config
 
     parts = []
     for section in dataclasses.fields(Config):
-        cls = section.default_factory().__class__
-        comments = {}
-        for klass in reversed(cls.__mro__[:-1]):
-            if dataclasses.is_dataclass(klass):
-                comments.update(field_comments(klass))
-        rows = [
-            f"| `{section.name}.{f.name}` | `{_default(f)}` | {comments.get(f.name, '').replace('|', '/')} |"
-            for f in dataclasses.fields(cls)
-        ]
+        rows = _rows(section.name, section.default_factory().__class__)
         parts.append(f"**`{section.name}`**\n\n| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows))
     return "\n\n".join(parts) + "\n"
 

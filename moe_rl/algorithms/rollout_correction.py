@@ -212,7 +212,9 @@ MISMATCH_SUMS = (
     "truncated",
     "dropped_tokens",
     "dropped_seqs",
+    "extreme_tokens",
 )
+EXTREME_LOG_RATIO = math.log(2.0)  # a token ratio outside [1/2, 2] counts as extreme (R3 paper, Fig. 1)
 
 
 def mismatch_sums(
@@ -254,6 +256,7 @@ def mismatch_sums(
         "truncated": truncated.sum(),
         "dropped_tokens": (m - in_gradient).sum(),
         "dropped_seqs": (has_tokens * (in_gradient.sum(-1) == 0).to(torch.float64)).sum(),
+        "extreme_tokens": ((log_ratio.abs() > EXTREME_LOG_RATIO).to(torch.float64) * m).sum(),
         "weight_min": weights.masked_fill(~counted, math.inf).amin() if weights.numel() else m.new_tensor(math.inf),
         "weight_max": weights.masked_fill(~counted, -math.inf).amax() if weights.numel() else m.new_tensor(-math.inf),
     }
@@ -262,7 +265,8 @@ def mismatch_sums(
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     """The step's diagnostics from summed :func:`mismatch_sums` (over micro-batches and
     ranks): means per token / sequence, perplexities, the weights' effective sample size
-    ``(sum w)^2 / (n sum w^2)`` (1 = all equal) and the truncated / dropped fractions."""
+    ``(sum w)^2 / (n sum w^2)`` (1 = all equal), the truncated / dropped fractions, and the
+    share of tokens whose raw train/rollout ratio is outside [1/2, 2] (with or without a correction)."""
     tokens, seqs, kept = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0), max(sums["weighted_tokens"], 1.0)
     train_ppl, rollout_ppl = (
         math.exp(min(sums["train_nll"] / tokens, 50.0)),
@@ -283,4 +287,5 @@ def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
         "truncated_frac": sums["truncated"] / tokens,
         "dropped_token_frac": sums["dropped_tokens"] / tokens,
         "rejected_seq_frac": sums["dropped_seqs"] / seqs,
+        "extreme_token_frac": sums["extreme_tokens"] / tokens,
     }

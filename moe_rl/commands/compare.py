@@ -111,16 +111,17 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[compare] {name}: {status} in {time.monotonic() - t0:.0f}s", flush=True)
                 if proc.returncode != 0:
                     failed.append(name)
-    from moe_rl.claims import claims_lead, claims_section, evaluate_claims, summary_line
-    from moe_rl.report import read_scalars, write_report
+    from moe_rl.claims import CLAIM_SETS, claims_lead, claims_section, evaluate_claims, summary_line
+    from moe_rl.report import read_scalars, regime_section, write_report
 
     done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
-    claims = evaluate_claims(done, seeds=seeds, compared=set(spec.get("runs") or {}) if not only else set(only))
+    compared = set(spec.get("runs") or {}) if not only else set(only)
+    claims = evaluate_claims(done, seeds=seeds, compared=compared, claims=CLAIM_SETS[spec.get("claims", "papers")])
     report = write_report(
         out_dir,
         done,
         list(spec.get("fixed_steps", [])),
-        extra_sections=claims_section(claims, seeds),
+        extra_sections="\n\n".join(x for x in (regime_section(done, seeds), claims_section(claims, seeds)) if x),
         seeds=seeds,
         lead=claims_lead(claims),
     )
@@ -149,9 +150,13 @@ def _shape_problem(spec) -> str | None:
     """What is wrong with the compare config's shape, in one line (``None``: nothing)."""
     if not isinstance(spec, dict):
         return "must hold a mapping with base, runs, out_dir, parallel_runs, fixed_steps"
-    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs"}
+    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs", "claims"}
     if unknown:
-        return f"unknown key {sorted(unknown)[0]!r}; valid: base, runs, out_dir, parallel_runs, fixed_steps"
+        return f"unknown key {sorted(unknown)[0]!r}; valid: base, runs, out_dir, parallel_runs, fixed_steps, claims"
+    from moe_rl.claims import CLAIM_SETS
+
+    if spec.get("claims", "papers") not in CLAIM_SETS:
+        return f"claims={spec.get('claims')!r} must be one of {', '.join(CLAIM_SETS)}"
     if not isinstance(spec.get("base") or {}, dict):
         return "base must be a mapping (a `moe-rl train` config)"
     runs = spec.get("runs") or {}

@@ -124,7 +124,12 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         from moe_rl.rollout.local import LocalEngine
 
         precision = PRECISIONS[r.precision]
-        engine = LocalEngine(hf_dir, weight_precision=getattr(torch, precision) if precision else None)
+        engine = LocalEngine(
+            hf_dir,
+            weight_precision=getattr(torch, precision) if precision else None,
+            router_flip_frac=r.simulate_mismatch.router_flip_frac,
+            mismatch_seed=cfg.train.seed * 1_000_003 + r.simulate_mismatch.seed,
+        )
         closing.callback(engine.close)
         return engine
     from moe_rl.rollout.sglang import SGLangEngine

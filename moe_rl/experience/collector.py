@@ -171,6 +171,7 @@ class ExperienceCollector:
             tags.DATA_SKIPPED_LINES: float(len(self.task.skipped)),
         }
         scalars.update(multi_turn_scalars([s for rd in rounds for s in rd.samples]))
+        scalars.update(self.engine.rollout_scalars())
         if self.cfg.rollout.filter_zero_std_groups:
             scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
             scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))

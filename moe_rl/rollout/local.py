@@ -24,6 +24,7 @@ from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.contracts import InProcessWeightReceiver
+from moe_rl.rollout.mismatch import RouterPerturbation
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
 
@@ -32,7 +33,10 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
 
     ``weight_precision`` (e.g. ``torch.bfloat16``) rounds every weight it loads or
     receives to that dtype while computing in ``dtype``: an inference engine's lower
-    precision, without bf16 arithmetic (hundreds of times slower on CPUs)."""
+    precision, without bf16 arithmetic (hundreds of times slower on CPUs).
+    ``router_flip_frac`` > 0 simulates a larger train-inference mismatch: the engine's
+    routers perturbed so that this fraction of tokens per MoE layer gets another top-k set
+    (:mod:`moe_rl.rollout.mismatch`, seeded by ``mismatch_seed``)."""
 
     def __init__(
         self,
@@ -42,6 +46,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         weight_version: str = "0",
         dtype: torch.dtype = torch.float32,
         weight_precision: torch.dtype | None = None,
+        router_flip_frac: float = 0.0,
+        mismatch_seed: int = 0,
     ) -> None:
         if (model_path is None) == (model is None):
             raise ValueError("give LocalEngine exactly one of model_path or model")
@@ -49,12 +55,18 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         self.weight_precision = weight_precision
         self.model = model if model is not None else self._load(model_path)
         self.model.eval()
+        self.mismatch: RouterPerturbation | None = None  # made once the routers are found
         self._round_weights()
         self._version = weight_version
         self._sources: list[tuple[Tensor, str]] | None = None  # made at the first weight update
         cfg = self.model.config
         self.arch = architecture_of(cfg)
         self._routers = RouterCapture(self.model)
+        self.mismatch = (
+            RouterPerturbation(self.model, self._routers, router_flip_frac, mismatch_seed)
+            if router_flip_frac > 0
+            else None
+        )
         self._index_dtype = expert_index_dtype(self.arch.num_experts(cfg))
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None) or cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
@@ -72,6 +84,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         if self.weight_precision is not None:
             for tensor in self.model.state_dict().values():
                 tensor.copy_(self._rounded(tensor))
+        if self.mismatch is not None:
+            self.mismatch.refresh()  # the weights just loaded are the trained ones
 
     def _rounded(self, tensor: Tensor) -> Tensor:
         return tensor if self.weight_precision is None else tensor.to(self.weight_precision).to(tensor.dtype)
@@ -79,6 +93,10 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
     @property
     def weight_version(self) -> str:
         return self._version
+
+    def rollout_scalars(self) -> dict[str, float]:
+        """The simulated mismatch's figures since the last call (none when it is off)."""
+        return self.mismatch.take_scalars() if self.mismatch is not None else {}
 
     # ------------------------------------------------------------ weights
 
@@ -104,6 +122,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
                     f"weight update: {key} has shape {tuple(value.shape)}, the engine's is {tuple(target.shape)}"
                 )
             target.copy_(self._rounded(value))
+        if self.mismatch is not None:
+            self.mismatch.refresh()
         self._version = weight_version
 
     def _weight_sources(self) -> list[tuple[Tensor, str]]:
@@ -157,11 +177,10 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         (no padding: the numerics of a batch of one)."""
         params.validate()
         start = time.perf_counter()
+        if self.mismatch is not None and not self.mismatch.calibrated:
+            self._calibrate_mismatch(prompts, seeds, params)
         out: list[Sample | None] = [None] * len(prompts)
-        by_length: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_length.setdefault(len(p), []).append(i)
-        for indices in by_length.values():
+        for indices in _by_length(prompts, seeds):
             samples = self.generate_rows(
                 [list(prompts[i]) for i in indices], [seeds[i] for i in indices], params, routed
             )
@@ -170,6 +189,19 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         self.seconds_generating += time.perf_counter() - start
         self.tokens_generated += sum(len(s.output_ids) for s in out)
         return out
+
+    def _calibrate_mismatch(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Calibrate the simulated mismatch for the weights held now, on the last samples; the
+        first time on a trial generation of these prompts (calibrated on the prompts alone,
+        whose tokens route unlike responses'), which is then discarded."""
+        if not self.mismatch.has_samples:
+            self.mismatch.calibrate(prompts)
+            for rows in _by_length(prompts, seeds):
+                self.generate_rows([list(prompts[i]) for i in rows], [seeds[i] for i in rows], params, False)
+            self.mismatch.take_scalars()  # the trial's figures are not the run's
+        self.mismatch.calibrate(prompts)
 
     @contextlib.asynccontextmanager
     async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
@@ -192,7 +224,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
         ids = torch.tensor(prompts, device=self.model.device)
         step_out = self.model(ids, use_cache=True)
-        routing = [self._routers.take(n, prompt_len)[0].to(self._index_dtype)] if routed else []
+        tracked = routed or self.mismatch is not None
+        routing = [self._routers.take(n, prompt_len)[0]] if tracked else []
+        fed, drawn, drawn_logps = [ids], [], []  # every row's tokens as fed, drawn, and their log-probs
         outputs: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -200,7 +234,11 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             logits = step_out.logits[:, -1].float() / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
             next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), _uniforms(row_seeds, step))
-            tokens, token_logps = next_tokens.tolist(), logp.gather(1, next_tokens[:, None]).squeeze(1).tolist()
+            drawn_logp = logp.gather(1, next_tokens[:, None]).squeeze(1)
+            tokens, token_logps = next_tokens.tolist(), drawn_logp.tolist()
+            live = torch.tensor([r is None for r in reasons])
+            drawn.append(next_tokens)
+            drawn_logps.append(drawn_logp.masked_fill(~live.to(drawn_logp.device), float("nan")))
             for j in range(n):  # a finished row's draw is fed back and ignored
                 if reasons[j] is None:
                     outputs[j].append(tokens[j])
@@ -209,15 +247,25 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             if all(r is not None for r in reasons) or step == params.max_new_tokens - 1:
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
-            if routed:
-                routing.append(self._routers.take(n, 1)[0].to(self._index_dtype))
+            fed.append(next_tokens[:, None])
+            if tracked:
+                routing.append(self._routers.take(n, 1)[0])
         samples = []
-        full_routing = torch.cat(routing, dim=1) if routed else None  # [n, positions, L, k]
+        full_routing = torch.cat(routing, dim=1) if tracked else None  # [n, positions, L, k]
+        if self.mismatch is not None:
+            self.mismatch.observe(
+                torch.cat(fed, 1),
+                full_routing,
+                prompt_len,
+                torch.stack(drawn, 1),
+                torch.stack(drawn_logps, 1),
+                params.temperature,
+            )
         for j in range(n):
             routed_j = None
             if routed:
                 # its own storage, not the batch's
-                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].clone()
+                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].to(self._index_dtype, copy=True)
             samples.append(
                 Sample(
                     prompt_ids=list(prompts[j]),
@@ -284,6 +332,14 @@ class _BatchingTurns:
                 sample.routed_experts = sample.routed_experts[routing_from:]
             if not future.done():
                 future.set_result(sample)
+
+
+def _by_length(prompts: Sequence[Sequence[int]], seeds: Sequence[int] = ()) -> list[list[int]]:
+    """The prompts' indices grouped by prompt length (a batch without padding each)."""
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    return list(by_length.values())
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -17,6 +17,26 @@ PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
 
 
 @dataclass
+class SimulatedMismatch:
+    """A train-inference mismatch the local engine simulates (:mod:`moe_rl.rollout.mismatch`):
+    its routers' weights perturbed on the inference side only, calibrated by the engine so that
+    this fraction of tokens gets another top-k set per MoE layer than the unperturbed model."""
+
+    router_flip_frac: float = 0.0  # the target per-layer fraction (0: off; the R3 paper measures ~0.1 at 30B)
+    seed: int = 0  # the perturbation's directions (with train.seed): the same regime for the same seeds
+
+    @property
+    def enabled(self) -> bool:
+        return self.router_flip_frac > 0
+
+    def validate(self) -> None:
+        if not 0 <= self.router_flip_frac < 1:
+            raise ConfigError(
+                f"rollout.simulate_mismatch.router_flip_frac={self.router_flip_frac} must be in [0, 1) (0: off)"
+            )
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "local"  # local | sglang
     group_size: int = 8  # responses per prompt (a GRPO group)
@@ -75,9 +95,16 @@ class RolloutConfig:
     # a sample's generate function past this scores 0: cancelled at its next await (abandoned 1 s later
     # if it ignores that); one that blocks the event loop cannot be stopped, only named in a warning
     generate_timeout_s: float = 300.0
+    # local engine: a simulated train-inference mismatch (routers perturbed on the inference side)
+    simulate_mismatch: SimulatedMismatch = field(default_factory=SimulatedMismatch)
 
     def validate(self) -> None:
         require_choice("rollout.engine", self.engine, ENGINES)
+        self.simulate_mismatch.validate()
+        if self.simulate_mismatch.enabled and self.engine != "local":
+            raise ConfigError(
+                "rollout.simulate_mismatch applies to the local engine only (rollout.engine=local): a real server has its own"
+            )
         require_choice("rollout.precision", self.precision, PRECISIONS)
         require_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
         self._validate_servers()

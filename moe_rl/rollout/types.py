@@ -124,6 +124,11 @@ class RolloutEngine(ABC):
         the engine's own concurrency limit."""
         raise NotImplementedError(f"{type(self).__name__} does not serve multi-turn rollouts")
 
+    def rollout_scalars(self) -> dict[str, float]:
+        """Engine-side figures since the last call, logged with the step (e.g. the local
+        engine's ``rollout/simulated_mismatch/*``)."""
+        return {}
+
     def close(self) -> None:
         """Stop in-flight work and release resources."""
 
