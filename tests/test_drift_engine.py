@@ -66,6 +66,8 @@ def test_engine_drift_equals_a_transformers_reference(tmp_path: Path) -> None:
     finally:
         server.stop()
     report = json.loads((tmp_path / "out" / "drift.json").read_text())
+    flips = report["metrics"]["changed_frac"]["mean"]
+    assert report["simulate_with"] == f"rollout.simulate_mismatch.router_flip_frac={flips:.3g}"
     ref = _transformers_reference(model, [s for g in groups for s in g])
     assert report["layers"] == list(range(LAYERS)) and report["routed_tokens"] == ref["tokens"]
     assert report["metrics"]["changed_frac"]["layers"] == pytest.approx(ref["changed_frac"], abs=1e-12)

@@ -177,6 +177,10 @@ def _write_report(
         },
         "router_kl": None,  # SGLang returns the chosen experts only, not the router's distribution
     }
+    # the local engine's simulated mismatch that reproduces these flips (its per-layer target: their mean)
+    report["simulate_with"] = (
+        f"rollout.simulate_mismatch.router_flip_frac={report['metrics']['changed_frac']['mean']:.3g}"
+    )
     (out / "drift.json").write_text(json.dumps(report, indent=2))
     with SummaryWriter(str(out / "tensorboard")) as writer:
         log_routing(writer, 0, drift, group="train_vs_rollout")
@@ -193,6 +197,7 @@ def _write_report(
         f"logp mismatch {mismatch['logp_mismatch_mean']:.3e} (routing changed: {_fmt(split['logp_mismatch_routing_changed'])}, "
         f"same: {_fmt(split['logp_mismatch_routing_same'])}) -> {out / 'drift.json'}"
     )
+    print(f"to study this engine's routing mismatch with the local engine (a simulation): {report['simulate_with']}")
 
 
 def _fmt(value: float | None) -> str:
