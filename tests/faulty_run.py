@@ -1,10 +1,17 @@
 """``moe-rl`` with faults injected through the trainer's seams, for the reliability tests:
 
-    python tests/faulty_run.py [--nan-steps 2,4] [--checkpoint-delay-s 60] -- train ARGS...
+    python tests/faulty_run.py [--nan-steps 2,4] [--checkpoint-delay-s 60] [--writer-delay-s 5]
+        [--pretend-transformer-engine] -- train ARGS...
 
 ``--nan-steps``: those steps' (1-based) losses are NaN, so their updates must be skipped.
 ``--checkpoint-delay-s``: every checkpoint waits that long, complete but not yet
 committed (no ``meta.json``, not renamed), so a test can kill the run mid-checkpoint.
+``--writer-delay-s``: every rank's forked checkpoint writer waits that long before it
+writes (``writer.sleeping`` in the temporary checkpoint says it does), so a test can
+kill the run while its writers are still at work.
+``--pretend-transformer-engine``: the model saves and asks for what Transformer Engine's
+layers hold besides the local ones (an ``_extra_state`` entry per core attention), and
+checkpoints record ``transformer_impl=transformer_engine``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from moe_rl.cli import main
 from moe_rl.checkpoint import store as checkpoint
@@ -46,13 +54,49 @@ def delay_checkpoint_commits(seconds: float) -> None:
     checkpoint.commit_checkpoint = commit_checkpoint
 
 
+def delay_checkpoint_writers(seconds: float) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+    def write_preloaded_data_multiproc(*args, **kwargs):
+        (Path(args[3][0][0]).parent.parent / "writer.sleeping").touch()  # (in the temporary checkpoint)
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_preloaded_data_multiproc)
+
+
+def pretend_transformer_engine() -> None:
+    import dataclasses
+
+    original = checkpoint.TrainingState.sharded_state_dict
+
+    def sharded_state_dict(self, loading):
+        state = original(self, loading)
+        model = state["model"]
+        for key in [k for k in model if k.endswith("self_attention.linear_proj._extra_state")]:
+            extra = key.replace("linear_proj", "core_attention")
+            model[extra] = dataclasses.replace(model[key], key=model[key].key.replace("linear_proj", "core_attention"))
+        return state
+
+    checkpoint.TrainingState.sharded_state_dict = sharded_state_dict
+    checkpoint.transformer_impl_of = lambda model: "transformer_engine"
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nan-steps", default="")
     parser.add_argument("--checkpoint-delay-s", type=float, default=0.0)
+    parser.add_argument("--writer-delay-s", type=float, default=0.0)
+    parser.add_argument("--pretend-transformer-engine", action="store_true")
     args, rest = parser.parse_known_args()
     if args.nan_steps:
         inject_nan_losses({int(x) for x in args.nan_steps.split(",")})
     if args.checkpoint_delay_s:
         delay_checkpoint_commits(args.checkpoint_delay_s)
+    if args.writer_delay_s:
+        delay_checkpoint_writers(args.writer_delay_s)
+    if args.pretend_transformer_engine:
+        pretend_transformer_engine()
     sys.exit(main([a for a in rest if a != "--"]))

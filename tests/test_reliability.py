@@ -150,6 +150,26 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
+def test_kill_9_while_the_writers_write_leaves_one_line_and_no_traceback(base, tmp_path: Path) -> None:
+    """The writer a killed trainer leaves behind finds no one to report to: one line, a quiet exit."""
+    args = cmd(
+        "train",
+        *base,
+        f"train.run_dir={tmp_path}",
+        "train.steps=4",
+        "train.save_every=2",
+        faults=("--writer-delay-s", "3"),
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for(lambda: any((tmp_path / "checkpoints").glob(".tmp_step_000002.*/writer.sleeping")))
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # the pipe ends once the orphaned writer has exited too
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count("moe-rl: checkpoint writer ") == 1 and "its trainer is gone; nothing committed" in err, err[-2000:]
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+
+
 def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_exits(base, tmp_path: Path) -> None:
     """Ctrl-C reaches the launcher; each rank must see it once (a second one means "stop now")."""
     args = cmd("train", "--nproc", "2", *base, f"train.run_dir={tmp_path}", "train.steps=50")
@@ -248,3 +268,138 @@ def test_bad_layout_fails_fast_with_one_line(base, tmp_path: Path, overrides, me
     out = run("train", *base, f"train.run_dir={tmp_path}", *overrides)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - start < 60
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+
+
+def _flip(file: Path, count: int = 64) -> None:
+    data = bytearray(file.read_bytes())
+    for i in range(count):
+        data[(len(data) // 3 + i * 97) % len(data)] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _edit_meta(step_dir: Path, **changes) -> None:
+    meta = json.loads((step_dir / "meta.json").read_text())
+    (step_dir / "meta.json").write_text(json.dumps({**meta, **changes}))
+
+
+DAMAGE = {  # what is done to a checkpoint, and the reason the warning gives
+    "truncated .distcp": (lambda d: os.truncate(d / "dist/__0_1.distcp", 1000), "dist/__0_1.distcp has 1000 bytes"),
+    "deleted .distcp": (lambda d: (d / "dist/__0_0.distcp").unlink(), "dist/__0_0.distcp is missing"),
+    "64 flipped bytes in a .distcp": (lambda d: _flip(d / "dist/__0_1.distcp"), "dist/__0_1.distcp is damaged"),
+    "garbage dist/.metadata": (lambda d: _flip(d / "dist/.metadata", 4000), "dist/.metadata is damaged"),
+    "garbage dist/metadata.json": (lambda d: (d / "dist/metadata.json").write_text("{"), "dist/metadata.json has 1"),
+    "garbage common.pt": (lambda d: _flip(d / "dist/common.pt", 2000), "dist/common.pt is damaged"),
+    "truncated RNG file": (lambda d: os.truncate(d / "rng/rank_00000.pt", 100), "rng/rank_00000.pt has 100 bytes"),
+    "meta.json's step edited": (lambda d: _edit_meta(d, step=3), "does not match its seal"),
+    "meta.json's fingerprint edited": (lambda d: _edit_meta(d, fingerprint={}), "does not match its seal"),
+    "torn meta.json": (lambda d: (d / "meta.json").write_text('{"step": 5'), "meta.json is empty or unreadable"),
+}
+
+
+@pytest.fixture
+def run_copy(straight_run, tmp_path: Path) -> Path:
+    """A copy of the uninterrupted run's checkpoints (steps 2, 4, 5) to damage."""
+    import shutil
+
+    shutil.copytree(straight_run / "checkpoints", tmp_path / "run" / "checkpoints")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_why(run_copy: Path, damage, caplog) -> None:
+    from moe_rl.checkpoint.store import select_checkpoint
+
+    newest = run_copy / "checkpoints" / "step_000005"
+    do, reason = DAMAGE[damage]
+    do(newest)
+    with caplog.at_level("WARNING", logger="moe_rl.train"):
+        path, meta = select_checkpoint(run_copy)
+    assert path.name == "step_000004" and meta["step"] == 4
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"skipping checkpoint {newest}: " in warned[0] and reason in warned[0], warned
+
+
+def test_no_intact_checkpoint_is_refused_in_one_line(run_copy: Path, tmp_path: Path) -> None:
+    from moe_rl.checkpoint.run_dir import check_run_dir
+    from moe_rl.checkpoint.store import CheckpointMismatch, select_checkpoint
+    from moe_rl.config import ConfigError, load_config
+
+    steps = sorted((run_copy / "checkpoints").iterdir())
+    for step in steps:
+        _flip(step / "dist" / "__0_0.distcp")
+    with pytest.raises(
+        CheckpointMismatch, match="no intact checkpoint in .*step_000005: dist/__0_0.distcp is damaged"
+    ) as e:
+        select_checkpoint(run_copy)
+    assert "\n" not in str(e.value)
+    for step in steps:  # every meta.json unreadable: refused before anything starts, not a fresh run over them
+        (step / "meta.json").write_text("")
+    (run_copy / "metrics.jsonl").write_text("kept\n")
+    with pytest.raises(ConfigError, match="holds checkpoints .* none of which has a readable meta.json"):
+        check_run_dir(load_config(None, [f"train.run_dir={run_copy}"]))
+    assert (run_copy / "metrics.jsonl").read_text() == "kept\n" and all(s.is_dir() for s in steps)
+
+
+def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(run_copy: Path, caplog) -> None:
+    """Written before moe-rl recorded checksums: presence and the sizes dist/.metadata implies."""
+    from moe_rl.checkpoint.store import select_checkpoint
+
+    for step in (run_copy / "checkpoints").iterdir():
+        meta = json.loads((step / "meta.json").read_text())
+        (step / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("manifest", "seal")}))
+    os.truncate(run_copy / "checkpoints" / "step_000005" / "dist" / "__0_0.distcp", 1000)
+    with caplog.at_level("WARNING", logger="moe_rl.train"):
+        path, _ = select_checkpoint(run_copy)
+    assert path.name == "step_000004"
+    assert "step_000005: dist/__0_0.distcp is truncated (1000 of at least" in caplog.text
+    assert f"checkpoint {path} has no manifest" in caplog.text
+
+
+def test_export_refuses_a_damaged_checkpoint_in_one_line(run_copy: Path, tmp_path: Path) -> None:
+    newest = run_copy / "checkpoints" / "step_000005"
+    _flip(newest / "dist" / "__0_1.distcp")
+    out = run("export", "--checkpoint", str(newest), "--out", str(tmp_path / "hf"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"moe-rl: error: checkpoint {newest} cannot be trusted: dist/__0_1.distcp is damaged" in out.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_resume_skips_a_damaged_checkpoint_across_transformer_impls(
+    base, straight_run, uninterrupted, run_copy: Path
+) -> None:
+    """A local checkpoint resumed where the layers hold Transformer Engine's extra entries
+    (their absence tolerated), that run's checkpoint resumed under the local layers (its
+    extra entries unread), past a newer damaged checkpoint: each equal to the uninterrupted run."""
+    import shutil
+
+    checkpoints = run_copy / "checkpoints"
+    shutil.move(checkpoints / "step_000004", run_copy / "step_000004")
+    shutil.move(checkpoints / "step_000005", run_copy / "step_000005")
+    args = ("train", *base, f"train.run_dir={run_copy}", "train.save_every=2")
+    out = run(*args, "train.steps=4", faults=("--pretend-transformer-engine",))
+    assert out.returncode == 0 and "written with transformer_impl=local, read with transformer_engine" in out.stderr, (
+        out.stderr[-2000:]
+    )
+    assert (
+        json.loads((checkpoints / "step_000004" / "meta.json").read_text())["transformer_impl"] == "transformer_engine"
+    )
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(checkpoints / "step_000004" / "dist")).read_metadata().state_dict_metadata
+    assert any("core_attention._extra_state" in key for key in saved)  # what the local layers do not ask for
+    shutil.move(run_copy / "step_000005", checkpoints / "step_000005")
+    _flip(checkpoints / "step_000005" / "dist" / "__0_0.distcp")
+    out = run(*args, "train.steps=5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"skipping checkpoint {checkpoints / 'step_000005'}: dist/__0_0.distcp is damaged" in out.stderr
+    assert "written with transformer_impl=transformer_engine, read with local" in out.stderr
+    assert f"resumed from {checkpoints / 'step_000004'}" in out.stderr
+    resumed = rows(run_copy)
+    for step in (3, 4, 5):
+        for key in COMPARED:
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
+    final = Path("checkpoints") / "step_000005" / "model"
+    assert same_weights(run_copy / final, straight_run / final)

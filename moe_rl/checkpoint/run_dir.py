@@ -1,6 +1,7 @@
 """A run directory belongs to one run. Checked on every rank before anything starts
 (plain file reads): resuming with another config, or starting afresh over a run's
-checkpoints, is a one-line error, and nothing is ever deleted to make room."""
+checkpoints (or over checkpoints none of which is readable), is a one-line error, and
+nothing is ever deleted to make room."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ def check_run_dir(cfg: Config) -> None:
         )
     newest = newest_readable(run_dir)
     if newest is None:
-        return
+        names = ", ".join(path.name for _, path in checkpoint_dirs(run_dir))
+        raise ConfigError(
+            f"train.run_dir={str(run_dir)!r} holds checkpoints ({names}) none of which has a readable meta.json that "
+            "matches its seal: nothing was started or deleted; restore or move them aside, or choose another "
+            "train.run_dir"
+        )
     problem = format_problem(*newest)
     if problem:
         raise ConfigError(problem)

@@ -14,8 +14,10 @@ Layout of ``run_dir/checkpoints/step_000010/``:
   besides the weights to write a Hugging Face directory from any checkpoint);
 - ``model/`` (the last step's checkpoint, and every ``train.export_every`` steps): the
   weights as a Hugging Face directory, ready for ``moe-rl eval``, transformers and SGLang;
-- ``meta.json``, written last: format, step, world size, layout, the run's fingerprint.
-  A directory without it is incomplete and ignored.
+- ``meta.json``, written last: format, step, world size, layout, the run's fingerprint,
+  ``transformer_impl`` (``local`` or ``transformer_engine``), and the manifest (every file's
+  size and CRC-32) with a seal over all of it (``verify.py``). A directory without it is
+  incomplete and ignored; one that fails verification is skipped with a warning.
 
 A save stages the state (device to host) and returns; a forked writer per rank writes the
 files while training goes on. It becomes the checkpoint (``meta.json``, one rename) once
@@ -26,6 +28,7 @@ directory that the next start removes; resuming then takes the checkpoint before
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -42,9 +46,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.config import ConfigError
+from moe_rl.checks import ConfigError
+from moe_rl.checkpoint.verify import SUMS, manifest_of, seal_problem, sealed, summing_writer, verification_problem
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
-from parallel.collectives import any_rank, barrier, broadcast_object, rank, world_size
+from parallel.collectives import all_gather_objects, barrier, broadcast_object, rank, world_size
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_state
 
@@ -91,10 +96,10 @@ def read_meta(path: Path) -> dict | None:
 
 
 def newest_readable(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """The newest checkpoint that has a readable ``meta.json``, and that meta."""
+    """The newest checkpoint whose ``meta.json`` is readable and matches its seal, and that meta."""
     for _, path in reversed(checkpoint_dirs(run_dir)):
         meta = read_meta(path)
-        if meta is not None:
+        if meta is not None and seal_problem(meta) is None:
             return path, meta
     return None
 
@@ -111,25 +116,59 @@ def format_problem(path: Path, meta: dict) -> str | None:
 
 
 def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """Collective. The newest checkpoint every rank can load (its meta, sharded-state
-    metadata and the first rank's RNG file present), warning about newer ones that are not;
-    ``None`` when there is none. A checkpoint of an earlier format raises."""
+    """Collective. The newest checkpoint that passes verification on every rank, warning
+    about newer ones that do not; ``None`` when the run directory holds none. A checkpoint
+    of an earlier format, or checkpoints none of which is intact, raise."""
+    skipped = []
     for _, path in reversed(checkpoint_dirs(run_dir)):
         meta = read_meta(path)
         if meta is not None and format_problem(path, meta):
             raise CheckpointMismatch(format_problem(path, meta))
-        problem = _unusable(path, meta)
-        if not any_rank(problem is not None):
+        problem = checkpoint_problem(path, meta)
+        if problem is None:
             return path, meta
+        skipped.append(f"{path.name}: {problem}")
         if rank() == 0:
-            log.warning("skipping checkpoint %s: %s", path, problem or "unusable on another rank")
+            log.warning("skipping checkpoint %s: %s", path, problem)
+    if skipped:
+        raise CheckpointMismatch(
+            f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} ({'; '.join(skipped)}): nothing was loaded or "
+            "deleted; move the damaged ones aside to start over from an older one, or choose another train.run_dir"
+        )
+    return None
+
+
+def checkpoint_problem(path: Path, meta: dict | None) -> str | None:
+    """Collective. Why the checkpoint at ``path`` cannot be trusted (the first rank's
+    reason, or another's), or ``None``; each rank sums its share of the files. A
+    checkpoint without a manifest is accepted with a warning when its files are there."""
+    problem = _unusable(path, meta)
+    if problem is None:
+        try:
+            problem = verification_problem(path, meta, (rank(), world_size()))
+        except OSError as e:
+            problem = f"a file cannot be read ({e.strerror or e})"
+    problems = [p for p in all_gather_objects(problem) if p]
+    if problems:
+        return problems[0]
+    if "seal" not in meta and rank() == 0:
+        log.warning(
+            "checkpoint %s has no manifest (written before moe-rl recorded checksums): its files are checked for "
+            "presence and size only",
+            path,
+        )
     return None
 
 
 def _unusable(path: Path, meta: dict | None) -> str | None:
     if meta is None:
         return "meta.json is empty or unreadable"
-    for needed in ("dist/metadata.json", "dist/.metadata", "dist/common.pt", _rng_file(_rng_rank(meta))):
+    for needed in (
+        "dist/metadata.json",
+        "dist/.metadata",
+        "dist/common.pt",
+        _rng_file(_rng_rank(meta)),
+    ):
         file = path / needed
         if not file.is_file() or file.stat().st_size == 0:
             return f"{needed} is missing or empty"
@@ -178,8 +217,10 @@ class TrainingState:
         optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA)
         return {"model": model, "optimizer": optimizer}
 
-    def load(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+    def load(self, state: dict, extra_state_absent: bool = False) -> None:
+        """``extra_state_absent``: the checkpoint lacks some of the model's ``_extra_state``
+        entries (written under the other ``transformer_impl``), the only keys not checked."""
+        self.model.load_state_dict(state["model"], strict=not extra_state_absent)
         self.optimizer.load_state_dict(state["optimizer"])
         choose_adam_kernel(
             self.optimizer, self.settings.fused_adam
@@ -238,6 +279,7 @@ class Checkpointer:
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
             (tmp / "hf").mkdir()
+            (tmp / SUMS).mkdir()
             write_config_files(self.hf_config, tmp / "hf", self.tokenizer_dir)
         barrier()
         if hf_weights:
@@ -257,6 +299,7 @@ class Checkpointer:
             "distributed_optimizer": state.distributed_optimizer,
             "hf_weights": hf_weights,
             "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."),
+            "transformer_impl": transformer_impl_of(state.model),
             **extra,
         }
         self._strategy = self._strategy or _save_strategy()
@@ -266,6 +309,8 @@ class Checkpointer:
             sharded_strategy=self._strategy,
             async_sharded_save=True,
         )
+        if request.async_fn is not None:  # (None: nothing for this rank to write)
+            request = request._replace(async_fn=summing_writer(request.async_fn, tmp, rank()))
         request.add_finalize_fn(lambda: self._commit(tmp, final, meta))
         if self.async_save:
             self._writes.schedule_async_request(request)
@@ -306,6 +351,8 @@ class Checkpointer:
         parallel file system must not hold up the other ranks, which wait here)."""
         if rank() != 0:
             return
+        meta = sealed(meta, manifest_of(tmp))
+        shutil.rmtree(tmp / SUMS)
         _fsync_tree(tmp, skip_suffix=".distcp")  # megatron's writers fsync their own files
         commit_checkpoint(tmp, final, meta)
         old = [path for _, path in checkpoint_dirs(self.root.parent)[: -self.keep_last]]
@@ -322,10 +369,9 @@ class Checkpointer:
 def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: ParallelLayout) -> None:
     """Collective. Restores model, optimizer and RNG (see :func:`select_checkpoint`),
     resharded when ``layout`` or the world size differs from the checkpoint's."""
-    from megatron.core import dist_checkpointing
-
     # (each rank reads what it holds; megatron's fully parallel load gave wrong tensors on data-parallel ranks here)
-    state.load(dist_checkpointing.load(state.sharded_state_dict(loading=True), str(path / "dist")))
+    loaded, absent = _load_sharded(state.sharded_state_dict(loading=True), path, transformer_impl_of(state.model))
+    state.load(loaded, extra_state_absent=absent)
     same_layout = meta.get("layout") == _layout_meta(layout) and meta["world_size"] == world_size()
     if not same_layout and rank() == 0:
         log.info(
@@ -357,15 +403,75 @@ def _writer_reports_die_with_this_process() -> None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
         _WRITER_REPORTS.append(manager)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = _WriterReports(manager.Queue(), os.getpid())
+
+
+class _WriterReports:
+    """The writer-results queue, for a writer whose trainer was killed (its manager gone
+    with it): one line and a quiet exit instead of a traceback from the failed report."""
+
+    def __init__(self, queue: Any, trainer: int) -> None:
+        self._queue, self._trainer = queue, trainer
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._queue.put(item, *args, **kwargs)
+        except (OSError, EOFError):
+            if self._trainer in (os.getpid(), os.getppid()):  # the trainer itself, or a writer it still waits for
+                raise
+            with contextlib.suppress(OSError):
+                print(
+                    f"moe-rl: checkpoint writer {os.getpid()}: its trainer is gone; nothing committed", file=sys.stderr
+                )
+            os._exit(1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
     """Collective: the weights of checkpoint ``path`` (written under any layout) into this
     rank's ``model``; the optimizer state is not read."""
-    from megatron.core import dist_checkpointing
+    loaded, absent = _load_sharded({"model": model.sharded_state_dict()}, path, transformer_impl_of(model))
+    model.load_state_dict(loaded["model"], strict=not absent)
 
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path / "dist"))["model"])
+
+def transformer_impl_of(model: torch.nn.Module) -> str:
+    """``transformer_engine`` where any of ``model``'s layers is Transformer Engine's, else ``local``."""
+    te = ("transformer_engine", "megatron.core.extensions.transformer_engine")
+    return "transformer_engine" if any(type(m).__module__.startswith(te) for m in model.modules()) else "local"
+
+
+def _load_sharded(request: dict, path: Path, impl: str) -> tuple[dict, bool]:
+    """Collective: ``request`` read from ``path/dist``, and whether some of its
+    ``_extra_state`` entries were absent (left out: Transformer Engine's layers hold some the
+    local ones do not; the checkpoint's own extra entries are not read). Any other absent
+    key refuses the checkpoint in one line naming both implementations."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    loaded, _, absent = dist_checkpointing.load(request, str(path / "dist"), strict=StrictHandling.RETURN_UNEXPECTED)
+    keys = sorted({str(getattr(k, "key", k)) for k in absent})
+    # (each rank's own keys: every rank refuses together)
+    others = sorted({k for ks in all_gather_objects(keys) for k in ks if not k.endswith("_extra_state")})
+    saved = (read_meta(path) or {}).get("transformer_impl", "unrecorded")
+    if others:
+        raise CheckpointMismatch(
+            f"checkpoint {path} lacks {len(others)} of this model's entries (e.g. {others[0]}): written with "
+            f"transformer_impl={saved}, read with {impl}, or by another model"
+        )
+    if saved != impl and rank() == 0:
+        log.info("checkpoint %s was written with transformer_impl=%s, read with %s", path, saved, impl)
+    return loaded, bool(keys)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Collective: raise :class:`CheckpointMismatch` (one line) unless the checkpoint at
+    ``path`` passes the checks a resume makes."""
+    meta = read_meta(path)
+    problem = checkpoint_problem(path, meta)
+    if problem:
+        raise CheckpointMismatch(f"checkpoint {path} cannot be trusted: {problem}")
 
 
 def sharded_weights_dtype(path: Path) -> torch.dtype:

@@ -1,7 +1,8 @@
 """``moe-rl export``: a checkpoint's weights, through the megatron model, to a Hugging
 Face directory (safetensors shards, index, config, tokenizer files). The checkpoint is a
 training checkpoint (its sharded weights in ``dist/``, read under this command's layout
-whatever layout wrote them) or a Hugging Face directory."""
+whatever layout wrote them, after the checks a resume makes: ``checkpoint/verify.py``) or a
+Hugging Face directory."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.hf_weights import SafetensorsDir, export_hf_weights, load_hf_weights
-    from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype
+    from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype, verify_checkpoint
     from parallel.distributed import destroy_distributed, init_distributed
 
     src, sharded = _source(args.checkpoint)
@@ -88,6 +89,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         config = make_transformer_config(hf_config, layout, params_dtype=source_dtype)
         model = build_model(hf_config, config)
         if sharded:
+            verify_checkpoint(sharded)
             load_weights(sharded, model)
         else:
             load_hf_weights(model, hf_config, src)

@@ -1,0 +1,160 @@
+"""What a checkpoint must be before a resume or an export trusts it.
+
+At commit, ``meta.json`` gets a manifest: every file under ``dist/``, ``rng/`` and ``hf/``
+with its size and CRC-32. Each rank's background writer sums the ``.distcp`` files it has
+just written (read back while they are in the page cache, in the writer process, so
+training does not wait); the first rank sums the small files at commit. ``meta.json``
+also gets a seal: a hash of everything else in it (step, fingerprint, layout, the
+manifest), so an edited step or fingerprint no longer matches the data it describes.
+
+Verification: the seal, every file's size, and the checksums, each file summed by one
+rank (round robin), so a resume on N ranks reads the checkpoint once more, split N ways.
+A checkpoint written before manifests existed is checked for its files' presence and for
+the ``.distcp`` sizes its ``dist/.metadata`` implies, with a warning that its contents are
+not verified. The ``model/`` HF directory is not covered (resume and export read ``dist/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+SUMMED = ("dist", "rng", "hf")  # the folders the manifest covers
+SUMS = "sums"  # the writers' reports in a temporary checkpoint, merged into meta.json at commit
+_CHUNK = 8 << 20
+_THREADS = 4  # zlib.crc32 and file reads release the GIL
+
+
+def file_sum(path: Path) -> tuple[int, int]:
+    """``(size, CRC-32)`` of a file, read once in chunks."""
+    crc, size, buf = 0, 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc, size = zlib.crc32(view[:n], crc), size + n
+    return size, crc
+
+
+def sum_files(root: Path, names: list[str]) -> dict[str, list[int]]:
+    """``{name: [size, crc]}`` of ``root / name`` for each name, a few files at a time."""
+    if not names:
+        return {}
+    with ThreadPoolExecutor(min(_THREADS, len(names))) as pool:
+        sums = pool.map(lambda name: list(file_sum(root / name)), names)
+        return dict(zip(names, sums))
+
+
+def summing_writer(write: Callable, tmp: Path, rank: int) -> Callable:
+    """megatron's background write function (``write(rank, write_buckets, queue)``)
+    followed, in the same writer process, by the sums of the files it wrote, to
+    ``tmp/sums/rank_<rank>.json`` (the trainer sees the writer done when it exits)."""
+
+    def write_and_sum(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)
+        files = [Path(bucket[0]) for bucket in args[1]]
+        report = sum_files(tmp / "dist", [p.name for p in files if p.is_file()])
+        part = tmp / SUMS / f".rank_{rank:05d}.json"
+        with open(part, "w") as f:
+            json.dump({f"dist/{name}": s for name, s in report.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        part.rename(part.with_name(part.name[1:]))
+
+    return write_and_sum
+
+
+def manifest_of(tmp: Path) -> dict[str, list[int]]:
+    """First rank, at commit: the writers' reports and the sums of every other file the
+    manifest covers (a ``.distcp`` no writer reported is summed here)."""
+    reported: dict[str, list[int]] = {}
+    for report in sorted((tmp / SUMS).glob("rank_*.json")):
+        reported.update(json.loads(report.read_text()))
+    files = sorted(
+        str(p.relative_to(tmp)) for folder in SUMMED if (tmp / folder).is_dir() for p in (tmp / folder).rglob("*")
+    )
+    files = [f for f in files if (tmp / f).is_file()]
+    manifest = {**sum_files(tmp, [f for f in files if f not in reported]), **reported}
+    return {f: manifest[f] for f in files}
+
+
+def seal_of(meta: dict) -> str:
+    """A hash of ``meta`` without its seal (keys sorted)."""
+    body = json.dumps({k: v for k, v in meta.items() if k != "seal"}, sort_keys=True)
+    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+def sealed(meta: dict, manifest: dict[str, list[int]]) -> dict:
+    """``meta`` with the manifest and the seal over both."""
+    meta = {**meta, "manifest": manifest}
+    return {**meta, "seal": seal_of(meta)}
+
+
+def seal_problem(meta: dict) -> str | None:
+    """Why ``meta`` no longer matches its seal (``None``: it does, or it has none)."""
+    if "seal" in meta and meta.get("seal") != seal_of(meta):
+        return "meta.json does not match its seal (edited or damaged after the commit: its step/fingerprint are not the data's)"
+    if "seal" in meta and not isinstance(meta.get("manifest"), dict):
+        return "meta.json's manifest is missing"
+    return None
+
+
+def verification_problem(path: Path, meta: dict, share: tuple[int, int]) -> str | None:
+    """Why the checkpoint at ``path`` is not what its sealed ``meta`` records: this rank
+    (``share``: rank, world size) checks every file's size and sums its share of them."""
+    problem = seal_problem(meta)
+    if problem or "seal" not in meta:
+        return problem or _unsealed_problem(path)
+    manifest = meta["manifest"]
+    for name, (size, _) in manifest.items():
+        problem = _size_problem(path / name, name, size)
+        if problem:
+            return problem
+    mine = sorted(manifest, key=lambda name: (-manifest[name][0], name))[share[0] :: share[1]]
+    try:
+        sums = sum_files(path, mine)
+    except OSError as e:
+        return f"a file cannot be read ({e.strerror or e})"
+    for name in mine:
+        if sums[name][1] != manifest[name][1]:
+            return f"{name} is damaged (its CRC-32 differs from the one recorded at commit)"
+    return None
+
+
+def _size_problem(file: Path, name: str, size: int) -> str | None:
+    try:
+        actual = file.stat().st_size
+    except OSError:
+        return f"{name} is missing"
+    if actual != size:
+        return f"{name} has {actual} bytes, {size} were written"
+    return None
+
+
+def _unsealed_problem(path: Path) -> str | None:
+    """A checkpoint without a manifest: its ``dist/`` files readable and as long as its
+    ``.metadata`` says (contents unverified)."""
+    try:
+        json.loads((path / "dist" / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return "dist/metadata.json is unreadable"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path / "dist")).read_metadata().storage_data
+    except Exception:  # a damaged pickle raises anything
+        return "dist/.metadata is unreadable"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / "dist" / name
+        if not file.is_file():
+            return f"dist/{name} is missing"
+        if file.stat().st_size < end:
+            return f"dist/{name} is truncated ({file.stat().st_size} of at least {end} bytes)"
+    return None
