@@ -403,3 +403,27 @@ def test_resume_skips_a_damaged_checkpoint_across_transformer_impls(
             assert resumed[step][key] == uninterrupted[step][key], (step, key)
     final = Path("checkpoints") / "step_000005" / "model"
     assert same_weights(run_copy / final, straight_run / final)
+
+
+@pytest.mark.unit
+def test_the_writers_sum_what_they_wrote_and_the_commit_the_rest(tmp_path: Path) -> None:
+    from moe_rl.checkpoint.verify import SUMS, file_sum, manifest_of, summing_writer
+
+    for folder in ("dist", "rng", SUMS):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "rng" / "rank_00001.pt").write_bytes(b"rng")
+    buckets = [(str(tmp_path / "dist" / f"__1_{i}.distcp"), f"__1_{i}.distcp", ([], [])) for i in range(2)]
+
+    def write(rank, write_buckets, queue) -> None:  # megatron's writer, as the forked writer calls it
+        for i, (name, _, _) in enumerate(write_buckets):
+            Path(name).write_bytes(bytes([i]) * (1000 + i))
+
+    summing_writer(write, tmp_path, 1)(1, buckets, None)
+    report = json.loads((tmp_path / SUMS / "rank_00001.json").read_text())
+    assert report == {f"dist/__1_{i}.distcp": list(file_sum(tmp_path / "dist" / f"__1_{i}.distcp")) for i in range(2)}
+    (tmp_path / SUMS / "rank_00001.json").write_text(json.dumps({"dist/__1_0.distcp": [1000, 7]}))  # used as reported
+    manifest = manifest_of(tmp_path)
+    assert manifest["dist/__1_0.distcp"] == [1000, 7] and manifest["rng/rank_00001.pt"] == list(
+        file_sum(tmp_path / "rng" / "rank_00001.pt")
+    )
+    assert manifest["dist/__1_1.distcp"][0] == 1001 and SUMS + "/rank_00001.json" not in manifest
