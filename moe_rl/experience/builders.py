@@ -53,17 +53,16 @@ def build_collector(
         task=task,
         formatter=formatter,
         engine=engine,
-        sampler=build_sampler(cfg, engine, formatter.tokenizer, getattr(hf_config, "max_position_embeddings", None)),
+        sampler=build_sampler(cfg, engine, formatter.tokenizer),
         scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
 
 
-def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer, max_tokens: int | None = None) -> Sampler:
+def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
     """``rollout.generate_fn``: one engine call per sample (unset), or the user's function
-    (multi-turn, :mod:`moe_rl.rollout.multi_turn`; transcripts cut to ``max_tokens``, the
-    model's context)."""
+    (multi-turn, :mod:`moe_rl.rollout.multi_turn`)."""
     r = cfg.rollout
     if not r.generate_fn:
         return SingleTurnSampler(engine)
@@ -73,7 +72,6 @@ def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer, max_tokens: int
         tokenizer,
         kwargs=dict(r.generate_kwargs),
         timeout_s=r.generate_timeout_s,
-        max_tokens=max_tokens,
     )
 
 
