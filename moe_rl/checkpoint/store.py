@@ -163,12 +163,7 @@ def checkpoint_problem(path: Path, meta: dict | None) -> str | None:
 def _unusable(path: Path, meta: dict | None) -> str | None:
     if meta is None:
         return "meta.json is empty or unreadable"
-    for needed in (
-        "dist/metadata.json",
-        "dist/.metadata",
-        "dist/common.pt",
-        _rng_file(_rng_rank(meta)),
-    ):
+    for needed in ("dist/metadata.json", "dist/.metadata", "dist/common.pt", _rng_file(_rng_rank(meta))):
         file = path / needed
         if not file.is_file() or file.stat().st_size == 0:
             return f"{needed} is missing or empty"
@@ -454,13 +449,13 @@ def _load_sharded(request: dict, path: Path, impl: str) -> tuple[dict, bool]:
     keys = sorted({str(getattr(k, "key", k)) for k in absent})
     # (each rank's own keys: every rank refuses together)
     others = sorted({k for ks in all_gather_objects(keys) for k in ks if not k.endswith("_extra_state")})
-    saved = (read_meta(path) or {}).get("transformer_impl", "unrecorded")
+    saved = (read_meta(path) or {}).get("transformer_impl")  # (None: written before it was recorded)
     if others:
         raise CheckpointMismatch(
             f"checkpoint {path} lacks {len(others)} of this model's entries (e.g. {others[0]}): written with "
-            f"transformer_impl={saved}, read with {impl}, or by another model"
+            f"transformer_impl={saved or 'unrecorded'}, read with {impl}, or by another model"
         )
-    if saved != impl and rank() == 0:
+    if saved not in (None, impl) and rank() == 0:
         log.info("checkpoint %s was written with transformer_impl=%s, read with %s", path, saved, impl)
     return loaded, bool(keys)
 
