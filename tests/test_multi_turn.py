@@ -310,19 +310,6 @@ def test_drop_takes_each_groups_statistics_over_its_samples_that_did_not_fail() 
     torch.testing.assert_close(uneven[[0, 2]], compute_advantages("grpo", values[[0, 2], :1], 2))
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("rollout.failed_samples=skip", "rollout.failed_samples='skip' is not valid; valid: zero, drop"),
-        ("rollout.max_failed_frac=1.5", "rollout.max_failed_frac=1.5 must be in \\[0, 1\\]"),
-        ("rollout.max_failed_frac=-0.1", "rollout.max_failed_frac=-0.1 must be in"),
-    ],
-)
-def test_the_failed_sample_options_are_checked_at_load(override: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
-
-
 def scripted_collector(fn: str, *overrides: str):
     """The collector of a run of ``multi_turn_fns:<fn>`` on the scripted policy (2 prompts x 4)."""
     from moe_rl.data.prompts import PromptFormatter
