@@ -18,6 +18,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # the warm-start settings of every end-to-end test's built-in model (the cache key)
 WARM_START = ["warm_start.steps=20", "warm_start.batch_size=16"]
+DEFAULT_MODEL = ".default-model"  # in a demo_cache: the name of the model made with the default settings
 ROOT = Path(__file__).resolve().parents[1]
 # real SGLang for CPU (bash tools/setup.sh --sglang); the tests marked real_sglang need it
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -122,6 +123,8 @@ def demo_cache(tmp_path_factory) -> str:
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    (model,) = [p.name for p in path.glob("demo-*") if p.is_dir()]
+    (path / DEFAULT_MODEL).write_text(model)  # later runs add other families' models beside it
     return str(path)
 
 
@@ -137,7 +140,11 @@ def run_check_script(name: str, *args: str, timeout_s: int = 300) -> dict:
 
 
 def demo_model_dir(cache: str) -> str:
-    """The built-in model's HF directory inside a ``demo_cache``."""
+    """The built-in model's HF directory inside a ``demo_cache`` (the one the session made
+    first, with the default settings)."""
+    marker = Path(cache) / DEFAULT_MODEL
+    if marker.is_file():
+        return str(Path(cache) / marker.read_text())
     (model,) = [p for p in Path(cache).glob("demo-*") if p.is_dir()]
     return str(model)
 
