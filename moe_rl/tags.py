@@ -38,6 +38,12 @@ def multi_turn(name: str) -> str:
     return f"rollout/multi_turn/{name}"
 
 
+MULTI_TURN_FAILED_SAMPLES = multi_turn("failed_samples")  # samples whose generate function failed (scored 0)
+MULTI_TURN_TRUNCATED_BY_CONTEXT_FRAC = multi_turn("truncated_by_context_frac")  # cut to the model's context
+# environment tokens after a transcript's last policy turn, left out of the sample (per sample)
+MULTI_TURN_DROPPED_ENVIRONMENT_TOKENS = multi_turn("dropped_environment_tokens_mean")
+
+
 def reward(name: str) -> str:
     """One named reward's batch mean."""
     return f"reward/{name}"

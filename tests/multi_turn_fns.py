@@ -4,6 +4,8 @@ with ``tests/`` on ``PYTHONPATH``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 
 from moe_rl.rollout.multi_turn import Transcript
@@ -60,6 +62,74 @@ async def ignores_cancellation(problem, *, prompt_ids, engine, tokenizer, sampli
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             continue
+
+
+async def skips_a_token(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A turn that does not continue the transcript (its last token left out)."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids[:-1]))
+    return transcript
+
+
+async def returns_none(problem, *, prompt_ids, engine, tokenizer, sampling):
+    await engine.generate(prompt_ids)
+
+
+async def returns_dict(problem, *, prompt_ids, engine, tokenizer, sampling):
+    turn = await engine.generate(prompt_ids)
+    return {"output_ids": turn.output_ids}
+
+
+async def no_policy_turn(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    transcript = Transcript(prompt_ids)
+    transcript.add_environment(tokenizer.encode(" hello", add_special_tokens=False))
+    return transcript
+
+
+async def nan_logprobs(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A turn whose log-probs are NaN (as a broken engine's would be)."""
+    transcript = Transcript(prompt_ids)
+    turn = await engine.generate(transcript.token_ids)
+    transcript.add_policy(dataclasses.replace(turn, logprobs=[math.nan] * len(turn.output_ids)))
+    return transcript
+
+
+async def raises_cancelled(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A CancelledError of its own (an inner task it awaited was cancelled)."""
+    await engine.generate(prompt_ids)
+    raise asyncio.CancelledError
+
+
+async def raises_keyboard_interrupt(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    raise KeyboardInterrupt
+
+
+async def fails_after_a_turn(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """Always raises after its first turn."""
+    await engine.generate(prompt_ids)
+    raise ConnectionError("the environment went away")
+
+
+async def odd_meta(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A transcript whose meta holds a string and a NaN where the metrics read numbers."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids))
+    transcript.meta.update(tool_calls="three", tool_failures=math.nan)
+    return transcript
+
+
+async def overlong(problem, *, prompt_ids, engine, tokenizer, sampling, inserted: int = 300) -> Transcript:
+    """A turn, ``inserted`` environment tokens (past a small model's context), turns until
+    one gets no tokens (the engine handle's answer at the context)."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids, max_new_tokens=2))
+    transcript.add_environment(tokenizer.encode(" 1" * inserted, add_special_tokens=False))
+    for _ in range(3):
+        turn = await engine.generate(transcript.token_ids)
+        transcript.add_policy(turn)
+        if not turn.output_ids:
+            break
+    return transcript
 
 
 def not_async(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:

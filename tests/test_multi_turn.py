@@ -23,7 +23,7 @@ from moe_rl.data.tasks import ArithmeticChainTask, Problem
 from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
 from moe_rl.rollout import multi_turn
-from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
+from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
@@ -208,14 +208,22 @@ def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) 
     assert "multi_turn_fns:ignores_cancellation ignored its cancellation" in caplog.text
 
 
-def test_a_transcript_that_does_not_continue_itself_stops_the_run() -> None:
-    async def skips_a_token(problem, *, prompt_ids, engine, tokenizer, sampling):
-        t = Transcript(prompt_ids)
-        t.add_policy(await engine.generate(t.token_ids[:-1]))
-        return t
-
-    with pytest.raises(TranscriptError, match="continue the transcript"):
-        sample_with(ScriptedPolicy(["ab"]), skips_a_token, Problem("1+1=", "2"))
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (multi_turn_fns.skips_a_token, "TranscriptError: a policy turn must continue the transcript"),
+        (multi_turn_fns.returns_none, "TranscriptError: the generate function returned NoneType, not a Transcript"),
+        (multi_turn_fns.returns_dict, "TranscriptError: the generate function returned dict, not a Transcript"),
+        (multi_turn_fns.no_policy_turn, "TranscriptError: the transcript has no policy turn"),
+        (multi_turn_fns.nan_logprobs, "TranscriptError: a policy turn's log-probs are not finite"),
+        (multi_turn_fns.raises_cancelled, "FunctionCancelled: the generate function raised CancelledError"),
+    ],
+)
+def test_a_broken_function_or_transcript_is_a_failed_sample(fn, why: str) -> None:
+    """Each scores 0 with its reason; what it saw is kept as context (routing included)."""
+    s = sample_with(ScriptedPolicy(["ab"]), fn, Problem("1+1=", "2"))
+    assert s.meta[FAILED].startswith(why) and s.policy_token_count == 0 and s.weight_version == "0"
+    assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
 
 
 @pytest.mark.parametrize(

@@ -53,16 +53,17 @@ def build_collector(
         task=task,
         formatter=formatter,
         engine=engine,
-        sampler=build_sampler(cfg, engine, formatter.tokenizer),
+        sampler=build_sampler(cfg, engine, formatter.tokenizer, getattr(hf_config, "max_position_embeddings", None)),
         scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
 
 
-def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
+def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer, max_tokens: int | None = None) -> Sampler:
     """``rollout.generate_fn``: one engine call per sample (unset), or the user's function
-    (multi-turn, :mod:`moe_rl.rollout.multi_turn`)."""
+    (multi-turn, :mod:`moe_rl.rollout.multi_turn`; transcripts cut to ``max_tokens``, the
+    model's context)."""
     r = cfg.rollout
     if not r.generate_fn:
         return SingleTurnSampler(engine)
@@ -72,6 +73,7 @@ def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer) -> Sampler:
         tokenizer,
         kwargs=dict(r.generate_kwargs),
         timeout_s=r.generate_timeout_s,
+        max_tokens=max_tokens,
     )
 
 

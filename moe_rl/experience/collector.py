@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl import tags
-from moe_rl.algorithms import compute_advantages
 from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
 from moe_rl.rollout.multi_turn import FAILED, RESPONSE_TEXT, Sampler
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, StaleWeightsError
+from moe_rl.experience.multi_turn_batch import failed, group_advantages, multi_turn_scalars, stop_if_failed
 from moe_rl.experience.types import Experience
 
 log = logging.getLogger("moe_rl.train")
@@ -103,7 +103,8 @@ class ExperienceCollector:
         rounds, kept = [], []  # kept: (round, group) of the groups trained on
         for k in range(r.max_sampling_rounds if r.filter_zero_std_groups else 1):
             rounds.append(self._sample(step, k))
-            kept += [(k, g) for g in self._groups_to_keep(rounds[-1].rewards)]
+            stop_if_failed(rounds[-1].samples, r.max_failed_frac, step, r.generate_fn)
+            kept += [(k, g) for g in self._groups_to_keep(rounds[-1])]
             if len(kept) >= r.prompts_per_step:
                 break
         kept_by_filter = len(kept)
@@ -115,7 +116,9 @@ class ExperienceCollector:
         kept = kept[: r.prompts_per_step]
         samples, values = self._select(rounds, kept)
         rewards = rounds[0].rewards
-        advantages = compute_advantages(self.cfg.algorithm.advantage, values, r.group_size, weights=rewards.weights)
+        advantages = group_advantages(
+            self.cfg.algorithm.advantage, values, r.group_size, rewards.weights, failed(samples), r.failed_samples
+        )
         exp = Experience(samples, values, rewards.names, advantages)
         return exp, self._scalars(exp, rounds, kept_by_filter)
 
@@ -135,13 +138,19 @@ class ExperienceCollector:
             return_routing=self.return_routing,
         )
 
-    def _groups_to_keep(self, rewards: RewardBatch) -> list[int]:
-        """Every group, or (dynamic sampling) those whose samples' rewards are not all equal."""
-        grouped = rewards.values.view(-1, self.cfg.rollout.group_size, len(rewards.names))
+    def _groups_to_keep(self, sampled: SampledRound) -> list[int]:
+        """Every group, or (dynamic sampling) those whose samples' rewards are not all equal
+        (``rollout.failed_samples=drop``: among the samples that did not fail)."""
+        g = self.cfg.rollout.group_size
+        values = sampled.rewards.values
         if not self.cfg.rollout.filter_zero_std_groups:
-            return list(range(grouped.shape[0]))
-        varies = (grouped != grouped[:, :1]).any(dim=2).any(dim=1)
-        return varies.nonzero().flatten().tolist()
+            return list(range(len(values) // g))
+        dropped = failed(sampled.samples) if self.cfg.rollout.failed_samples == "drop" else [False] * len(values)
+        rows = [
+            [v for v, f in zip(values[i : i + g].tolist(), dropped[i : i + g]) if not f]
+            for i in range(0, len(values), g)
+        ]
+        return [i for i, group in enumerate(rows) if len({tuple(v) for v in group}) > 1]
 
     def _select(self, rounds: list[SampledRound], kept: list[tuple[int, int]]) -> tuple[list[Sample], torch.Tensor]:
         g = self.cfg.rollout.group_size
@@ -164,9 +173,7 @@ class ExperienceCollector:
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g.tolist())) for g in grouped) / len(grouped)),
             tags.REWARD_DISTINCT_TOTALS_PER_GROUP: float(sum(len(set(t.tolist())) for t in totals) / len(totals)),
-            tags.RESPONSE_LENGTH_MEAN: float(sum(s.policy_token_count for s in samples) / len(samples)),
-            tags.RESPONSE_LENGTH_MAX: float(max(s.policy_token_count for s in samples)),
-            tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / len(samples)),
+            **response_scalars([s for s in samples if FAILED not in s.meta]),
             tags.DATA_TRUNCATED_PROMPTS: float(sum(rd.truncated for rd in rounds)),
             tags.DATA_SKIPPED_LINES: float(len(self.task.skipped)),
         }
@@ -178,30 +185,13 @@ class ExperienceCollector:
         return scalars
 
 
-def multi_turn_scalars(samples: list[Sample]) -> dict[str, float]:
-    """``rollout/multi_turn/*`` over every sample generated (none for single-turn samples):
-    turns, tokens of the policy and of the environment, environment time, tool calls and
-    failures, truncation by the turn or token limit, failed generate functions."""
-    if not samples or "turns" not in samples[0].meta:
-        return {}
-    mean = lambda key: sum(float(s.meta.get(key, 0)) for s in samples) / len(samples)  # noqa: E731
-    failed = [s.meta[FAILED] for s in samples if FAILED in s.meta]
-    if failed:
-        log.warning(
-            "%d of %d samples' generate function failed and scored 0 (first: %s)", len(failed), len(samples), failed[0]
-        )
+def response_scalars(samples: list[Sample]) -> dict[str, float]:
+    """``response/*`` over ``samples`` (those that did not fail: a failed one trains nothing)."""
+    n = max(len(samples), 1)
     return {
-        tags.multi_turn("turns_mean"): mean("turns"),
-        tags.multi_turn("policy_tokens_mean"): mean("policy_tokens"),
-        tags.multi_turn("environment_tokens_mean"): mean("environment_tokens"),
-        tags.multi_turn("environment_seconds_mean"): mean("environment_seconds"),
-        tags.multi_turn("tool_calls_mean"): mean("tool_calls"),
-        tags.multi_turn("tool_failures"): sum(float(s.meta.get("tool_failures", 0)) for s in samples),
-        tags.multi_turn("truncated_by_turns_frac"): sum(s.meta.get("truncated") == "turns" for s in samples)
-        / len(samples),
-        tags.multi_turn("truncated_by_tokens_frac"): sum(s.meta.get("truncated") == "tokens" for s in samples)
-        / len(samples),
-        tags.multi_turn("failed_samples"): float(len(failed)),
+        tags.RESPONSE_LENGTH_MEAN: float(sum(s.policy_token_count for s in samples) / n),
+        tags.RESPONSE_LENGTH_MAX: float(max((s.policy_token_count for s in samples), default=0)),
+        tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / n),
     }
 
 

@@ -12,7 +12,7 @@ from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardScorer
-from moe_rl.rollout.multi_turn import Sampler
+from moe_rl.rollout.multi_turn import FAILED, Sampler
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.experience.collector import generate_and_score
 
@@ -60,7 +60,7 @@ class Evaluator:
                     seed=EVAL_SEED + start,
                 )
                 rewards.append(sampled.rewards)
-                lengths += [s.policy_token_count for s in sampled.samples]
+                lengths += [s.policy_token_count for s in sampled.samples if FAILED not in s.meta]  # a failed one's: 0
                 bar.update(len(chunk))
         return self._scalars(RewardBatch.concat(rewards), lengths)
 
@@ -72,7 +72,7 @@ class Evaluator:
             tags.eval_pass_at(n): sum(pass_at_k(n, c, n) for c in solved) / len(solved),
             tags.EVAL_REWARD_MEAN: float(rewards.total().mean()),
             **{tags.eval_reward(name): float(rewards.values[:, j].mean()) for j, name in enumerate(rewards.names)},
-            tags.EVAL_RESPONSE_LENGTH_MEAN: sum(lengths) / len(lengths),
+            tags.EVAL_RESPONSE_LENGTH_MEAN: sum(lengths) / max(len(lengths), 1),
             tags.EVAL_PROMPTS: float(len(solved)),
         }
         return out

@@ -1,14 +1,19 @@
 """What the model sampled, where a user can read it: a few prompts with their responses,
-rewards and advantages per step in ``samples.jsonl`` and TensorBoard's text tab, and a
-warning when the rewards have told the policy nothing for several steps in a row."""
+rewards and advantages per step in ``samples.jsonl`` and TensorBoard's text tab (a
+multi-turn transcript as its turns, each marked policy or environment; a failed one with
+its reason), and a warning when the rewards have told the policy nothing for several steps
+in a row."""
 
 from __future__ import annotations
 
 import html
+import itertools
 import logging
 from dataclasses import dataclass
 
 from moe_rl.experience.types import Experience
+from moe_rl.rollout.multi_turn import FAILED
+from moe_rl.rollout.types import Sample
 
 log = logging.getLogger("moe_rl.train")
 SAMPLES_TAG = "samples"  # TensorBoard text tag
@@ -25,9 +30,12 @@ class SampleRecord:
     rewards: dict[str, float]
     advantage: float
     finish_reason: str
+    # a multi-turn transcript: its turns in order, {"role": "policy" | "environment", "text": ...}
+    turns: list[dict] | None = None
+    failed: str | None = None  # why its generate function failed (nothing of it trained)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None or k not in ("turns", "failed")}
 
 
 def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size: int) -> list[SampleRecord]:
@@ -46,9 +54,23 @@ def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size
                 rewards={name: round(float(v), 6) for name, v in zip(exp.reward_names, exp.rewards[i].tolist())},
                 advantage=round(float(exp.advantages[i]), 6),
                 finish_reason=s.finish_reason,
+                turns=transcript_turns(s, tokenizer),
+                failed=s.meta.get(FAILED),
             )
         )
     return records
+
+
+def transcript_turns(sample: Sample, tokenizer) -> list[dict] | None:
+    """A multi-turn sample's output as its stretches of policy and environment tokens
+    (``None`` for a single-turn sample and a failed one: nothing of it is the policy's)."""
+    if sample.loss_mask is None or FAILED in sample.meta:
+        return None
+    pairs = zip(sample.output_ids, sample.loss_mask)
+    return [
+        {"role": "policy" if trained else "environment", "text": tokenizer.decode([t for t, _ in run])}
+        for trained, run in itertools.groupby(pairs, key=lambda pair: bool(pair[1]))
+    ]
 
 
 def samples_markdown(records: list[SampleRecord]) -> str:
@@ -59,12 +81,26 @@ def samples_markdown(records: list[SampleRecord]) -> str:
     head = "| prompt | response | " + " | ".join(names) + " | advantage |\n|" + "---|" * (len(names) + 3) + "\n"
     cell = lambda text: html.escape(text).replace("|", "\\|").replace("\n", "<br>") or " "  # noqa: E731
     rows = [
-        f"| {cell(r.prompt)} | {cell(r.response)} | "
+        f"| {cell(r.prompt)} | {_response_cell(r, cell)} | "
         + " | ".join(f"{r.rewards[n]:.3g}" for n in names)
         + f" | {r.advantage:+.3g} |"
         for r in records
     ]
     return head + "\n".join(rows)
+
+
+def _response_cell(record: SampleRecord, cell) -> str:
+    """The response, or a transcript's turns one per line (``**policy 1:** ...``,
+    ``**environment:** ...``); a failed one's reason first."""
+    failed = f"**failed (not trained):** {cell(record.failed)}<br>" if record.failed else ""
+    if not record.turns:
+        return failed + cell(record.response)
+    policy = itertools.count(1)
+    lines = [
+        f"**{'policy ' + str(next(policy)) if t['role'] == 'policy' else 'environment'}:** {cell(t['text'])}"
+        for t in record.turns
+    ]
+    return failed + "<br>".join(lines)
 
 
 class FlatRewardWatch:

@@ -11,15 +11,21 @@ asks SGLang for each turn's new positions only, ``routed_experts_start_len``: SG
 returns a cached prefix's routing from its KV slots, so the pieces join into the
 routing of the whole sequence). :mod:`moe_rl.environments.calculator` is a worked example.
 
-A function that raises or outlives ``rollout.generate_timeout_s`` scores its sample 0
-(counted as ``rollout/multi_turn/failed_samples``; its tokens are kept out of the loss);
-an engine failure (:class:`RolloutError`) or a transcript that does not continue itself
-(:class:`TranscriptError`) stops the run. The timeout is a cancellation, delivered at the
-function's next ``await``: a function that ignores it is abandoned :data:`CANCEL_GRACE_S`
-later; one that blocks the event loop (synchronous work between two awaits) stalls every
-sample and cannot be stopped, only scored 0 when it ends late. Each stretch of a function's
-own code between two awaits is timed (two clock reads per suspension, the engine's share
-left out); one of :data:`BLOCKING_WARN_S` or more names the function in a warning.
+A sample whose function fails scores 0 in every reward and trains nothing (its tokens are
+kept as context; counted as ``rollout/multi_turn/failed_samples``, the first reason in a
+warning): the function raised (a ``CancelledError`` of its own included) or outlived
+``rollout.generate_timeout_s``, returned something other than a :class:`Transcript`, or
+built one that is unusable (:class:`TranscriptError`: a turn that does not continue it, no
+policy turn, log-probs that are not finite). An engine failure (:class:`RolloutError`)
+stops the run; so does a step in which every sample failed (``rollout.max_failed_frac``).
+A transcript longer than the model's context is cut to it (``truncated: "context"``).
+
+The timeout is a cancellation, delivered at the function's next ``await``: a function that
+ignores it is abandoned :data:`CANCEL_GRACE_S` later; one that blocks the event loop
+(synchronous work between two awaits) stalls every sample and cannot be stopped, only
+scored 0 when it ends late. Each stretch of a function's own code between two awaits is
+timed (two clock reads per suspension, the engine's share left out); one of
+:data:`BLOCKING_WARN_S` or more names the function in a warning.
 
 A function may carry a check of its ``rollout.generate_kwargs`` (:func:`checks_kwargs`),
 run when the config loads.
@@ -31,6 +37,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import math
 import time
 from collections.abc import Coroutine, Generator
 from dataclasses import dataclass, field, replace
@@ -55,6 +62,8 @@ log = logging.getLogger(__name__)
 GENERATE_ARGS = ("prompt_ids", "engine", "tokenizer", "sampling")  # keyword arguments every generate function takes
 FAILED = "failed"  # Sample.meta key: why the generate function failed (the sample scores 0)
 RESPONSE_TEXT = "response_text"  # Sample.meta key: what the rewards score, when the function said
+TRUNCATED = "truncated"  # Sample.meta key: "turns" | "tokens" (the function's limits) | "context" (the model's)
+DROPPED_ENVIRONMENT_TOKENS = "dropped_environment_tokens"  # Sample.meta key: environment tokens after the last turn
 GenerateFn = Callable[..., Awaitable["Transcript"]]
 KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
@@ -63,6 +72,10 @@ CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its can
 
 class TranscriptError(RuntimeError):
     """A generate function built an inconsistent transcript (a bug in it, not in the environment)."""
+
+
+class FunctionCancelled(RuntimeError):
+    """A generate function raised ``CancelledError`` of its own accord (its sample scores 0)."""
 
 
 @dataclass(frozen=True)
@@ -125,13 +138,18 @@ async def timed(coro: Coroutine[Any, Any, Any], clock: LoopClock, *, engine: boo
 
 class EngineHandle:
     """One sample's access to the engine: its sampling settings and seed (each turn gets
-    its own), the run's concurrency limit, and routing when the run needs it."""
+    its own), the run's concurrency limit, and routing when the run needs it. With
+    ``max_tokens`` (the model's context) a turn samples at most up to it; a turn asked for
+    at the context gets no tokens (finish reason ``"length"``; asked for again:
+    :class:`TranscriptError`)."""
 
-    def __init__(self, source: TurnSource, sampling: SamplingParams, seed: int) -> None:
-        self._source, self.sampling, self.seed = source, sampling, seed
+    def __init__(self, source: TurnSource, sampling: SamplingParams, seed: int, max_tokens: int | None = None) -> None:
+        self._source, self.sampling, self.seed, self.max_tokens = source, sampling, seed, max_tokens
         self.turns: list[Turn] = []
         self.seconds = 0.0  # spent waiting for the engine
         self.clock = LoopClock()
+        self.context_full = False  # a turn was cut at the model's context, or got no room there
+        self._refused = False  # a turn at the context got no tokens
 
     async def generate(
         self, token_ids: Sequence[int], *, max_new_tokens: int | None = None, stop_token_ids: Sequence[int] = ()
@@ -143,12 +161,16 @@ class EngineHandle:
     async def _generate(
         self, token_ids: Sequence[int], max_new_tokens: int | None, stop_token_ids: Sequence[int]
     ) -> Turn:
+        ids = [int(t) for t in token_ids]
+        limit = max_new_tokens or self.sampling.max_new_tokens
+        room = limit if self.max_tokens is None else min(limit, self.max_tokens - len(ids))
+        if room <= 0:
+            return self._at_context(ids)
         params = replace(
             self.sampling,
-            max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
+            max_new_tokens=room,
             stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))),
         )
-        ids = [int(t) for t in token_ids]
         known, routing_from = self._known_routing(ids)
         start = time.perf_counter()
         sample = await self._source.generate(
@@ -167,7 +189,20 @@ class EngineHandle:
             routed,
         )
         self.turns.append(turn)
+        if room < limit and turn.finish_reason == "length":
+            self.context_full = True
         return turn
+
+    def _at_context(self, ids: list[int]) -> Turn:
+        """A turn without tokens for a request at the model's context (once)."""
+        last = self.turns[-1] if self.turns else None
+        if self._refused or last is None:
+            raise TranscriptError(
+                f"asked for a turn of {len(ids)} tokens, at the model's context of {self.max_tokens} tokens"
+                + (" again (a turn there gets no tokens: end the transcript)" if last is not None else "")
+            )
+        self._refused = self.context_full = True
+        return Turn(ids, [], [], "length", last.weight_version, last.routed_experts)
 
     def _known_routing(self, ids: list[int]) -> tuple[Tensor | None, int]:
         """The routing the last turn already holds for a prefix of ``ids`` (when ``ids``
@@ -236,29 +271,57 @@ class Transcript:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
-    def to_sample(self, seed: int) -> Sample:
+    def to_sample(self, seed: int, max_tokens: int | None = None) -> Sample:
         """The transcript as a trainable sample: environment tokens after the last policy
-        turn are left out (they would be context for nothing)."""
-        end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
-        versions = set(self.weight_versions)
-        if len(versions) > 1:
-            raise StaleWeightsError(f"a multi-turn sample mixes weight versions {sorted(versions)}")
+        turn are left out (they would be context for nothing; counted in
+        ``meta["dropped_environment_tokens"]``), and with ``max_tokens`` (the model's
+        context) prompt and output are cut to that many (``meta["truncated"] = "context"``).
+        :class:`TranscriptError` for a transcript that cannot be trained on."""
+        self._check()
+        end = last_policy_end(self.loss_mask)
+        dropped = len(self.loss_mask) - end
         routed = self.routed_experts
         if routed is not None and len(routed) != len(self.prompt_ids) + end - 1:
             raise TranscriptError(
                 f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}"
             )
+        meta = {**self.meta, **({RESPONSE_TEXT: self.response_text} if self.response_text is not None else {})}
+        finish = self.finish_reason
+        if max_tokens is not None and len(self.prompt_ids) + end > max_tokens:
+            end = last_policy_end(self.loss_mask[: max(0, max_tokens - len(self.prompt_ids))])
+            if end == 0:
+                raise TranscriptError(f"no policy token of the transcript lies within the model's {max_tokens} tokens")
+            routed = routed[: len(self.prompt_ids) + end - 1] if routed is not None else None
+            meta[TRUNCATED], finish = "context", "length"
         return Sample(
             prompt_ids=list(self.prompt_ids),
             output_ids=self.output_ids[:end],
             output_logprobs=self.logprobs[:end],
-            finish_reason=self.finish_reason,
-            weight_version=next(iter(versions), ""),
+            finish_reason=finish,
+            weight_version=self.weight_versions[0],
             seed=seed,
             routed_experts=routed,
-            meta={**self.meta, **({RESPONSE_TEXT: self.response_text} if self.response_text is not None else {})},
+            meta={**meta, DROPPED_ENVIRONMENT_TOKENS: dropped},
             loss_mask=self.loss_mask[:end],
         )
+
+    def _check(self) -> None:
+        """:class:`TranscriptError` (or :class:`StaleWeightsError`) for a transcript that
+        cannot be trained on."""
+        if not self.weight_versions:
+            raise TranscriptError(
+                "the transcript has no policy turn (add one: transcript.add_policy(await engine.generate(...)))"
+            )
+        versions = set(self.weight_versions)
+        if len(versions) > 1:
+            raise StaleWeightsError(f"a multi-turn sample mixes weight versions {sorted(versions)}")
+        if not all(math.isfinite(v) for v in self.logprobs):
+            raise TranscriptError("a policy turn's log-probs are not finite (NaN or Inf from the engine)")
+
+
+def last_policy_end(loss_mask: Sequence[int]) -> int:
+    """One past the last policy (trained) token of ``loss_mask``; 0 when there is none."""
+    return max((i + 1 for i, m in enumerate(loss_mask) if m), default=0)
 
 
 # ------------------------------------------------------------------ loading the function
@@ -352,13 +415,21 @@ class SingleTurnSampler:
 
 class MultiTurnSampler:
     """``n`` transcripts of each problem from ``fn``, all concurrently (within the engine's
-    concurrency limit: ``rollout.concurrency_per_server`` per SGLang server)."""
+    concurrency limit: ``rollout.concurrency_per_server`` per SGLang server), each cut to
+    ``max_tokens`` (the model's context) when given."""
 
     def __init__(
-        self, engine: RolloutEngine, fn: GenerateFn, tokenizer: Any, *, kwargs: dict[str, Any], timeout_s: float
+        self,
+        engine: RolloutEngine,
+        fn: GenerateFn,
+        tokenizer: Any,
+        *,
+        kwargs: dict[str, Any],
+        timeout_s: float,
+        max_tokens: int | None = None,
     ) -> None:
         self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
-        self.kwargs, self.timeout_s = dict(kwargs), timeout_s
+        self.kwargs, self.timeout_s, self.max_tokens = dict(kwargs), timeout_s, max_tokens
         self._warned: set[str] = set()  # what has been warned about once
 
     def sample(
@@ -372,7 +443,14 @@ class MultiTurnSampler:
         routed: bool,
     ) -> list[list[Sample]]:
         params.validate()
-        return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed))
+        try:
+            return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed))
+        except KeyboardInterrupt as e:  # asyncio lets it through at once, from any sample
+            raise KeyboardInterrupt(
+                str(e)
+                or f"interrupted during the rollout (a second Ctrl-C, or a KeyboardInterrupt raised by"
+                f" rollout.generate_fn={function_name(self.fn)}); the step in progress is lost"
+            ) from None
 
     async def _sample_all(
         self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool
@@ -387,7 +465,7 @@ class MultiTurnSampler:
     async def _one(
         self, source: TurnSource, problem: Any, prompt: list[int], params: SamplingParams, seed: int, routed: bool
     ) -> Sample:
-        handle = EngineHandle(source, params, seed)
+        handle = EngineHandle(source, params, seed, self.max_tokens)
         start = time.perf_counter()
         call = self.fn(
             problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs
@@ -396,12 +474,14 @@ class MultiTurnSampler:
             transcript = await self._within_timeout(call, handle.clock)
             if not isinstance(transcript, Transcript):
                 raise TranscriptError(f"the generate function returned {type(transcript).__name__}, not a Transcript")
-            sample = transcript.to_sample(seed)
-        except (RolloutError, TranscriptError):
+            sample = transcript.to_sample(seed, self.max_tokens)
+        except RolloutError:  # the engine failed (or served other weights): the run stops
             raise
-        except Exception as e:  # the environment failed (or timed out): the sample scores 0
+        except Exception as e:  # the function or its environment failed (or timed out): the sample scores 0
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             sample = await self._failed_sample(source, handle, prompt, params, seed, routed, why)
+        if handle.context_full and FAILED not in sample.meta:
+            sample.meta[TRUNCATED] = "context"
         sample.meta.update(
             turns=len(handle.turns),
             policy_tokens=sample.policy_token_count,
@@ -431,11 +511,13 @@ class MultiTurnSampler:
                 if task.cancelled():
                     raise TimeoutError
                 # it ended on its own (with the timeout due at once, or despite its cancellation): late below
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # this sample's own task was cancelled (the run is stopping)
             task.cancel()
             raise
         finally:
             self._warn_if_blocking(clock)
+        if task.cancelled():  # done without a cancellation of ours: the function raised CancelledError itself
+            raise FunctionCancelled("the generate function raised CancelledError (moe-rl did not cancel it)")
         result = task.result()
         elapsed = time.perf_counter() - start
         if elapsed > self.timeout_s:  # it blocked the event loop past its deadline, or outran its cancellation
@@ -473,6 +555,10 @@ class MultiTurnSampler:
             probe = await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)
             last = Turn(prompt, [], [], "abort", "", probe.routed_experts[: len(prompt) - 1])
         output = (last.input_ids[len(prompt) :] + last.output_ids) if last is not None else []
+        routing = last.routed_experts if last is not None else None
+        if self.max_tokens is not None and len(prompt) + len(output) > self.max_tokens:
+            output = output[: max(0, self.max_tokens - len(prompt))]
+            routing = routing[: len(prompt) + len(output) - 1] if routing is not None else None
         return Sample(
             prompt_ids=list(prompt),
             output_ids=output,
@@ -482,7 +568,7 @@ class MultiTurnSampler:
             if last is not None and last.weight_version
             else self.engine.weight_version,
             seed=seed,
-            routed_experts=last.routed_experts if last is not None else None,
+            routed_experts=routing,
             meta={FAILED: why},
             loss_mask=[0] * len(output),
         )

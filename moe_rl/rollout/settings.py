@@ -14,6 +14,8 @@ ENGINES = ("local", "sglang")
 WEIGHT_SYNCS = ("distributed", "tensor", "disk")
 # the local engine's weights: as trained, or rounded to a lower precision (torch dtype name)
 PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
+# how a failed multi-turn sample enters its group's advantages (moe_rl.experience.failed_samples)
+FAILED_SAMPLES = ("zero", "drop")
 
 
 @dataclass
@@ -95,6 +97,13 @@ class RolloutConfig:
     # a sample's generate function past this scores 0: cancelled at its next await (abandoned 1 s later
     # if it ignores that); one that blocks the event loop cannot be stopped, only named in a warning
     generate_timeout_s: float = 300.0
+    # multi-turn: a step with more than this share of its samples failed stops the run, in one
+    # line naming the first reason (1: only a step in which every sample failed, which always stops)
+    max_failed_frac: float = 1.0
+    # multi-turn: how a failed sample (scored 0 in every reward, none of its tokens trained)
+    # enters its group's advantages: zero (a reward of 0 in the group's statistics) | drop (left
+    # out of them: the statistics over the group's other samples, its own advantage 0)
+    failed_samples: str = "zero"
     # local engine: a simulated train-inference mismatch (routers perturbed on the inference side)
     simulate_mismatch: SimulatedMismatch = field(default_factory=SimulatedMismatch)
 
@@ -161,6 +170,9 @@ class RolloutConfig:
 
     def _validate_generate_fn(self) -> None:
         require_positive("rollout.generate_timeout_s", self.generate_timeout_s)
+        require_choice("rollout.failed_samples", self.failed_samples, FAILED_SAMPLES)
+        if not 0 <= self.max_failed_frac <= 1:
+            raise ConfigError(f"rollout.max_failed_frac={self.max_failed_frac} must be in [0, 1]")
         if self.generate_fn:
             from moe_rl.rollout.multi_turn import check_generate_fn
 

@@ -183,8 +183,9 @@ class StepLogger:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         for tag, values in (histograms or {}).items():
+            values = values.float()[torch.isfinite(values)]  # NaN/Inf (e.g. an engine's log-probs) cannot be binned
             if values.numel():
-                self.writer.add_histogram(tag, values.float(), step)
+                self.writer.add_histogram(tag, values, step)
         written = self._log_routing(step, routing)
         self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars, **written}) + "\n")
