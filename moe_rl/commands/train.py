@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-rl: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt as e:
-        print(f"moe-rl: {e or 'interrupted'}", file=sys.stderr)
+        print(f"moe-rl: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
     finally:
         from parallel.distributed import destroy_distributed
