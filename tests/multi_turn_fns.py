@@ -143,3 +143,12 @@ async def too_few_args(problem, *, prompt_ids) -> Transcript:
 def always_zero(sample, **kwargs) -> float:
     """A reward that never pays (the flat-reward warning's case)."""
     return 0.0
+
+
+async def fails_by_seed(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """Raises after its first turn for the samples of odd seed (within a group too)."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids))
+    if engine.seed % 2:
+        raise ConnectionError("the environment went away")
+    return transcript

@@ -23,8 +23,8 @@ from moe_rl.data.tasks import ArithmeticChainTask, Problem
 from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
 from moe_rl.rollout import multi_turn
-from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.objective import PolicyObjective
@@ -226,6 +226,165 @@ def test_a_broken_function_or_transcript_is_a_failed_sample(fn, why: str) -> Non
     assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
 
 
+def test_a_keyboard_interrupt_in_a_rollout_says_where_it_came_from() -> None:
+    with pytest.raises(
+        KeyboardInterrupt, match="interrupted during the rollout .*multi_turn_fns:raises_keyboard_interrupt"
+    ):
+        sample_with(ScriptedPolicy(["ab"]), multi_turn_fns.raises_keyboard_interrupt, Problem("1=", "1"))
+
+
+def test_turns_stop_at_the_models_context_and_longer_transcripts_are_cut() -> None:
+    """A turn samples at most up to the context, one asked for at it gets no tokens (again:
+    the sample fails); a transcript built past it is cut there, routing with it."""
+    policy = ScriptedPolicy(["ab", "c" * 40])
+    sampler = MultiTurnSampler(
+        policy, multi_turn_fns.overlong, TOKENIZER, kwargs={"inserted": 8}, timeout_s=30, max_tokens=30
+    )
+    s = sampler.sample([Problem("1=", "1")], [ids("1=")], 1, PARAMS, seed=7, routed=True)[0][0]
+    assert FAILED not in s.meta and s.meta["truncated"] == "context" and s.finish_reason == "length"
+    assert len(s.prompt_ids) + len(s.output_ids) == 30 and s.meta["turns"] == 2  # the third turn: no tokens
+    assert policy.requests[1][0] == s.prompt_ids + s.output_ids[: 2 + 16] and len(policy.requests) == 2
+    assert len(s.routed_experts) == 29
+    t = Transcript(ids("1="))
+    t.add_policy(_turn(t, "ab", [-1.0, -1.0]))
+    t.add_environment(ids("xyz"))
+    t.add_policy(_turn(t, "cd", [-1.0, -1.0]))
+    t.routed_experts = torch.zeros(len(t.token_ids) - 1, 1, 2)
+    cut = t.to_sample(0, max_tokens=len(ids("1=abxyzc")))
+    assert cut.output_ids == ids("abxyzc") and cut.loss_mask == [1, 1, 0, 0, 0, 1] and len(cut.routed_experts) == 7
+    assert cut.meta["truncated"] == "context" and cut.finish_reason == "length"
+    with pytest.raises(TranscriptError, match="no policy token of the transcript lies within the model's 2 tokens"):
+        t.to_sample(0, max_tokens=2)
+
+
+def test_a_step_whose_samples_all_failed_stops_the_run_in_one_line() -> None:
+    collector = scripted_collector("fails_after_a_turn")
+    with pytest.raises(RolloutError) as stopped:
+        collector.collect(0)
+    assert str(stopped.value) == (
+        "step 1: 8 of 8 samples failed in rollout.generate_fn=multi_turn_fns:fails_after_a_turn"
+        " (rollout.max_failed_frac=1); the first: ConnectionError: the environment went away"
+    )
+    some = scripted_collector("fails_by_seed", "rollout.max_failed_frac=0.25")
+    with pytest.raises(RolloutError, match=r"step 1: \d of 8 samples failed .*max_failed_frac=0.25"):
+        some.collect(0)
+
+
+@pytest.mark.parametrize("mode", ["zero", "drop"])
+def test_failed_samples_enter_their_groups_advantages_as_zero_or_not_at_all(mode: str) -> None:
+    from moe_rl.algorithms import compute_advantages
+
+    exp, scalars = scripted_collector("fails_by_seed", f"rollout.failed_samples={mode}").collect(0)
+    failed = torch.tensor([FAILED in s.meta for s in exp.samples])
+    assert 0 < int(failed.sum()) < 8 and scalars["rollout/multi_turn/failed_samples"] == int(failed.sum())
+    assert exp.rewards[failed].sum() == 0 and (exp.rewards[~failed] == 1).all()
+    ok = [s for s in exp.samples if FAILED not in s.meta]  # response/* leaves the failed ones out
+    assert scalars["response/length_mean"] == pytest.approx(sum(s.policy_token_count for s in ok) / len(ok))
+    for g in range(2):
+        rows = slice(4 * g, 4 * g + 4)
+        if mode == "zero":
+            expected = compute_advantages("grpo", exp.rewards[rows], 4)
+        else:  # the group is its samples that did not fail
+            expected = torch.zeros(4)
+            kept = (~failed[rows]).nonzero().flatten()
+            if len(kept):
+                expected[kept] = compute_advantages("grpo", exp.rewards[rows][kept], len(kept))
+        torch.testing.assert_close(exp.advantages[rows], expected)
+
+
+def test_drop_takes_each_groups_statistics_over_its_samples_that_did_not_fail() -> None:
+    from moe_rl.algorithms import compute_advantages
+    from moe_rl.experience.multi_turn_batch import group_advantages
+
+    values = torch.tensor([[1.0, 0.5], [0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.2], [0.5, 1.0]])
+    failed = [False, True, False, False, False, True]  # one failed per group of 3: groups of 2 remain
+    kept = [0, 2, 3, 4]
+    for name in ("grpo", "dr_grpo", "rloo", "gdpo"):
+        drop = group_advantages(name, values, 3, [1.0, 0.5], failed, "drop")
+        torch.testing.assert_close(drop[kept], compute_advantages(name, values[kept], 2, weights=[1.0, 0.5]))
+        assert drop[[1, 5]].tolist() == [0.0, 0.0]
+        zero = group_advantages(name, values, 3, [1.0, 0.5], failed, "zero")
+        torch.testing.assert_close(zero, compute_advantages(name, values, 3, weights=[1.0, 0.5]))
+    uneven = group_advantages("grpo", values, 3, [1.0, 0.0], [False, True, False, False, False, False], "drop")
+    torch.testing.assert_close(uneven[3:], compute_advantages("grpo", values[3:, :1], 3))
+    torch.testing.assert_close(uneven[[0, 2]], compute_advantages("grpo", values[[0, 2], :1], 2))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.failed_samples=skip", "rollout.failed_samples='skip' is not valid; valid: zero, drop"),
+        ("rollout.max_failed_frac=1.5", "rollout.max_failed_frac=1.5 must be in \\[0, 1\\]"),
+        ("rollout.max_failed_frac=-0.1", "rollout.max_failed_frac=-0.1 must be in"),
+    ],
+)
+def test_the_failed_sample_options_are_checked_at_load(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def scripted_collector(fn: str, *overrides: str):
+    """The collector of a run of ``multi_turn_fns:<fn>`` on the scripted policy (2 prompts x 4)."""
+    from moe_rl.data.prompts import PromptFormatter
+    from moe_rl.experience.builders import build_sampler, sampling_params
+    from moe_rl.experience.collector import ExperienceCollector
+    from moe_rl.rewards import RewardScorer, RewardSpec
+
+    cfg = load_config(
+        None,
+        [f"rollout.generate_fn=multi_turn_fns:{fn}", "rollout.prompts_per_step=2", "rollout.group_size=4", *overrides],
+    )
+    policy = ScriptedPolicy(["\\boxed{2}<eos>"])
+    return ExperienceCollector(
+        cfg=cfg,
+        task=ArithmeticChainTask(9),
+        formatter=PromptFormatter(TOKENIZER),
+        engine=policy,
+        sampler=build_sampler(cfg, policy, TOKENIZER, 64),
+        scorer=RewardScorer([RewardSpec("format", "format", 1.0, {})]),
+        sampling=sampling_params(cfg, TOKENIZER.eos_token_id),
+        return_routing=True,
+    )
+
+
+def test_metrics_and_logs_survive_odd_meta_and_nan_and_show_transcripts(tmp_path, caplog) -> None:
+    """A string or NaN where the metrics read numbers counts 0 (one warning); NaN in a
+    histogram is left out; samples.jsonl and TensorBoard's text mark each turn's role."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moe_rl.experience.collector import multi_turn_scalars
+    from moe_rl.experience.sample_log import sample_records
+    from moe_rl.trainer.metrics import StepLogger
+
+    with caplog.at_level("WARNING", logger="moe_rl.train"):
+        s = sample_with(ScriptedPolicy(["ab"]), multi_turn_fns.odd_meta, Problem("1=", "1"))
+        scalars = multi_turn_scalars([s, s])
+    assert scalars["rollout/multi_turn/tool_calls_mean"] == 0 and scalars["rollout/multi_turn/tool_failures"] == 0
+    assert "meta['tool_calls']='three' is not a finite number" in caplog.text
+    exp = multi_turn_experience()
+    exp.samples[2].meta[FAILED] = "ConnectionError: gone"
+    records = sample_records(exp, TOKENIZER, 1, 3, 1)
+    assert records[0].turns == [
+        {"role": "policy", "text": "calc("},
+        {"role": "environment", "text": "=3 "},
+        {"role": "policy", "text": "3<eos>"},
+    ]
+    assert records[2].failed == "ConnectionError: gone" and records[2].turns is None
+    logger = StepLogger(tmp_path, 1, 0, enabled=True, progress=False)
+    logger.log(1, {"x": 1.0}, {}, {"train/log_ratio": torch.tensor([float("nan"), 0.5])}, records)
+    logger.log(2, {"x": 1.0}, {}, {"train/log_ratio": torch.tensor([float("nan")])})
+    logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert (
+        lines[0]["turns"][1] == {"role": "environment", "text": "=3 "} and lines[2]["failed"] == "ConnectionError: gone"
+    )
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0, "histograms": 0}).Reload()
+    text = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "**policy 1:** calc(<br>**environment:** =3 <br>**policy 2:** 3&lt;eos&gt;" in text
+    assert "**failed (not trained):** ConnectionError: gone" in text
+    assert [e.step for e in events.Histograms("train/log_ratio")] == [1]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -408,6 +567,29 @@ def assert_multi_turn_r3(rows: dict[int, dict]) -> None:
         assert row["routing/train_vs_rollout/environment_tokens/changed_frac/mean"] == 0
         assert row["routing/train_vs_rollout/logp_mismatch/mean"] < 1e-3
         assert abs(row["train/loss"]) < 10
+
+
+@pytest.mark.e2e
+def test_a_run_whose_every_sample_fails_stops_in_one_line(demo_cache, tmp_path) -> None:
+    from conftest import moe_rl
+
+    done = moe_rl(
+        "train",
+        *WARM_START,
+        f"warm_start.cache_dir={demo_cache}",
+        f"train.run_dir={tmp_path / 'run'}",
+        "train.progress=false",
+        "train.steps=3",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.generate_fn=multi_turn_fns:returns_none",
+        env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "moe-rl: stopped: step 1: 4 of 4 samples failed in rollout.generate_fn=multi_turn_fns:returns_none"
+        " (rollout.max_failed_frac=1); the first: TranscriptError: the generate function returned NoneType, not a Transcript"
+    )
 
 
 @pytest.mark.e2e

@@ -121,7 +121,10 @@ class _TimedSteps:
                 self._count(time.perf_counter() - start, engine_before)
             try:
                 value, error = (yield yielded), None
-            except BaseException as e:  # a cancellation (or close) goes on to the coroutine
+            except GeneratorExit:  # closed (an abandoned sample garbage-collected): close the coroutine too
+                self.coro.close()
+                raise
+            except BaseException as e:  # a cancellation goes on to the coroutine
                 value, error = None, e
 
     def _count(self, seconds: float, engine_before: float) -> None:
