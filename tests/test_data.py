@@ -404,3 +404,21 @@ def test_compare_report_opens_with_its_conclusions(tmp_path: Path) -> None:
     )
     two_runs = CLAIMS[1].comparisons[0]
     assert _row(2, two_runs, None).startswith("| 2. grpo (A) > grpo_r2 (B) | routing/replayed/changed_frac/mean |")
+
+
+def test_compare_says_when_it_continues_an_earlier_run_and_fresh_deletes_only_its_own(tmp_path: Path) -> None:
+    from moe_rl.commands.compare import remove_earlier_runs, start_line
+
+    out = tmp_path / "runs"
+    (out / "configs").mkdir(parents=True)
+    assert start_line(out / "grpo", steps=4) == "started"
+    for name, step in (("grpo", 4), ("gspo", 2), ("mine", 4)):
+        (out / name / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (out / name / "checkpoints" / f"step_{step:06d}" / "meta.json").write_text("{}")
+    for name in ("grpo", "gspo"):
+        (out / "configs" / f"{name}.yaml").write_text("{}")
+    assert "up to step 4, already finished: its results are reused (--fresh" in start_line(out / "grpo", steps=4)
+    assert "up to step 2, continuing it" in start_line(out / "gspo", steps=4)
+    # only the runs asked for, and only directories compare made (it wrote their config)
+    assert remove_earlier_runs(out, ["grpo", "mine", "absent"]) == [out / "grpo"]
+    assert not (out / "grpo").exists() and (out / "gspo").is_dir() and (out / "mine").is_dir()

@@ -22,6 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seeds", default=None, help="comma-separated seeds: every run once per seed, reported as mean and spread"
     )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete the earlier results of the runs being done (their directories under out_dir) and start them over",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run (base config keys)")
     p.set_defaults(func=run)
 
@@ -64,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             for name, extra in runs.items()
             for seed in seeds
         }
+    if args.fresh:
+        for run_dir in remove_earlier_runs(out_dir, list(runs)):
+            print(f"[compare] --fresh: deleted the earlier run {run_dir}", flush=True)
     configs = {}
     for name, extra in runs.items():
         merged = _merge(spec.get("base") or {}, extra or {})
@@ -101,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             proc = _start(["train", "--config", str(path), *args.overrides], log_path, threads)
             active.append((name, proc, time.monotonic()))
-            print(f"[compare] {name}: started (log: {log_path})", flush=True)
+            print(
+                f"[compare] {name}: {start_line(Path(cfg.train.run_dir), cfg.train.steps)} (log: {log_path})",
+                flush=True,
+            )
         time.sleep(0.5)
         for item in list(active):
             name, proc, t0 = item
@@ -130,6 +141,32 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"[compare] tensorboard --logdir {out_dir}")
     return 1 if failed else 0
+
+
+def start_line(run_dir: Path, steps: int) -> str:
+    """How a run starts: afresh, or continuing the checkpoints an earlier compare left
+    (said out loud: a finished run is reused as it is, results of older code included)."""
+    from moe_rl.checkpoint.store import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return "started"
+    how = "already finished: its results are reused" if newest[0] >= steps else "continuing it"
+    return f"{run_dir} holds an earlier run up to step {newest[0]}, {how} (--fresh starts it over)"
+
+
+def remove_earlier_runs(out_dir: Path, names: list[str]) -> list[Path]:
+    """Delete the run directories an earlier compare made for ``names`` (the ones whose
+    config it wrote under ``out_dir/configs``); nothing else is touched."""
+    import shutil
+
+    removed = []
+    for name in names:
+        run_dir = out_dir / name
+        if run_dir.is_dir() and (out_dir / "configs" / f"{name}.yaml").is_file():
+            shutil.rmtree(run_dir)
+            removed.append(run_dir)
+    return removed
 
 
 def runs_at_a_time(spec: dict, configs: list) -> int:
