@@ -422,3 +422,19 @@ def test_compare_says_when_it_continues_an_earlier_run_and_fresh_deletes_only_it
     # only the runs asked for, and only directories compare made (it wrote their config)
     assert remove_earlier_runs(out, ["grpo", "mine", "absent"]) == [out / "grpo"]
     assert not (out / "grpo").exists() and (out / "gspo").is_dir() and (out / "mine").is_dir()
+
+
+def test_compare_reuses_a_finished_run_only_of_the_same_config(tmp_path: Path) -> None:
+    from moe_rl.checkpoint.store import FORMAT
+    from moe_rl.checkpoint.verify import sealed
+    from moe_rl.commands.compare import finished_earlier
+
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=4"])
+    assert not finished_earlier(cfg)  # nothing there
+    meta = {"step": 4, "world_size": 1, "format": FORMAT, "fingerprint": cfg.fingerprint()}
+    step = tmp_path / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps(sealed(meta, {})))
+    assert finished_earlier(cfg)
+    assert not finished_earlier(load_config(None, [f"train.run_dir={tmp_path}", "train.steps=6"]))  # continued
+    assert not finished_earlier(load_config(None, [f"train.run_dir={tmp_path}", "train.steps=4", "train.seed=9"]))

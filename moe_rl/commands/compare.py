@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         while pending and len(active) < parallel:
             name, (path, cfg) = pending.pop(0)
             log_path = Path(cfg.train.run_dir) / "train.log"
+            if finished_earlier(cfg):
+                print(f"[compare] {name}: {start_line(Path(cfg.train.run_dir), cfg.train.steps)}", flush=True)
+                continue
             log_path.parent.mkdir(parents=True, exist_ok=True)
             proc = _start(["train", "--config", str(path), *args.overrides], log_path, threads)
             active.append((name, proc, time.monotonic()))
@@ -153,6 +156,24 @@ def start_line(run_dir: Path, steps: int) -> str:
         return "started"
     how = "already finished: its results are reused" if newest[0] >= steps else "continuing it"
     return f"{run_dir} holds an earlier run up to step {newest[0]}, {how} (--fresh starts it over)"
+
+
+def finished_earlier(cfg) -> bool:
+    """Whether ``cfg``'s run directory holds a finished run of the same config (its
+    fingerprint), whose results are then reused without starting it; a run of another
+    config is left to ``moe-rl train`` to refuse."""
+    from moe_rl.checkpoint.run_dir import check_run_dir
+    from moe_rl.checkpoint.store import latest_checkpoint
+    from moe_rl.config import ConfigError
+
+    newest = latest_checkpoint(cfg.train.run_dir)
+    if newest is None or newest[0] < cfg.train.steps:
+        return False
+    try:
+        check_run_dir(cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 def remove_earlier_runs(out_dir: Path, names: list[str]) -> list[Path]:
