@@ -312,6 +312,16 @@ SCALE_REGIME_CLAIMS = (
         ),
     ),
     Claim(
+        "The mismatch hurts GRPO: without it GRPO learns more on held-out problems",
+        "R3 paper: the train-inference routing mismatch, not the update itself, is what degrades MoE RL",
+        (
+            Comparison(
+                Side("grpo_no_mismatch", HELD_OUT, tags.eval_pass_at(1)), Side("grpo", HELD_OUT, tags.eval_pass_at(1))
+            ),
+        ),
+        caveat="held-out pass@1 of the evaluations after step 0; grpo_no_mismatch: the same run without the simulation",
+    ),
+    Claim(
         "GRPO without replay learns less on held-out problems than GRPO+R3",
         "R3 paper: GRPO without replay degrades or collapses on MoE models where GRPO+R3 keeps improving",
         (Comparison(Side("grpo_r3", HELD_OUT, tags.eval_pass_at(1)), Side("grpo", HELD_OUT, tags.eval_pass_at(1))),),

@@ -515,7 +515,9 @@ def regime_section(data: dict[str, dict[str, dict[int, float]]], seeds: list[int
     """The simulated train-inference mismatch the runs met (``rollout.simulate_mismatch``):
     per MoE layer the target flip fraction, what the engine measured against its unperturbed
     self, and what the trainer measured against the engine (runs without R3); the tokens
-    flipped in any layer, the KL, and the update-side routing change. Empty without one."""
+    flipped in any layer, the KL, and the update-side routing change; over the runs that
+    simulate it (a control run without it is left out). Empty without one."""
+    data = {name: scalars for name, scalars in data.items() if tags.SIMULATED_TARGET_FLIP_FRAC in scalars}
     target = _run_mean(data, tags.SIMULATED_TARGET_FLIP_FRAC)
     if target is None:
         return ""

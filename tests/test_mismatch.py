@@ -127,8 +127,12 @@ def test_the_report_states_the_regime_reached_per_layer() -> None:
             out[tags.routing("changed_frac", "train_vs_rollout", layer)] = steps(t)
         return out
 
-    # R3's run (trainer 0: it replays the engine) is left out of the trainer's column
-    section = regime_section({"grpo": run((0.09, 0.13), (0.11, 0.15)), "grpo_r3": run((0.11, 0.13), (0.0, 0.0))})
+    # R3's run (trainer 0: it replays the engine) is left out of the trainer's column, and a
+    # control run without the simulation (no target logged) out of every column
+    control = {tags.routing("changed_frac", "train_vs_rollout", layer): {1: 0.004} for layer in (0, 1)}
+    section = regime_section(
+        {"grpo": run((0.09, 0.13), (0.11, 0.15)), "grpo_r3": run((0.11, 0.13), (0.0, 0.0)), "control": control}
+    )
     assert "| 0 | 0.100 | 0.100 | 0.110 | yes |" in section and "| 1 | 0.100 | 0.130 | 0.150 | no |" in section
     assert "A simulation" in section
     assert regime_section({"grpo": {tags.TRAIN_LOSS: {1: 0.0}}}) == ""
