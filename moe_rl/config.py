@@ -62,6 +62,11 @@ class TrainConfig:
     # write checkpoints in the background (a forked writer per rank) while training goes on;
     # the next save and the end of the run wait for it. false: every save blocks until written
     async_save: bool = True
+    # the distributed optimizer's state in checkpoints: true, gathered over the data-parallel ranks
+    # at save (megatron's fully_reshardable: resumes under any layout); false, each rank writes its
+    # own shard (dp_reshardable: no gather, far less host and GPU memory at save; a resume may
+    # change the data-parallel size only, another tp / pp / ep / etp is refused)
+    checkpoint_reshardable: bool = True
     export_every: int = 0  # also write HF weights (model/) into every N-th step's checkpoint (0: only the last step's)
     resume: bool = True  # continue from the run directory's newest checkpoint
     resume_anyway: bool = False  # resume although the config differs from the checkpoint's run

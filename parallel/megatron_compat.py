@@ -49,20 +49,26 @@ def _mask_padding_in_expert_load() -> None:
 
 def _adam_step_in_reshardable_load() -> None:
     """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every entry of a
-    parameter's optimizer state from the loaded tensors. torch Adam (the optimizer without
-    Apex or Transformer Engine) keeps its ``step`` there too, which a ``fully_reshardable``
-    load leaves out (``load_state_dict`` has set it already): a KeyError on resume (0.16.1).
-    Copy the other entries, and ``step`` only when it was loaded."""
+    parameter's optimizer state from the loaded tensors (0.16.1). torch Adam (the optimizer
+    without Apex or Transformer Engine) keeps its ``step`` there too, which
+    ``load_state_dict`` has already set from the checkpoint's parameter groups: a
+    ``fully_reshardable`` load leaves it out (a KeyError on resume), a ``dp_reshardable``
+    one passes the step the state had before the load (a placeholder's, which would
+    overwrite the loaded one). Copy the other entries. Without gradients: a
+    ``dp_reshardable`` load runs with autograd on, and where the master weights are the
+    parameters themselves (fp32 training) their in-place copy fails."""
     import inspect
 
+    import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
     if "dst_tensors[key].copy_(tensors[key])" not in inspect.getsource(original):
         return  # fixed upstream (or already wrapped)
 
+    @torch.no_grad()
     def _set_main_param_and_optimizer_states(self, model_param, tensors) -> None:
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or "step" in tensors:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return original(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]

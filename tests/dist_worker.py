@@ -6,7 +6,10 @@ names of a fixed loss (data split over data-parallel ranks), and the loss over a
 optimizer steps. The pytest side compares them with the single-process run.
 
     python tests/dist_worker.py HF_DIR OUT_DIR tp,pp,ep,etp [tp,pp,ep,etp ...] \
-        [--family DIR ...] [--family-layouts tp,pp,ep,etp ...]
+        [--family DIR ...] [--family-layouts tp,pp,ep,etp ...] [--checkpoints DIR]
+
+With ``--checkpoints`` the one- and two-process runs also check the optimizer's checkpoint
+formats across data-parallel sizes (:func:`checkpoint_checks`).
 
 Each ``--family`` checkpoint (another MoE architecture) gets, on each of the
 ``--family-layouts`` among those run, the log-probs and entropies of the fixed batch and
@@ -315,8 +318,85 @@ def family_checks(
     RouterReplay.clear_global_router_replay_instances()
 
 
+CKPT_STEPS = 2  # optimizer steps before the checkpoint (then one more from it)
+
+
+def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
+    """The distributed optimizer's checkpoint formats across data-parallel sizes, on one layout
+    (tp = pp = ep = 1, so DP = the world size). One process: CKPT_STEPS steps, a ``dp_reshardable``
+    and a ``fully_reshardable`` checkpoint, one more step (the reference weights). Two processes
+    (DP 2): each checkpoint loaded into a fresh model and optimizer, the same step on the batch
+    split over the DP ranks (the weights after it, rank 0's); the ``dp_reshardable`` one refused
+    under EP 2 (the message)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.checkpoint.store import (
+        CheckpointMismatch,
+        Checkpointer,
+        TrainingState,
+        load_checkpoint,
+        read_meta,
+        select_checkpoint,
+    )
+
+    batch = fixed_batch(hf_config.vocab_size)
+
+    def fresh(layout: ParallelLayout):
+        init_distributed(layout, model_dims(hf_config), seed=0)
+        config = make_transformer_config(hf_config, layout)
+        model = build_model(hf_config, config)
+        load_hf_weights(model, hf_config, hf_dir)
+        settings = OptimSettings(lr=3e-3, use_distributed_optimizer=True)
+        ddp = wrap_ddp(model, config, settings)
+        return model, ddp, build_optimizer([ddp], settings), settings
+
+    def step(ddp, optimizer) -> None:
+        mine = batch[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+        train_step([ddp], optimizer, lambda: run_microbatches([ddp], mine, loss_fn=loss_fn, forward_only=False))
+
+    def done(model, name: str) -> None:
+        weights = gather_hf_tensors(model, hf_config)
+        if dist.get_rank() == 0:
+            torch.save(weights, out / f"{name}.pt")
+        dist.barrier()
+        ps.destroy_model_parallel()
+
+    layout = ParallelLayout()
+    if int(os.environ["WORLD_SIZE"]) == 1:
+        model, ddp, optimizer, settings = fresh(layout)
+        for _ in range(CKPT_STEPS):
+            step(ddp, optimizer)
+        for name, reshardable in (("dpr", False), ("full", True)):
+            saver = Checkpointer(root / name, 1, layout, (hf_config, None), async_save=False, reshardable=reshardable)
+            saver.save(CKPT_STEPS, TrainingState(model, optimizer, settings), {})
+            saver.wait()
+        step(ddp, optimizer)
+        return done(model, "ckpt_reference")
+    for name in ("dpr", "full"):
+        model, ddp, optimizer, settings = fresh(layout)
+        path, meta = select_checkpoint(root / name)  # (its manifest verified)
+        load_checkpoint(path, meta, TrainingState(model, optimizer, settings), layout)
+        step(ddp, optimizer)
+        done(model, f"ckpt_{name}_dp2")
+    ep2 = ParallelLayout(ep=2)
+    model, ddp, optimizer, settings = fresh(ep2)
+    path = root / "dpr" / "checkpoints" / f"step_{CKPT_STEPS:06d}"
+    try:
+        load_checkpoint(path, read_meta(path), TrainingState(model, optimizer, settings), ep2)
+        refusal = "loaded"
+    except CheckpointMismatch as e:
+        refusal = str(e)
+    if dist.get_rank() == 0:
+        (out / "ckpt_dpr_ep2_refusal.txt").write_text(refusal)
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
 def main() -> None:
-    args, family_layouts = sys.argv[1:], []
+    args, family_layouts, checkpoints = sys.argv[1:], [], None
+    if "--checkpoints" in args:  # a folder the one- and two-process runs share
+        at = args.index("--checkpoints")
+        checkpoints, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
     if "--family-layouts" in args:
         at = args.index("--family-layouts")
         args, family_layouts = args[:at], args[at + 1 :]
@@ -396,6 +476,8 @@ def main() -> None:
             family_checks(family, layout, family_batch, out / Path(family).name, bias_checks, grad_checks)
         dist.barrier()
         ps.destroy_model_parallel()
+    if checkpoints is not None and int(os.environ["WORLD_SIZE"]) in (1, 2):
+        checkpoint_checks(hf_dir, hf_config, checkpoints, Path(out_dir))
     dist.destroy_process_group()
 
 

@@ -58,8 +58,11 @@ def qwen3_runs(tmp_path_factory) -> Path:
     ]
     for nproc, layouts in ALL_LAYOUTS.items():
         family_args = [a for f in families for a in ("--family", f)] + ["--family-layouts", *FAMILY_LAYOUTS]
+        checkpoints = ["--checkpoints", str(root / "checkpoints")]  # (the 1- and 2-process runs: checkpoint_checks)
         code = spawn_local(
-            nproc, ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args], timeout_s=500
+            nproc,
+            ["-W", "ignore", WORKER, hf_dir, str(root / "out"), *layouts, *family_args, *checkpoints],
+            timeout_s=500,
         )
         assert code == 0, f"{nproc}-process worker failed with exit code {code}"
     return root / "out"
@@ -165,6 +168,25 @@ def test_layout_matches_single_process(qwen3_runs: Path, layout: str) -> None:
     for key, g in ref_grads.items():
         torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=2e-6, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(torch.load(run / "losses.pt"), torch.load(ref / "losses.pt"), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sharding", ["dpr", "full"])
+def test_optimizer_checkpoint_resumes_under_another_data_parallel_size(qwen3_runs: Path, sharding: str) -> None:
+    """A distributed optimizer's checkpoint written in one process (DP 1), ``dp_reshardable``
+    (train.checkpoint_reshardable=false: each rank's own shard, no gather) or
+    ``fully_reshardable``, loaded on two (DP 2): the step after it (Adam's moments and step
+    count from the checkpoint, the batch split over the DP ranks) gives the one-process
+    run's weights."""
+    ref, got = torch.load(qwen3_runs / "ckpt_reference.pt"), torch.load(qwen3_runs / f"ckpt_{sharding}_dp2.pt")
+    assert set(got) == set(ref) and any(".experts." in k for k in ref)
+    for key, w in ref.items():
+        torch.testing.assert_close(got[key], w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_dp_reshardable_checkpoint_refuses_another_layout_in_one_line(qwen3_runs: Path) -> None:
+    message = (qwen3_runs / "ckpt_dpr_ep2_refusal.txt").read_text()
+    assert "\n" not in message and "train.checkpoint_reshardable=false" in message, message
+    assert "under tp=1 pp=1 ep=1 etp=1" in message and "not tp=1 pp=1 ep=2 etp=1" in message, message
 
 
 def test_loss_goes_down_over_optimizer_steps(qwen3_runs: Path) -> None:

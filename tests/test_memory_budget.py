@@ -11,7 +11,17 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from memory_budget import GB, Layout, ParamCounts, budget, count_params, layer_params, layout_from_config, stage_budget  # noqa: E402
+from memory_budget import (  # noqa: E402
+    GB,
+    Layout,
+    ParamCounts,
+    budget,
+    count_params,
+    layer_params,
+    layout_from_config,
+    save_budget,
+    stage_budget,
+)
 
 TINY = {
     "model_type": "qwen3_moe",
@@ -58,6 +68,28 @@ def test_per_rank_bytes_follow_the_layout() -> None:
     assert last["total_GB"] * GB == pytest.approx(192 * 6 + 132 * 12) and budget(counts, layout) == last
     unsharded = stage_budget(counts, Layout(world=4, pp=2, ep=2, distributed_optimizer=False), 1)
     assert unsharded["optimizer_GB"] * GB == pytest.approx(192 * 12)
+
+
+def test_save_memory_for_both_checkpoint_sharding_types() -> None:
+    counts = ParamCounts(embedding=40, output=44, layers_dense=152, layers_expert=288)
+    layout = Layout(world=4, pp=2, ep=2)  # stage 1: dense 120 held over dp 2, experts 72 over expert dp 1
+    full, by_rank = (save_budget(counts, layout, 1, reshardable=r) for r in (True, False))
+    # each rank stages its write share: dense / dp + experts / expert dp, bf16 weights + fp32 master and moments
+    assert full["staged_GB"] * GB == pytest.approx((60 + 72) * 14) and by_rank["staged_GB"] == full["staged_GB"]
+    # fully_reshardable: every held parameter's state gathered to host on every rank; the dense
+    # buffer's all-gather (one bucket) on the GPU: 4 bytes x 120 received + 60 sent
+    assert full["gathered_GB"] * GB == pytest.approx(192 * 12)
+    assert full["gpu_transient_GB"] * GB == pytest.approx(120 * 4 * 1.5)
+    assert full["host_peak_GB"] * GB == pytest.approx(192 * 12 + 132 * 14)
+    # dp_reshardable: no gather
+    assert (
+        by_rank["gathered_GB"] == by_rank["gpu_transient_GB"] == 0 and by_rank["host_peak_GB"] == by_rank["staged_GB"]
+    )
+    # buckets of at least 40M parameters: the same for a model this small
+    assert save_budget(counts, Layout(world=4, pp=2, ep=2, overlap_grad_reduce=True), 1) == full
+    # the plain optimizer gathers nothing
+    plain = save_budget(counts, Layout(world=4, pp=2, ep=2, distributed_optimizer=False), 1)
+    assert plain["gathered_GB"] == 0 and plain["host_peak_GB"] == plain["staged_GB"]
 
 
 def test_the_example_configs_quote_the_tools_figures() -> None:

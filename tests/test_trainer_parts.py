@@ -18,7 +18,7 @@ from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan
-from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
+from moe_rl.trainer.objective import PolicyObjective, log_ratio_metrics, logprob_mismatch
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings
 
@@ -163,10 +163,35 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     )
     torch.testing.assert_close(loss, ref)
     masked = mb.mask.bool()
+    assert "log_ratio" not in metrics  # selected after the pass, for all micro-batches at once
+    log_ratio_metrics([metrics])
     torch.testing.assert_close(metrics["log_ratio"], (logp.detach() - mb.old_logp)[masked])
+    values = (logp.detach() - mb.old_logp)[masked]
+    assert float(metrics["log_ratio_p01"]) == float(torch.quantile(values, 0.01))
+    assert float(metrics["log_ratio_p99"]) == float(torch.quantile(values, 0.99))
     assert metrics["tokens"] == mb.mask.sum() and "mismatch_sum" not in metrics  # old log-probs came from a pass
     torch.testing.assert_close(metrics["entropy"], entropy[masked].mean())
     assert mb.old_logp is not None and mb.ref_logp is None  # the objective writes nothing into the batch
+
+
+def test_log_ratio_metrics_of_a_pass_equal_each_micro_batch_selected_alone() -> None:
+    """One selection for the whole pass gives each micro-batch exactly the values (and
+    percentiles) its own masked selection gives; a micro-batch without tokens gets none."""
+    gen = torch.Generator().manual_seed(5)
+    outputs, expected = [], []
+    for rows, width, frac in ((3, 5, 0.6), (2, 7, 0.0), (4, 3, 0.8)):
+        log_ratio = torch.randn(rows, width, generator=gen)
+        mask = (torch.rand(rows, width, generator=gen) < frac).float()
+        outputs.append({"token_log_ratio": log_ratio, "log_ratio_mask": mask})
+        expected.append(log_ratio[mask.bool()])
+    log_ratio_metrics(outputs)
+    for out, values in zip(outputs, expected):
+        assert torch.equal(out["log_ratio"], values)
+        if values.numel():
+            assert torch.equal(out["log_ratio_p01"], torch.quantile(values, 0.01))
+            assert torch.equal(out["log_ratio_p99"], torch.quantile(values, 0.99))
+        else:
+            assert "log_ratio_p01" not in out and "log_ratio_p99" not in out
 
 
 def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
@@ -178,6 +203,7 @@ def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
     assert float(metrics["mismatch_sum"]) == pytest.approx(sum(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_max"]) == pytest.approx(max(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_tokens"]) == len(diff)
+    log_ratio_metrics([metrics])
     assert metrics["log_ratio"].abs().max() == 0  # on-policy: the ratio is exactly 1
     loss.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0
@@ -424,6 +450,35 @@ def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="cannot be created"):
         check_run_dir(load_config(None, [f"train.run_dir={tmp_path / 'file' / 'run'}"]))
+
+
+def test_dp_reshardable_checkpoints_resume_only_where_data_parallel_changes(tmp_path: Path) -> None:
+    """train.checkpoint_reshardable=false (megatron's dp_reshardable): a layout whose TP / PP /
+    EP / ETP / stage split differs from the recorded one is refused in one line; DP (the
+    world size) may change; a fully_reshardable (or unrecorded) checkpoint resumes anywhere."""
+    from moe_rl.checkpoint.store import DP_RESHARDABLE, RESHARDABLE, _layout_meta, layout_problem
+    from parallel.layout import ParallelLayout
+
+    saved = ParallelLayout(tp=2, pp=2, ep=4)
+    meta = {"layout": _layout_meta(saved), "world_size": 16, "optimizer_sharding": DP_RESHARDABLE}
+    assert layout_problem(tmp_path, meta, saved) is None  # any world size: only DP differs then
+    for other in (
+        ParallelLayout(tp=1, pp=2, ep=4),
+        ParallelLayout(tp=2, pp=2, ep=2),
+        ParallelLayout(tp=2, pp=2, ep=4, etp=1),
+        ParallelLayout(tp=2, pp=2, ep=4, first_stage_layers=3),
+    ):
+        problem = layout_problem(tmp_path, meta, other)
+        assert (
+            problem
+            and "\n" not in problem
+            and "train.checkpoint_reshardable=false under tp=2 pp=2 ep=4 etp=2" in problem
+        )
+    assert "first_stage_layers=3" in layout_problem(
+        tmp_path, meta, ParallelLayout(tp=2, pp=2, ep=4, first_stage_layers=3)
+    )
+    for sharding in (RESHARDABLE, None):
+        assert layout_problem(tmp_path, {**meta, "optimizer_sharding": sharding}, ParallelLayout()) is None
 
 
 def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> None:

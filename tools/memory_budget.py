@@ -6,6 +6,10 @@ the distributed optimizer). Activations, the KV cache and allocator slack come o
     .venv/bin/python tools/memory_budget.py --config configs/examples/qwen3_30b_a3b_2x8.yaml --world 16 \\
         [--hf-config configs/examples/qwen3_30b_a3b.config.json]
 
+It also prints what a checkpoint save adds per rank, for both settings of
+``train.checkpoint_reshardable`` (:func:`save_budget`, read off megatron-core 0.16.1's
+``DistributedOptimizer`` and dist_checkpointing's async writer).
+
 Parameters are counted exactly on transformers' model built on the meta device (no memory):
 names with ``.experts.`` are routed experts (split over EP x ETP), the rest dense (split over
 TP; the embedding on the first stage, the output layer on the last, each decoder layer on the
@@ -43,6 +47,7 @@ class Layout:
     ep: int = 1
     etp: int = 1
     distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False  # DDP buckets of max(40M, 1M x dp) parameters; off: one per buffer
     first_stage_layers: int | None = None  # as parallel.first_stage_layers
     last_stage_layers: int | None = None
 
@@ -103,12 +108,12 @@ def layer_params(hf_config: dict) -> list[tuple[int, int]]:
     return [(dense, expert) for dense, expert in layers]
 
 
-def stage_budget(
+def stage_params(
     counts: ParamCounts, layout: Layout, stage: int, layers: list[tuple[int, int]] | None = None
-) -> dict[str, float]:
-    """GB per rank of pipeline stage ``stage`` (dense parts split over TP, experts over EP x ETP):
-    the stage's own decoder layers of ``layers`` (:func:`layer_params`), or without them an
-    equal share of every layer's parameters."""
+) -> tuple[float, float]:
+    """(dense, routed-expert) parameters one rank of pipeline stage ``stage`` holds (dense
+    parts split over TP, experts over EP x ETP): the stage's own decoder layers of ``layers``
+    (:func:`layer_params`), or without them an equal share of every layer's parameters."""
     if layers is None:
         dense, expert = counts.layers_dense / layout.pp, counts.layers_expert / layout.pp
     else:
@@ -119,8 +124,14 @@ def stage_budget(
         dense += counts.embedding
     if stage == layout.pp - 1:
         dense += counts.output
-    dense /= layout.tp
-    expert /= layout.ep * layout.etp
+    return dense / layout.tp, expert / (layout.ep * layout.etp)
+
+
+def stage_budget(
+    counts: ParamCounts, layout: Layout, stage: int, layers: list[tuple[int, int]] | None = None
+) -> dict[str, float]:
+    """GB per rank of pipeline stage ``stage`` (:func:`stage_params`)."""
+    dense, expert = stage_params(counts, layout, stage, layers)
     held = dense + expert
     sharded = dense / layout.dp + expert / layout.expert_dp if layout.distributed_optimizer else held
     out = {
@@ -130,6 +141,47 @@ def stage_budget(
         "optimizer_GB": sharded * OPTIMIZER_BYTES / GB,
     }
     out["total_GB"] = out["weights_GB"] + out["grads_GB"] + out["optimizer_GB"]
+    return out
+
+
+def save_budget(
+    counts: ParamCounts,
+    layout: Layout,
+    stage: int,
+    layers: list[tuple[int, int]] | None = None,
+    *,
+    reshardable: bool = True,
+) -> dict[str, float]:
+    """GB a checkpoint save adds on one rank of ``stage`` (megatron-core 0.16.1):
+
+    - ``staged_GB`` (host, from the save until the rank's writer is done): what the rank
+      writes, copied off the GPU for the forked writer: its share of the bf16 weights and
+      of the fp32 master weights and Adam moments (12 bytes a parameter). The fully parallel
+      save splits every tensor replicated over data-parallel ranks among them, so the share is
+      dense / dp + experts / expert dp, the same for both settings.
+    - ``reshardable`` (``fully_reshardable``): ``get_parameter_state_dp_zero`` all-gathers the
+      optimizer state over the data-parallel group into host tensors of every parameter the
+      rank holds, on every rank (``gathered_GB``: 12 bytes x held parameters, alive while the
+      save stages), one key (param, exp_avg, exp_avg_sq) of one gradient bucket at a time:
+      ``gpu_transient_GB`` (the all-gather's receive buffers, 4 bytes x the bucket, plus the
+      sent shard) and 8 bytes x the bucket more host (their host copies and the concatenation).
+      One bucket per buffer (dense, experts) unless ``overlap_grad_reduce``.
+    - not ``reshardable`` (``dp_reshardable``): each rank's own shard as it is, no gather:
+      nothing but the staging.
+    The plain (not distributed) optimizer gathers nothing either way."""
+    dense, expert = stage_params(counts, layout, stage, layers)
+    share = dense / layout.dp + expert / layout.expert_dp
+    staged = share * (WEIGHT_BYTES + OPTIMIZER_BYTES) / GB
+    out = {"staged_GB": staged, "gathered_GB": 0.0, "gpu_transient_GB": 0.0, "host_peak_GB": staged}
+    if reshardable and layout.distributed_optimizer:
+        gathered = (dense + expert) * OPTIMIZER_BYTES / GB
+        transient, host_transient = 0.0, 0.0
+        for held, dp in ((dense, layout.dp), (expert, layout.expert_dp)):
+            bucket = min(held, max(40e6, 1e6 * dp)) if layout.overlap_grad_reduce else held
+            transient = max(transient, bucket * 4 * (1 + 1 / dp) / GB)
+            host_transient = max(host_transient, bucket * 8 / GB)
+        peak = max(gathered + staged, gathered + host_transient)
+        out.update(gathered_GB=gathered, gpu_transient_GB=transient, host_peak_GB=peak)
     return out
 
 
@@ -153,6 +205,7 @@ def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
         ep=ep,
         etp=int(tp if etp is None else etp),
         distributed_optimizer=bool(optim.get("use_distributed_optimizer", True)),
+        overlap_grad_reduce=bool(optim.get("overlap_grad_reduce", False)),
         first_stage_layers=par.get("first_stage_layers"),
         last_stage_layers=par.get("last_stage_layers"),
     )
@@ -186,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
             f"  stage {stage} ({stage_layers} layers): {b['params_B']:.2f}B params per rank: weights {b['weights_GB']:.1f} GB + grads "
             f"{b['grads_GB']:.1f} GB + master/Adam {b['optimizer_GB']:.1f} GB = {b['total_GB']:.1f} GB static per GPU"
         )
+        for reshardable, kind in ((True, "fully_reshardable"), (False, "dp_reshardable")):
+            s = save_budget(counts, layout, stage, layers, reshardable=reshardable)
+            gathered = (
+                f"DP-gathered optimizer state {s['gathered_GB']:.1f} GB + " if s["gathered_GB"] else "no gather, "
+            )
+            print(
+                f"    save, train.checkpoint_reshardable={str(reshardable).lower()} ({kind}): host peak "
+                f"{s['host_peak_GB']:.1f} GB per rank ({gathered}staged {s['staged_GB']:.1f} GB, held until the "
+                f"writer is done); GPU {s['gpu_transient_GB']:.1f} GB transient"
+            )
     return 0
 
 

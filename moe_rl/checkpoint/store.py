@@ -6,7 +6,11 @@ Layout of ``run_dir/checkpoints/step_000010/``:
 - ``dist/``: the policy's model and optimizer as megatron sharded state dicts (torch_dist
   format): every tensor is stored once, as a slice of its global tensor, so a run saved
   under one TP / PP / EP / DP layout resumes under any other (megatron reshards on load;
-  the distributed optimizer's state is saved ``fully_reshardable``);
+  the distributed optimizer's state is saved ``fully_reshardable``: gathered over the
+  data-parallel ranks at save). With ``train.checkpoint_reshardable=false`` it is saved
+  ``dp_reshardable`` instead: each rank writes its own shard as its buckets hold it, with
+  no gather, and a resume may change the data-parallel size only (another TP / PP / EP /
+  ETP or stage split is refused in one line, as are other gradient buckets);
 - ``rng/rank_00000.pt``: each rank's RNG states (tensors and plain data only, loaded with
   ``weights_only=True``); a resume under another layout takes the first rank's CPU
   generators and leaves the model-parallel RNG tracker as seeded;
@@ -15,7 +19,8 @@ Layout of ``run_dir/checkpoints/step_000010/``:
 - ``model/`` (the last step's checkpoint, and every ``train.export_every`` steps): the
   weights as a Hugging Face directory, ready for ``moe-rl eval``, transformers and SGLang;
 - ``meta.json``, written last: format, step, world size, layout, the run's fingerprint,
-  ``transformer_impl`` (``local`` or ``transformer_engine``), and the manifest (every file's
+  ``transformer_impl`` (``local`` or ``transformer_engine``), ``optimizer_sharding`` (and
+  for ``dp_reshardable`` the gradient buckets it is laid out by), and the manifest (every file's
   size and CRC-32) with a seal over all of it (``verify.py``). A directory without it is
   incomplete and ignored; one that fails verification is skipped with a warning.
 
@@ -56,9 +61,12 @@ from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_s
 log = logging.getLogger("moe_rl.train")
 _STEP = re.compile(r"step_(\d+)$")
 FORMAT = 2  # meta.json "format": megatron dist_checkpointing (format 1: HF weights + per-rank optimizer files)
-# the distributed optimizer's state in model space (each parameter's fp32 copy and Adam moments
-# shaped as the parameter), so it reshards over TP / PP / EP / DP like the weights
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# megatron's distrib_optim_sharding_type for the distributed optimizer's state.
+# fully_reshardable: in model space (each parameter's fp32 copy and Adam moments shaped as the
+# parameter, gathered over the data-parallel ranks at save), so it reshards over TP / PP / EP / DP
+# like the weights. dp_reshardable: each rank's own shard of its gradient buckets, no gather; only
+# the data-parallel size may change on resume (train.checkpoint_reshardable=false)
+RESHARDABLE, DP_RESHARDABLE = "fully_reshardable", "dp_reshardable"
 
 
 class CheckpointMismatch(ConfigError):
@@ -200,6 +208,7 @@ class TrainingState:
     model: torch.nn.Module
     optimizer: Any  # megatron-core MegatronOptimizer (chained over dense and expert parameters)
     settings: OptimSettings  # what built the optimizer
+    optimizer_sharding: str = RESHARDABLE  # megatron's distrib_optim_sharding_type (RESHARDABLE / DP_RESHARDABLE)
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -209,7 +218,8 @@ class TrainingState:
         if loading:
             _give_adam_its_state(self.optimizer)
         model = self.model.sharded_state_dict()
-        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA)
+        metadata = {"distrib_optim_sharding_type": self.optimizer_sharding}
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
         return {"model": model, "optimizer": optimizer}
 
     def load(self, state: dict, extra_state_absent: bool = False) -> None:
@@ -245,9 +255,11 @@ class Checkpointer:
         model_files: tuple[Any, str],
         *,
         async_save: bool = True,
+        reshardable: bool = True,
     ) -> None:
         """``model_files``: the HF config and the directory of the tokenizer files each
-        checkpoint carries in ``hf/``."""
+        checkpoint carries in ``hf/``. ``reshardable`` (``train.checkpoint_reshardable``):
+        the distributed optimizer's state ``fully_reshardable``, else ``dp_reshardable``."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.root = Path(run_dir) / "checkpoints"
@@ -255,6 +267,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.layout = layout
         self.async_save = async_save
+        self.reshardable = reshardable
         self._writes = AsyncCallsQueue()
         self._strategy = None  # megatron's save strategy, made at the first save (it caches which rank writes what)
         self._pruning: threading.Thread | None = None  # deleting checkpoints beyond keep_last (first rank)
@@ -286,6 +299,9 @@ class Checkpointer:
                 copy_files_from=self.tokenizer_dir,
             )
         torch.save(_rng_state(), tmp / _rng_file(rank()))
+        # (the plain optimizer's state is in model space either way)
+        sharding = RESHARDABLE if self.reshardable or not state.distributed_optimizer else DP_RESHARDABLE
+        state = dataclasses.replace(state, optimizer_sharding=sharding)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -295,6 +311,8 @@ class Checkpointer:
             "hf_weights": hf_weights,
             "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."),
             "transformer_impl": transformer_impl_of(state.model),
+            "optimizer_sharding": sharding,
+            **({"optimizer_buckets": optimizer_buckets(state.optimizer)} if sharding == DP_RESHARDABLE else {}),
             **extra,
         }
         self._strategy = self._strategy or _save_strategy()
@@ -364,6 +382,21 @@ class Checkpointer:
 def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: ParallelLayout) -> None:
     """Collective. Restores model, optimizer and RNG (see :func:`select_checkpoint`),
     resharded when ``layout`` or the world size differs from the checkpoint's."""
+    problem = layout_problem(path, meta, layout)
+    sharding = meta.get("optimizer_sharding", RESHARDABLE)  # (unrecorded: written before dp_reshardable existed)
+    if (
+        problem is None
+        and sharding == DP_RESHARDABLE
+        and meta.get("optimizer_buckets") != optimizer_buckets(state.optimizer)
+    ):
+        problem = (
+            f"checkpoint {path} holds the optimizer state by gradient bucket (train.checkpoint_reshardable=false), "
+            "and this run's buckets differ from the ones it was saved with (optim.overlap_grad_reduce changed, or "
+            "the model): resume with the settings it was saved with"
+        )
+    if problem:
+        raise CheckpointMismatch(problem)
+    state = dataclasses.replace(state, optimizer_sharding=sharding)
     # (each rank reads what it holds; megatron's fully parallel load gave wrong tensors on data-parallel ranks here)
     loaded, absent = _load_sharded(state.sharded_state_dict(loading=True), path, transformer_impl_of(state.model))
     state.load(loaded, extra_state_absent=absent)
@@ -378,6 +411,37 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
             world_size(),
         )
     _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta)), weights_only=True), tracker=same_layout)
+
+
+def layout_problem(path: Path, meta: dict, layout: ParallelLayout) -> str | None:
+    """Why a run under ``layout`` cannot resume from the checkpoint at ``path`` (``meta``):
+    a ``dp_reshardable`` optimizer state (``train.checkpoint_reshardable=false``) is laid out
+    by its writer's model-parallel layout, so only the data-parallel size may differ."""
+    saved = meta.get("layout")
+    if meta.get("optimizer_sharding") != DP_RESHARDABLE or saved == _layout_meta(layout):
+        return None
+    name = lambda lay: " ".join(f"{k}={v}" for k, v in lay.items())  # noqa: E731
+    return (
+        f"checkpoint {path} was saved with train.checkpoint_reshardable=false under {name(saved)}: its optimizer "
+        f"state resumes only under that layout (any data-parallel size), not {name(_layout_meta(layout))}; resume "
+        "under it and save once with train.checkpoint_reshardable=true to change the layout"
+    )
+
+
+def optimizer_buckets(optimizer: Any) -> dict[str, list[list[int]]]:
+    """Collective: the unpadded size of every gradient bucket of each distributed-optimizer part
+    (``"<part>.<model-parallel group>"``), the structure a ``dp_reshardable`` state is stored
+    in; megatron asserts it equal on load, checked here first to refuse in one line."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    mine = {
+        f"{i}.{part.data_parallel_group_idx}": [
+            [n for sizes in buffer.values() for n in sizes] for buffer in part.per_bucket_numel_unpadded
+        ]
+        for i, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer]))
+        if isinstance(part, DistributedOptimizer)
+    }
+    return dict(sorted({k: v for part in all_gather_objects(mine) for k, v in part.items()}.items()))
 
 
 _WRITER_REPORTS: list = []  # the manager serving megatron's writer-results queue (kept alive here)
@@ -511,7 +575,15 @@ def _save_strategy():
 
 
 def _layout_meta(layout: ParallelLayout) -> dict:
-    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.expert_tp}
+    """The model-parallel layout (the stage split only where set, as meta.json recorded it before)."""
+    stages = {"first_stage_layers": layout.first_stage_layers, "last_stage_layers": layout.last_stage_layers}
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "etp": layout.expert_tp,
+        **{k: v for k, v in stages.items() if v is not None},
+    }
 
 
 def _rng_file(r: int) -> str:

@@ -24,8 +24,10 @@ from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.checkpoint.run_dir import check_run_dir
 from moe_rl.checkpoint.store import (
+    CheckpointMismatch,
     Checkpointer,
     TrainingState,
+    layout_problem,
     load_checkpoint,
     optimizer_settings_for,
     remove_stale_temporaries,
@@ -194,6 +196,7 @@ class Trainer:
             cfg.parallel,
             (self.hf_config, self.hf_dir),
             async_save=cfg.train.async_save,
+            reshardable=cfg.train.checkpoint_reshardable,
         )
         self._closing.callback(
             self.checkpointer.abandon
@@ -284,7 +287,11 @@ class Trainer:
         if not self.cfg.train.resume:
             return None
         remove_stale_temporaries(self.run_dir)
-        return select_checkpoint(self.run_dir)
+        found = select_checkpoint(self.run_dir)
+        problem = found and layout_problem(*found, self.cfg.parallel)  # (before the model is built)
+        if problem:
+            raise CheckpointMismatch(problem)
+        return found
 
     def _resume(self, found: tuple[Path, dict] | None) -> int:
         """The step to start from: ``found``'s (restored), or 0."""
