@@ -18,7 +18,7 @@ from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan
-from moe_rl.trainer.objective import PolicyObjective, logprob_mismatch
+from moe_rl.trainer.objective import PolicyObjective, log_ratio_metrics, logprob_mismatch
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings
 
@@ -163,10 +163,35 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     )
     torch.testing.assert_close(loss, ref)
     masked = mb.mask.bool()
+    assert "log_ratio" not in metrics  # selected after the pass, for all micro-batches at once
+    log_ratio_metrics([metrics])
     torch.testing.assert_close(metrics["log_ratio"], (logp.detach() - mb.old_logp)[masked])
+    values = (logp.detach() - mb.old_logp)[masked]
+    assert float(metrics["log_ratio_p01"]) == float(torch.quantile(values, 0.01))
+    assert float(metrics["log_ratio_p99"]) == float(torch.quantile(values, 0.99))
     assert metrics["tokens"] == mb.mask.sum() and "mismatch_sum" not in metrics  # old log-probs came from a pass
     torch.testing.assert_close(metrics["entropy"], entropy[masked].mean())
     assert mb.old_logp is not None and mb.ref_logp is None  # the objective writes nothing into the batch
+
+
+def test_log_ratio_metrics_of_a_pass_equal_each_micro_batch_selected_alone() -> None:
+    """One selection for the whole pass gives each micro-batch exactly the values (and
+    percentiles) its own masked selection gives; a micro-batch without tokens gets none."""
+    gen = torch.Generator().manual_seed(5)
+    outputs, expected = [], []
+    for rows, width, frac in ((3, 5, 0.6), (2, 7, 0.0), (4, 3, 0.8)):
+        log_ratio = torch.randn(rows, width, generator=gen)
+        mask = (torch.rand(rows, width, generator=gen) < frac).float()
+        outputs.append({"token_log_ratio": log_ratio, "log_ratio_mask": mask})
+        expected.append(log_ratio[mask.bool()])
+    log_ratio_metrics(outputs)
+    for out, values in zip(outputs, expected):
+        assert torch.equal(out["log_ratio"], values)
+        if values.numel():
+            assert torch.equal(out["log_ratio_p01"], torch.quantile(values, 0.01))
+            assert torch.equal(out["log_ratio_p99"], torch.quantile(values, 0.99))
+        else:
+            assert "log_ratio_p01" not in out and "log_ratio_p99" not in out
 
 
 def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
@@ -178,6 +203,7 @@ def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
     assert float(metrics["mismatch_sum"]) == pytest.approx(sum(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_max"]) == pytest.approx(max(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_tokens"]) == len(diff)
+    log_ratio_metrics([metrics])
     assert metrics["log_ratio"].abs().max() == 0  # on-policy: the ratio is exactly 1
     loss.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0

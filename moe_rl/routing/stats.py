@@ -6,9 +6,10 @@ token sets are disjoint, so per-layer sums all-reduced over the world are exact;
 "changed in any layer" flag of a token is OR-ed over the pipeline stages that hold its
 other layers (they route the same tokens) before counting.
 
-Inputs may live on the rank's device; each micro-batch's per-layer sums are moved to the
-CPU accumulators (a few numbers per layer), and the reductions run on the process group's
-device (:func:`parallel.collectives.all_reduce`).
+Inputs may live on the rank's device; the accumulators follow them there (the first
+micro-batch's device), so adding a micro-batch never waits for the device (no copy to the
+host inside a pass); :meth:`RoutingStats.reduce` moves them to the host once per pass, and
+the reductions run on the process group's device (:func:`parallel.collectives.all_reduce`).
 
 Per-token values (:meth:`RoutingStats.add_token_values`, given by the last pipeline
 stage: the rollout log-prob mismatch, an update's log-ratios and clipping) are split by
@@ -41,6 +42,14 @@ class RoutingStats:
         self._flag_masks: list[Tensor] = []
         self._value_names: tuple[str, ...] = ()
         self._values: list[Tensor] = []  # per add_drift call: [len(names) + 1, T] (values..., weight)
+        self._device: torch.device | None = None  # where the accumulators live (the inputs' device)
+
+    def _accumulate_on(self, device: torch.device) -> None:
+        """The accumulators on ``device`` (moved there, still zeros, at the first input)."""
+        if self._device is None:
+            self._device = device
+            for name in ("changed", "expert_change", "kl", "tokens", "kl_tokens", "load", "disagreement"):
+                setattr(self, name, getattr(self, name).to(device))
 
     def add_drift(
         self,
@@ -52,23 +61,26 @@ class RoutingStats:
         probs_b: Tensor | None = None,
     ) -> None:
         """Routings ``a``, ``b`` ``[T, L_local, k]`` of this rank's tokens (``mask`` ``[T]``)."""
-        layers = torch.as_tensor(list(layer_numbers), dtype=torch.long)
+        self._accumulate_on(a.device)
+        layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=self._device)
         w = mask.to(device=a.device, dtype=torch.float64)
         k = a.shape[-1]
         same = overlap(a, b)  # [T, L]
         changed = (same < k).to(torch.float64)
-        self.changed.index_add_(0, layers, (changed * w[:, None]).sum(0).cpu())
-        self.disagreement.index_add_(0, layers, _one_sided_counts(a, b, w, self.num_experts).cpu())
-        self.expert_change.index_add_(0, layers, ((1 - same.to(torch.float64) / k) * w[:, None]).sum(0).cpu())
-        self.tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
-        flags = changed.amax(-1) if changed.numel() else torch.zeros(a.shape[0], dtype=torch.float64)
-        self._flags.append(flags.cpu())
-        self._flag_masks.append(w.cpu())
+        self.changed.index_add_(0, layers, (changed * w[:, None]).sum(0).to(self._device))
+        self.disagreement.index_add_(0, layers, _one_sided_counts(a, b, w, self.num_experts).to(self._device))
+        self.expert_change.index_add_(
+            0, layers, ((1 - same.to(torch.float64) / k) * w[:, None]).sum(0).to(self._device)
+        )
+        self.tokens.index_add_(0, layers, w.sum().to(self._device).expand(len(layers)))
+        flags = changed.amax(-1) if changed.numel() else torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+        self._flags.append(flags)
+        self._flag_masks.append(w)
         if probs_a is not None and probs_b is not None:
             pa, pb = probs_a.to(torch.float64).clamp(min=1e-12), probs_b.to(torch.float64).clamp(min=1e-12)
             kl = (pa * (pa.log() - pb.log())).sum(-1)  # [T, L]
-            self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0).cpu())
-            self.kl_tokens.index_add_(0, layers, w.sum().cpu().expand(len(layers)))
+            self.kl.index_add_(0, layers, (kl * w[:, None]).sum(0).to(self._device))
+            self.kl_tokens.index_add_(0, layers, w.sum().to(self._device).expand(len(layers)))
 
     def add_token_values(self, names: tuple[str, ...], values: Sequence[Tensor | None]) -> None:
         """Per-token values for the :meth:`add_drift` calls that have none yet: one
@@ -87,35 +99,37 @@ class RoutingStats:
             raise ValueError(f"{len(values)} token values for {len(pending)} routings")
         for v, flags in zip(values, pending):
             shape = (len(names) + 1, flags.shape[0])
-            v = torch.zeros(shape, dtype=torch.float64) if v is None else v.to(torch.float64).cpu()
+            v = torch.zeros(shape, dtype=torch.float64, device=flags.device) if v is None else v.to(torch.float64)
             if tuple(v.shape) != shape:
                 raise ValueError(f"token values must be {list(shape)} (values..., weights), got {list(v.shape)}")
             self._values.append(v)
 
     def add_load(self, layer_numbers: Sequence[int], indices: Tensor, mask: Tensor) -> None:
         """Expert load of this rank's tokens ``[T, L_local, k]``."""
+        self._accumulate_on(indices.device)
         w = mask.to(device=indices.device, dtype=torch.float64)
         for i, layer in enumerate(layer_numbers):
             self.load[layer] += torch.bincount(
                 indices[:, i].reshape(-1).long(),
                 weights=w[:, None].expand(-1, indices.shape[-1]).reshape(-1),
                 minlength=self.num_experts,
-            ).cpu()
+            ).to(self._device)
 
     def reduce(self, pipeline_group: dist.ProcessGroup | None = None, replicas: int = 1) -> dict[str, Tensor]:
         """Global metrics (collective when distributed). Per-layer tensors are indexed by
         position in ``layers`` (the MoE layer numbers with data). ``replicas``: how many
         ranks hold each token's values (pipeline stages, tensor-parallel ranks without
         sequence parallelism), for the token counts."""
-        sums = torch.stack([self.changed, self.expert_change, self.kl, self.tokens, self.kl_tokens])
-        flags = torch.cat(self._flags) if self._flags else torch.zeros(0, dtype=torch.float64)
-        flag_mask = torch.cat(self._flag_masks) if self._flag_masks else torch.zeros(0, dtype=torch.float64)
+        # the pass's accumulators to the host, once
+        sums = torch.stack([self.changed, self.expert_change, self.kl, self.tokens, self.kl_tokens]).cpu()
+        flags = torch.cat(self._flags).cpu() if self._flags else torch.zeros(0, dtype=torch.float64)
+        flag_mask = torch.cat(self._flag_masks).cpu() if self._flag_masks else torch.zeros(0, dtype=torch.float64)
         if pipeline_group is not None:
             flags = all_reduce(flags, "max", group=pipeline_group)
         any_counts = torch.stack([(flags * flag_mask).sum(), flag_mask.sum()])
         split = self._split_values(flags, pipeline_group)
         sums, any_counts, split = (all_reduce(t) for t in (sums, any_counts, split))
-        load, disagreement = all_reduce(torch.stack([self.load, self.disagreement]))
+        load, disagreement = all_reduce(torch.stack([self.load, self.disagreement]).cpu())
         changed, expert_change, kl, tokens, kl_tokens = sums
         out: dict[str, Tensor] = {}
         drift_layers = (tokens > 0).nonzero().flatten()
@@ -142,7 +156,7 @@ class RoutingStats:
         themselves (values summed over the pipeline stages first, flags already OR-ed over them)."""
         if not self._values:
             return torch.zeros(0, 2, dtype=torch.float64)
-        values = torch.cat(self._values, dim=1)
+        values = torch.cat(self._values, dim=1).cpu()
         if pipeline_group is not None:  # the last stage's values, on every stage of the pipeline
             values = all_reduce(values, group=pipeline_group)
         weights = values[-1]

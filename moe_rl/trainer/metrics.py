@@ -10,7 +10,7 @@ import queue
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -22,6 +22,27 @@ from moe_rl.experience.sample_log import SAMPLES_TAG, SampleRecord, samples_mark
 from parallel.collectives import all_reduce, reports_loss
 
 
+def _host_values(outputs: list[dict], keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[list[float]]:
+    """Each output's ``keys`` as host floats (``optional`` ones 0 where absent), moved in one
+    device-to-host copy for the whole pass (a ``float()`` per value is a device sync each on
+    a GPU)."""
+    if not outputs:
+        return []
+    rows = [
+        torch.stack(
+            [
+                torch.as_tensor(out.get(key, 0.0) if key in optional else out[key]).reshape(()).to(torch.float64)
+                for key in keys
+            ]
+        )
+        for out in outputs
+    ]
+    devices = {row.device for row in rows}
+    if len(devices) > 1:  # values on different devices (host counts next to device metrics)
+        rows = [row.cpu() for row in rows]
+    return torch.stack(rows).cpu().tolist()
+
+
 def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
     """Collective. Token-weighted means of the objective's metrics over micro-batches and
     data-parallel ranks (sums for the loss terms, min/max for the ratio); the reporting
@@ -30,14 +51,15 @@ def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
     sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
     extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # min ratio, -max ratio
     if reports_loss():
-        for out in outputs:
-            w = float(out.get("tokens", 1.0))
+        table = _host_values(outputs, (*keys, "tokens", "ratio_min", "ratio_max"), optional=(*keys, "tokens"))
+        for out, row in zip(outputs, table):
+            w = row[len(keys)] if "tokens" in out else 1.0
             for i, key in enumerate(keys):
                 if key in out:
-                    sums[i] += float(out[key]) * (1.0 if key in SUM_METRICS else w)
+                    sums[i] += row[i] * (1.0 if key in SUM_METRICS else w)
             sums[-1] += w
-            extremes[0] = min(extremes[0], float(out["ratio_min"]))
-            extremes[1] = min(extremes[1], -float(out["ratio_max"]))
+            extremes[0] = min(extremes[0], row[-2])
+            extremes[1] = min(extremes[1], -row[-1])
     sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
     tokens = max(float(sums[-1]), 1.0)
     result = {key: float(sums[i]) / (1.0 if key in SUM_METRICS else tokens) for i, key in enumerate(keys)}
@@ -49,11 +71,12 @@ def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
     """Collective. Mean and max ``|trainer - rollout|`` log-prob over every response token,
     from the ``mismatch_*`` metrics of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
     parts = [out for out in outputs if "mismatch_sum" in out] if reports_loss() else []
+    table = _host_values(parts, ("mismatch_sum", "mismatch_tokens", "mismatch_max"))
     total = torch.tensor(
-        [sum(float(p["mismatch_sum"]) for p in parts), sum(float(p["mismatch_tokens"]) for p in parts)],
+        [sum(row[0] for row in table), sum(row[1] for row in table)],
         dtype=torch.float64,
     )
-    worst = torch.tensor([max((float(p["mismatch_max"]) for p in parts), default=0.0)], dtype=torch.float64)
+    worst = torch.tensor([max((row[2] for row in table), default=0.0)], dtype=torch.float64)
     total, worst = all_reduce(total), all_reduce(worst, "max")
     return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
 
@@ -177,15 +200,14 @@ class StepLogger:
         if not self.enabled:
             return
         if samples:
-            self.writer.add_text(SAMPLES_TAG, samples_markdown(list(samples)), step)
+            records = list(samples)  # the table is built on the writer's thread
+            self.writer.add_text_of(SAMPLES_TAG, lambda: samples_markdown(records), step)
             self.samples.write("".join(json.dumps(r.to_dict()) + "\n" for r in samples))
             self.samples.flush()
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         for tag, values in (histograms or {}).items():
-            values = values.float()[torch.isfinite(values)]  # NaN/Inf (e.g. an engine's log-probs) cannot be binned
-            if values.numel():
-                self.writer.add_histogram(tag, values, step)
+            self.writer.add_finite_histogram(tag, values, step)
         written = self._log_routing(step, routing)
         self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars, **written}) + "\n")
@@ -306,6 +328,24 @@ class BackgroundWriter:
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         self._submit("add_text", tag, text, step)
+
+    def add_text_of(self, tag: str, make_text: Callable[[], str], step: int) -> None:
+        """``add_text`` of ``make_text()``, called on the writer's thread."""
+        self._raise_error()
+        self._queue_scalars()
+        self._calls.put((lambda: self._writer.add_text(tag, make_text(), step), (), {}))
+
+    def add_finite_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        """``add_histogram`` of the finite ``values`` (NaN/Inf, e.g. an engine's log-probs,
+        cannot be binned), none when none is; filtered on the writer's thread."""
+        self._raise_error()
+        self._queue_scalars()
+        self._calls.put((self._finite_histogram, (tag, values, step), {}))
+
+    def _finite_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        values = values.float()[torch.isfinite(values)]
+        if values.numel():
+            self._writer.add_histogram(tag, values, step)
 
     def add_custom_scalars(self, layout: dict) -> None:
         self._submit("add_custom_scalars", layout)

@@ -46,10 +46,13 @@ def kept_counts(batch: TrainBatch, corrected: bool) -> tuple[float, float]:
     if not corrected:
         return batch.num_tokens, batch.num_seqs
     local = torch.zeros(2, dtype=torch.float64)
-    if reports_loss():
+    if reports_loss() and batch.micro_batches:
+        counts = []
         for mb in batch.micro_batches:
             keep = mb.mask * mb.correction.keep if mb.correction is not None else mb.mask
-            local += torch.stack([keep.sum(), (keep.sum(-1) > 0).sum()]).to(device="cpu", dtype=torch.float64)
+            counts.append(torch.stack([keep.sum(), (keep.sum(-1) > 0).sum()]).to(torch.float64))
+        for row in torch.stack(counts).cpu():  # one device-to-host copy for the step
+            local += row
     kept = all_reduce(local)
     return float(kept[0]), float(kept[1])
 
@@ -62,10 +65,12 @@ class PolicyObjective:
     correction keeps), so micro-batch losses (and data-parallel ranks') sum to the full
     batch's loss; a micro-batch's ``correction`` weights its loss terms and drops tokens. Metrics per micro-batch: the
     loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``, ``entropy``,
-    ``kl_ref`` (with a reference), ``log_ratio`` (the masked token log-ratios, for the
-    histogram) with its 1st/99th percentiles, ``token_log_ratio`` and ``token_clipped``
-    (``[b, s-1]``, for :meth:`RoutingMonitor.add_update_log_ratios`), ``tokens``, and — when the old policy is this
-    pass's own (on-policy) — the rollout log-prob mismatch of :func:`logprob_mismatch`.
+    ``kl_ref`` (with a reference), ``token_log_ratio`` and ``token_clipped``
+    (``[b, s-1]``, for :meth:`RoutingMonitor.add_update_log_ratios`) with ``log_ratio_mask``
+    (the tokens in the loss; :func:`log_ratio_metrics` adds ``log_ratio``, the masked token
+    log-ratios for the histogram, and their 1st/99th percentiles after the pass), ``tokens``,
+    and — when the old policy is this pass's own (on-policy) — the rollout log-prob mismatch
+    of :func:`logprob_mismatch`. Nothing here reads a value back to the host.
     """
 
     algorithm: AlgorithmConfig
@@ -87,12 +92,13 @@ class PolicyObjective:
         if a.kl_coef > 0:
             kl = kl_penalty(logp, mb.ref_logp, mask, a.kl_estimator, **common)
             loss = loss + a.kl_coef * kl
-            metrics["kl_ref"] = kl.detach() * self.num_tokens / max(float(mask.sum()), 1.0)
+            metrics["kl_ref"] = kl.detach() * self.num_tokens / mask.sum().clamp(min=1.0)  # no host sync
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, **common)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
-        metrics.update(_log_ratio_metrics(logp.detach() - old, mask))
-        metrics["token_log_ratio"] = logp.detach() - old  # with token_clipped: split by routing change
+        # with token_clipped: split by routing change; with log_ratio_mask: log_ratio_metrics
+        metrics["token_log_ratio"] = logp.detach() - old
+        metrics["log_ratio_mask"] = mask
         if mb.old_logp is None:
             metrics.update(logprob_mismatch(logp, mb.rollout_logp, mask))
         metrics["loss"] = loss.detach()
@@ -100,10 +106,21 @@ class PolicyObjective:
         return loss, metrics
 
 
-def _log_ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    values = log_ratio[mask.bool()]
-    out = {"log_ratio": values}
-    if values.numel():
-        out["log_ratio_p01"] = torch.quantile(values.float(), 0.01)
-        out["log_ratio_p99"] = torch.quantile(values.float(), 0.99)
-    return out
+def log_ratio_metrics(outputs: list[dict]) -> None:
+    """Adds to each micro-batch's metrics of an update pass its masked token log-ratios
+    ``log_ratio`` (for the histogram) and their 1st/99th percentiles, for all micro-batches
+    at once after the pass: one boolean selection and one device sync for the pass (inside
+    the loss, each micro-batch's selection stalled the pass on a GPU)."""
+    parts = [out for out in outputs if "token_log_ratio" in out and "log_ratio_mask" in out]
+    if not parts:
+        return
+    keep = [out["log_ratio_mask"].bool() for out in parts]
+    counts = torch.stack([k.sum() for k in keep]).tolist()
+    selected = torch.cat([out["token_log_ratio"].reshape(-1) for out in parts])[
+        torch.cat([k.reshape(-1) for k in keep])
+    ]
+    for out, values in zip(parts, selected.split(counts)):
+        out["log_ratio"] = values
+        if values.numel():
+            out["log_ratio_p01"] = torch.quantile(values.float(), 0.01)
+            out["log_ratio_p99"] = torch.quantile(values.float(), 0.99)

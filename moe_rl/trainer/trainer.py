@@ -68,7 +68,7 @@ from moe_rl.trainer.metrics import (
     routing_split_scalars,
 )
 from moe_rl.trainer.old_policy import StepRouting, old_policy_pass
-from moe_rl.trainer.objective import PolicyObjective, kept_counts, logprob_mismatch
+from moe_rl.trainer.objective import PolicyObjective, kept_counts, log_ratio_metrics, logprob_mismatch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.placement import Placement, build_placement, make_room_for_the_trainer
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
@@ -458,6 +458,7 @@ class Trainer:
         for i in range(self.cfg.algorithm.updates_per_batch):
             with self.routing.update_pass() if self.routing else contextlib.nullcontext([]) as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
+            log_ratio_metrics(result.outputs)  # once for the pass, not inside each micro-batch's loss
             skipped += not result.updated
             if self.monitor:  # |log-ratio| and clipping by routing change since the old pass
                 self.monitor.add_update_log_ratios(
