@@ -318,6 +318,88 @@ def family_checks(
     RouterReplay.clear_global_router_replay_instances()
 
 
+SYNC_LAYOUTS = ("1,1,1,1", "1,1,2,1")  # tensor_sync_checks: one process, and EP 2 on two
+
+
+def tensor_sync_checks(model, hf_config, out: Path) -> None:
+    """The colocated tensor sync's request body (``/update_weights_from_tensor``), captured on
+    the first rank from :class:`SGLangEngine` (its HTTP posts replaced) for one server of TP 2
+    whose TP ranks run on GPUs "1" and "0" (named as the trainer's two ranks' "0" and "1"):
+    per bucket, its entries, the pid of the process whose shared memory each maps (the rank
+    that serialized it), and the tensors entry i maps. One process: both entries its own."""
+    import contextlib
+    import json
+    import re
+
+    from moe_rl.models.weight_buckets import HFWeights
+    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.weight_sync import TensorSync, deserialize_sglang_payload
+
+    class Capturing(SGLangEngine):
+        def __init__(self) -> None:
+            super().__init__(["http://tp2-stand-in:1"])
+            self._server_ranks, self.bodies = [2], []
+
+        @contextlib.contextmanager
+        def weight_update(self, weight_version: str):
+            yield
+
+        def supports_flattened_buckets(self) -> bool:
+            return True
+
+        def _post_each(self, path, payloads, while_waiting=None, **kwargs):
+            import base64
+
+            for body in payloads:  # mapped now, while every producer keeps its copy
+                entries = body["serialized_named_tensors"]
+                pids = [sorted(set(re.findall(rb"/torch_(\d+)_", base64.b64decode(e)))) for e in entries]
+                tensors = []
+                for e in entries:
+                    bucket = deserialize_sglang_payload(e)
+                    flat = bucket["flattened_tensor"]
+                    tensors.append(
+                        {
+                            m.name: flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape).clone()
+                            for m in bucket["metadata"]
+                        }
+                    )
+                self.bodies.append(
+                    {
+                        "path": path,
+                        "entries": len(entries),
+                        "pids": [[int(p) for p in x] for x in pids],
+                        "tensors": tensors,
+                    }
+                )
+
+    engine = Capturing() if dist.get_rank() == 0 else None
+    two = dist.get_world_size() == 2
+    sync = TensorSync(
+        engine,
+        bucket_bytes=64 << 10,
+        dtype=torch.float32,
+        server_gpus=[["1", "0"]],
+        trainer_gpus=["0", "1"] if two else ["0"],
+    )
+    sync.push(HFWeights(model, hf_config), "1")
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    if engine is not None:
+        merged = {}
+        for body in engine.bodies:
+            for tensors in body["tensors"]:
+                for name, t in tensors.items():
+                    merged.setdefault(name, []).append(t)
+        torch.save({k: torch.stack(v) for k, v in merged.items()}, out / "tensor_sync.pt")
+        summary = {
+            "rank_pids": pids,
+            "producers": sync.producers,
+            "bodies": [{k: b[k] for k in ("path", "entries", "pids")} for b in engine.bodies],
+        }
+        (out / "tensor_sync.json").write_text(json.dumps(summary))
+    dist.barrier()
+
+
 CKPT_STEPS = 2  # optimizer steps before the checkpoint (then one more from it)
 
 
@@ -449,6 +531,10 @@ def main() -> None:
         grads = gather_hf_tensors(ddp.module, hf_config, source=lambda name, p: p.main_grad)
         if grads:
             torch.save(grads, out / f"grads_rank{rank}.pt")
+
+        # 2b. the colocated tensor sync's payloads, one per server TP rank (the weights as loaded)
+        if spec in SYNC_LAYOUTS:
+            tensor_sync_checks(ddp.module, hf_config, out)
 
         # 3. a few optimizer steps with the distributed optimizer
         ddp, settings = fresh(True)

@@ -189,6 +189,34 @@ def test_dp_reshardable_checkpoint_refuses_another_layout_in_one_line(qwen3_runs
     assert "under tp=1 pp=1 ep=1 etp=1" in message and "not tp=1 pp=1 ep=2 etp=1" in message, message
 
 
+@pytest.mark.parametrize("layout", ["1,1,1,1", "1,1,2,1"])
+def test_colocated_tensor_sync_sends_each_tp_rank_a_payload_from_its_own_gpus_rank(
+    qwen3_runs: Path, layout: str
+) -> None:
+    """``/update_weights_from_tensor`` to a server of TP 2 whose ranks run on GPUs "1" and "0"
+    (tests/dist_worker.py tensor_sync_checks): every body holds 2 entries; on two trainer
+    ranks (GPUs "0", "1") entry 0 maps rank 1's copy and entry 1 rank 0's, in one process
+    both its own; every entry maps the full HF weights, as the one-process run's and the
+    checkpoint's."""
+    import json
+
+    run = qwen3_runs / layout.replace(",", "-")
+    summary = json.loads((run / "tensor_sync.json").read_text())
+    pids = summary["rank_pids"]
+    expected = [[pids[1]], [pids[0]]] if len(pids) == 2 else [[pids[0]], [pids[0]]]
+    assert summary["producers"] == ([[1, 0]] if len(pids) == 2 else [[0, 0]])
+    assert len(summary["bodies"]) > 1  # several buckets
+    for body in summary["bodies"]:
+        assert body["path"] == "/update_weights_from_tensor" and body["entries"] == 2
+        assert body["pids"] == expected
+    got, ref = torch.load(run / "tensor_sync.pt"), torch.load(qwen3_runs / "1-1-1-1" / "tensor_sync.pt")
+    hf = SafetensorsDir(qwen3_runs.parent / "hf")
+    assert set(got) == set(ref) == set(hf.keys())
+    for name, entries in got.items():
+        assert entries.shape[0] == 2 and torch.equal(entries, ref[name]), name
+        assert torch.equal(entries[0], hf.get(name).to(entries.dtype)) and torch.equal(entries[1], entries[0]), name
+
+
 def test_loss_goes_down_over_optimizer_steps(qwen3_runs: Path) -> None:
     for layout in ("1-1-1-1", "1-1-2-1", "1-2-1-1", "1-2-2-1"):
         losses = torch.load(qwen3_runs / layout / "losses.pt")

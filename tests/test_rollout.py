@@ -190,7 +190,7 @@ class CheckpointWeights:
     def plan(self, bucket_bytes: int, dtype, *, per_stage: bool = False) -> list[Bucket]:
         return plan_buckets(self.entries, bucket_bytes, dtype)
 
-    def stream(self, bucket_bytes: int, dtype, consume, *, per_stage: bool = False) -> list[Bucket]:
+    def stream(self, bucket_bytes: int, dtype, consume, *, per_stage: bool = False, every_rank=False) -> list[Bucket]:
         plan = self.plan(bucket_bytes, dtype)
         for bucket in plan:
             flat = torch.empty(bucket.nbytes, dtype=torch.uint8)

@@ -213,5 +213,7 @@ def build_weight_sync(
     if r.weight_sync == "distributed":
         return DistributedSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, address=r.sync_address)
     if r.weight_sync == "tensor":
-        return TensorSync(engine, bucket_bytes=bucket_bytes, dtype=dtype)
+        # a server this run launches on rollout.server_gpus: its TP rank i on the i-th of them
+        gpus = [[str(g) for g in r.server_gpus]] if r.launch_server and r.server_gpus else None
+        return TensorSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, server_gpus=gpus)
     return DiskSync(engine, run_dir / "weights" / "current")

@@ -187,19 +187,27 @@ class WeightStreamer:
 
     @torch.no_grad()
     def stream(
-        self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        consume: PackedConsumer | None,
+        *,
+        per_stage: bool = False,
+        every_rank: bool = False,
     ) -> list[Bucket]:
         """Collective: each bucket packed on its sender (``dst``; ``per_stage``: its stage's
         first rank), which calls ``consume(bucket, flat)`` with the packed bytes (on its
         device, tensors in ``dtype`` or the parameters' own) and drops them before packing
         its next one; ``dst`` also calls ``consume(bucket, None)``, in order, for each bucket
-        another rank sends. Returns the plan. (A callback, not a generator: a suspended
-        generator keeps its last bucket alive while it packs the next, doubling the peak.)"""
+        another rank sends (``every_rank``: every rank given a ``consume`` does, after each
+        bucket is packed, so that a consumer may run collectives of its own). Returns the
+        plan. (A callback, not a generator: a suspended generator keeps its last bucket
+        alive while it packs the next, doubling the peak.)"""
         self.weights = self._current_weights()  # a buffer may have been replaced since
         plan = self.plan(bucket_bytes, dtype, per_stage=per_stage)
         for bucket in plan:
             flat = self._pack(bucket)
-            if consume is not None and (flat is not None or rank() == self.dst):
+            if consume is not None and (flat is not None or rank() == self.dst or every_rank):
                 consume(bucket, flat)
             del flat
         return plan
@@ -281,9 +289,15 @@ class HFWeights:
         return self.streamer.send_buckets(bucket_bytes, dtype, consume)
 
     def stream(
-        self, bucket_bytes: int, dtype: torch.dtype | None, consume: PackedConsumer | None, *, per_stage: bool = False
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        consume: PackedConsumer | None,
+        *,
+        per_stage: bool = False,
+        every_rank: bool = False,
     ) -> list[Bucket]:
-        return self.streamer.stream(bucket_bytes, dtype, consume, per_stage=per_stage)
+        return self.streamer.stream(bucket_bytes, dtype, consume, per_stage=per_stage, every_rank=every_rank)
 
     def plan(self, bucket_bytes: int, dtype: torch.dtype | None, *, per_stage: bool = False) -> list[Bucket]:
         return self.streamer.plan(bucket_bytes, dtype, per_stage=per_stage)

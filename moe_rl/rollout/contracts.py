@@ -73,7 +73,11 @@ class DistributedWeightReceiver(WeightUpdateSession, Protocol):
 class TensorWeightReceiver(WeightUpdateSession, Protocol):
     """Takes buckets by reference (CUDA IPC handles; shared-memory files on CPU)."""
 
-    def update_weights_from_tensor(self, serialized: str, *, weight_version: str, flattened: bool = False) -> None: ...
+    def update_weights_from_tensor(
+        self, serialized: str | Sequence[Sequence[str]], *, weight_version: str, flattened: bool = False
+    ) -> None:
+        """``serialized[s][i]``: what TP rank i of server s maps (or one for all of them)."""
+        ...
 
 
 @runtime_checkable

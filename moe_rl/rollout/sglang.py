@@ -495,20 +495,28 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
                 f"broadcasting a bucket over weight-update group {group_name} failed: {type(e).__name__}: {e}"
             ) from e
 
-    def update_weights_from_tensor(self, serialized: str, *, weight_version: str, flattened: bool = False) -> None:
-        """Hand every server one bucket by reference (``serialized``: SGLang's
-        ``MultiprocessingSerializer`` form, one copy per TP rank, which maps it from this
-        process's device): ``flattened``, a ``{flattened_tensor, metadata}`` bucket, else a
-        list of ``(name, tensor)``. Servers on this node only; call inside :meth:`weight_update`."""
+    def update_weights_from_tensor(
+        self, serialized: str | Sequence[Sequence[str]], *, weight_version: str, flattened: bool = False
+    ) -> None:
+        """Hand every server one bucket by reference, in SGLang's ``MultiprocessingSerializer``
+        form: ``serialized[s][i]`` is what TP rank i of server s maps (each from the GPU it
+        runs on, where a trainer rank shares it), or one string every TP rank of every server
+        maps. A payload is a ``{flattened_tensor, metadata}`` bucket (``flattened``), else a list
+        of ``(name, tensor)``. Servers on this node only; call inside :meth:`weight_update`."""
+        sizes = self.server_ranks()
+        per_server = [[serialized] * size for size in sizes] if isinstance(serialized, str) else serialized
+        for url, size, entries in zip(self.urls, sizes, per_server, strict=True):
+            if len(entries) != size:
+                raise RolloutError(f"{url} has {size} TP ranks but {len(entries)} weight payloads were made for it")
         load_format = "flattened_bucket" if flattened else None
         payloads = [
             {
-                "serialized_named_tensors": [serialized] * size,
+                "serialized_named_tensors": list(entries),
                 "load_format": load_format,
                 "flush_cache": False,
                 "weight_version": weight_version,
             }
-            for size in self.server_ranks()
+            for entries in per_server
         ]
         self._post_each("/update_weights_from_tensor", payloads)
 
