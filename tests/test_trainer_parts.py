@@ -576,6 +576,24 @@ def test_the_default_budget_pads_little_and_no_micro_batch_outgrows_fixed_rows()
     assert MicroBatchPlanner(rows, max_tokens=0).plan(lengths) == fixed_plan(range(256), 256, rows)
 
 
+def test_the_default_budget_takes_rows_for_samples_of_nearly_one_length() -> None:
+    """32 samples of 7-10 tokens under micro_batch_size=32: packing by the derived budget
+    (32 x the mean) splits them 28 + 4, twice a micro-batch's fixed cost for 12 padding
+    tokens; the planner takes the one micro-batch of rows. With an explicit budget it packs."""
+    from moe_rl.trainer.packing import MicroBatchPlanner, derived_budget, fixed_plan, padded_tokens, token_budget_plan
+
+    lengths = [7 + (i * 7) % 4 for i in range(32)]
+    packed = token_budget_plan(lengths, 0, 1, derived_budget(lengths, 32, 1), 32, 1)
+    rows = fixed_plan(range(32), 32, 32)
+    assert [len(mb) for mb in packed] == [28, 4]
+    assert padded_tokens([rows], lengths, 1) <= 1.25 * padded_tokens([packed], lengths, 1)
+    assert MicroBatchPlanner(32).plan(lengths) == rows
+    assert MicroBatchPlanner(32, max_tokens=288).plan(lengths) == packed
+    # spread lengths: rows would pad far more, the packing stays
+    spread = [10 + (i * 7919) % 491 for i in range(64)]
+    assert MicroBatchPlanner(8).plan(spread) == token_budget_plan(spread, 0, 1, derived_budget(spread, 8, 1), 8, 1)
+
+
 def test_token_budget_micro_batches_give_the_full_batch_loss() -> None:
     from moe_rl.trainer.packing import token_budget_plan
 

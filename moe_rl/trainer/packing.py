@@ -11,7 +11,10 @@ padded only to its own longest sample (:func:`moe_rl.trainer.batch.build_train_b
   ``rows x longest`` stays within ``max_tokens`` (a longer sample goes alone).
 - :func:`derived_budget`: the default budget, ``micro_batch_size`` samples of the step's
   mean length (never more tokens a micro-batch than ``micro_batch_size`` rows of the
-  step's longest sample, the fixed plan's size).
+  step's longest sample, the fixed plan's size). Under it a step of samples of nearly one
+  length takes rows instead (:class:`MicroBatchPlanner`): packing them by the budget
+  leaves a few for a micro-batch of their own, and a micro-batch's fixed cost (a small
+  model's whole cost) is then paid twice to save a few padding tokens.
 """
 
 from __future__ import annotations
@@ -87,13 +90,32 @@ def token_budget_plan(
     """This data-parallel rank's plan under a token budget (see the module docstring).
     Every rank computes every rank's packing (cheap), so the counts agree without a
     collective."""
+    return token_budget_plans(lengths, ranks, max_tokens, max_rows, multiple)[rank]
+
+
+def token_budget_plans(lengths: Sequence[int], ranks: int, max_tokens: int, max_rows: int, multiple: int) -> list[Plan]:
+    """Every data-parallel rank's :func:`token_budget_plan`."""
     packed = [
         pack_by_tokens(share, lengths, max_tokens, max_rows, multiple) for share in balance_by_tokens(lengths, ranks)
     ]
-    return equalize(packed[rank], max(1, *(len(p) for p in packed)))
+    count = max(1, *(len(p) for p in packed))
+    return [equalize(p, count) for p in packed]
+
+
+def padded_tokens(plans: Sequence[Plan], lengths: Sequence[int], multiple: int) -> int:
+    """The tokens of the plans' micro-batches, each padded to its own longest sample (as
+    :func:`moe_rl.trainer.batch.build_train_batch` pads them), empty rows included."""
+    return sum(
+        len(mb) * round_up(max([lengths[i] for i in mb if i is not None] or [2]), multiple)
+        for plan in plans
+        for mb in plan
+    )
 
 
 DERIVED_BUDGET = -1  # max_tokens: micro_batch_size samples of the step's mean length
+# under the derived budget, rows are taken instead when they make fewer micro-batches and
+# pad at most this share more tokens than the packing
+ROWS_PADDING_SLACK = 0.25
 
 
 def derived_budget(lengths: Sequence[int], micro_batch_size: int, multiple: int) -> int:
@@ -108,8 +130,10 @@ def derived_budget(lengths: Sequence[int], micro_batch_size: int, multiple: int)
 @dataclass(frozen=True)
 class MicroBatchPlanner:
     """The run's way of planning micro-batches, chosen once: ``max_tokens`` > 0 packs by
-    that token budget, :data:`DERIVED_BUDGET` (-1) by :func:`derived_budget` of each step,
-    0 by rows (``micro_batch_size`` each, samples in order)."""
+    that token budget, :data:`DERIVED_BUDGET` (-1) by :func:`derived_budget` of each step
+    (or by rows, when rows make fewer micro-batches with at most :data:`ROWS_PADDING_SLACK`
+    more padded tokens: samples of nearly one length), 0 by rows (``micro_batch_size``
+    each, samples in order). Every rank decides alike, from every rank's plans."""
 
     micro_batch_size: int
     max_tokens: int = DERIVED_BUDGET
@@ -133,6 +157,19 @@ class MicroBatchPlanner:
 
         rank, size = data_parallel_position()
         budget = self.budget(lengths)
-        if budget:
-            return token_budget_plan(lengths, rank, size, budget, self.micro_batch_size, self.seq_len_multiple)
-        return fixed_plan(range(rank, len(lengths), size), -(-len(lengths) // size), self.micro_batch_size)
+        if not budget:
+            return self._rows(lengths, size)[rank]
+        packed = token_budget_plans(lengths, size, budget, self.micro_batch_size, self.seq_len_multiple)
+        if self.max_tokens == DERIVED_BUDGET:
+            rows = self._rows(lengths, size)
+            multiple = self.seq_len_multiple
+            if len(rows[0]) < len(packed[0]) and padded_tokens(rows, lengths, multiple) <= (
+                1 + ROWS_PADDING_SLACK
+            ) * padded_tokens(packed, lengths, multiple):
+                return rows[rank]
+        return packed[rank]
+
+    def _rows(self, lengths: Sequence[int], ranks: int) -> list[Plan]:
+        """Every rank's fixed plan: ``micro_batch_size`` rows, samples dealt round robin."""
+        rows_per_rank = -(-len(lengths) // ranks)
+        return [fixed_plan(range(r, len(lengths), ranks), rows_per_rank, self.micro_batch_size) for r in range(ranks)]
