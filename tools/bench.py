@@ -9,7 +9,9 @@ the KL reference's device memory and pass time (second model vs host swap); an 8
 response's routing (rank-0 decode time, bytes kept per token); the time a checkpoint save
 blocks training; broadcasts per weight sync; padding of fixed vs token-budget micro-batches; log-prob memory/time (chunked vs full-vocabulary logits, vocab 151,936);
 local-engine throughput and the SGLang client's overhead per request; TRL's
-GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE; the policy losses;
+GRPOTrainer vs moe-rl on one GRPO step of the same tiny Qwen3-MoE (the ratio: the median of
+paired turns' ratios) and where moe-rl's step time goes, stage by stage
+(``tools/bench_stages.py``); the policy losses;
 and a GPU section when a GPU is present. ``--quick`` keeps it under 5 minutes on 2 cores.
 """
 
@@ -322,6 +324,11 @@ def main() -> None:
     except ImportError:
         results["peer"] = "skipped: TRL is not installed (.venv/bin/pip install trl)"
 
+    print("== where one moe-rl step's time goes: its stages timed inside one training process", flush=True)
+    results["stages"] = sub_json(
+        [str(TOOLS / "bench_stages.py"), "--model", _demo_model(), "--steps", "20" if q else "60"]
+    )
+
     print("== policy losses", flush=True)
     loss_json = tempfile.mktemp(suffix=".json")
     shape = ["--batch", "64", "--seq", "1024"] if q else []
@@ -487,7 +494,8 @@ def _print_table(r: dict) -> None:
         rows.append(
             (
                 f"GRPO step vs TRL (same model, batch; {pe['runs']} runs taking turns)",
-                f"moe-rl {pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x time",
+                f"median of {pe['turns']} turn ratios {pe['median_turn_time_ratio']:.2f}x; step medians moe-rl "
+                f"{pe['moe_rl_step_s']:.3f}s vs TRL {pe['trl_step_s']:.3f}s = {pe['time_ratio_moe_rl_over_trl']:.2f}x",
             )
         )
         runs = ", ".join(f"{x:.2f}x" for x in pe["run_time_ratios"])
@@ -507,6 +515,19 @@ def _print_table(r: dict) -> None:
         )
     else:
         rows.append(("GRPO step vs TRL", r["peer"]))
+    st = r["stages"]
+    rows.append(
+        (
+            "moe-rl step by stage (same model, batch)",
+            f"medians of {st['steps']} steps, perf/step_time_s {st['perf_step_ms']:.1f} ms; ms, % of train_step:",
+        )
+    )
+    step_ms = next((x["median_ms"] for x in st["stages"] if x["stage"] == "train_step"), 0.0)
+    for x in st["stages"]:
+        if x["median_ms"] >= 0.05 or x["depth"] <= 1:
+            share = f"  {100 * x['median_ms'] / step_ms:5.1f}%" if step_ms and not x["stage"].endswith("other") else ""
+            name = "(other)" if x["stage"].endswith(": other") else x["stage"]
+            rows.append((f"  {'  ' * x['depth']}{name}", f"{x['median_ms']:7.2f}{share}"))
     losses = r["losses"]["losses"]
     rows.append(
         (f"losses fwd+bwd {r['losses']['shape']}", ", ".join(f"{k} {v['ms']:.0f}ms" for k, v in losses.items()))

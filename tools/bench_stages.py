@@ -260,7 +260,8 @@ def main() -> None:
     print(f"perf/step_time_s median {step_time * 1e3:.2f} ms over {len(metrics) - args.warmup} steps")
     if missing:
         print("not in this version: " + ", ".join(missing))
-    print("BENCH_JSON " + json.dumps({"stages": rows, "perf_step_ms": step_time * 1e3, "missing": missing}))
+    out = {"stages": rows, "perf_step_ms": step_time * 1e3, "steps": len(metrics) - args.warmup, "missing": missing}
+    print("BENCH_JSON " + json.dumps(out))
 
 
 if __name__ == "__main__":
