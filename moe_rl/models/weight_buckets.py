@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.builder import named_weights
 from moe_rl.models.hf_weights import ParamMapper, Recipe, export_hf_weights, gather_shards, is_writer, served_dtype
-from parallel.collectives import all_gather_objects, rank, rank_device
+from parallel.collectives import all_gather_objects, rank, rank_device, world_size
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 BucketConsumer = Callable[[NamedTensors], None]
@@ -303,8 +303,16 @@ class HFWeights:
         return self.streamer.plan(bucket_bytes, dtype, per_stage=per_stage)
 
     def gather(self) -> dict[str, torch.Tensor] | None:
-        """Every full tensor on the first rank (the whole model: for an engine in this process)."""
+        """Every full tensor on the first rank (the whole model: for an engine in this process).
+        In a single process, views of the weights themselves (nothing to gather: packing
+        them into a bucket first copied the whole model once more each sync)."""
         merged: dict[str, torch.Tensor] = {}
+        if world_size() == 1:
+            streamer = self.streamer
+            streamer.weights = streamer._current_weights()
+            for name, weight in streamer.weights.items():
+                merged.update(streamer._gather_full(name, weight.dtype, weight.device, into_place=True))
+            return merged
         self.send_buckets(sys.maxsize, None, merged.update)
         return merged if rank() == self.streamer.dst else None
 
