@@ -119,8 +119,9 @@ def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
     return {"step_times": times, "response_tokens": lengths}
 
 
-def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
-    overrides = [
+def moe_rl_overrides(model_dir: str, steps: int, run_dir: str) -> list[str]:
+    """The moe-rl run this benchmark compares (the batch and settings TRL's side gets)."""
+    return [
         f"model.hf_dir={model_dir}",
         f"train.run_dir={run_dir}",
         f"train.steps={steps}",
@@ -134,6 +135,10 @@ def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
         "reward.rewards=[{name: correct, fn: math_correct}]",
         "reward.conditionals=[]",
     ]
+
+
+def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
+    overrides = moe_rl_overrides(model_dir, steps, run_dir)
     from moe_rl import tags
     from moe_rl.cli import main
     from moe_rl.trainer.trainer import Trainer

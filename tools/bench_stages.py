@@ -218,7 +218,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps not counted")
     p.add_argument("overrides", nargs="*", help="more key=value settings")
     args = p.parse_args()
-    from bench_peer import GROUP, NEW_TOKENS, PROMPTS
+    from bench_peer import moe_rl_overrides
 
     if args.model is None:
         from bench import _demo_model
@@ -229,21 +229,7 @@ def main() -> None:
     run_dir = tempfile.mkdtemp()
     from moe_rl.cli import main as cli
 
-    overrides = [
-        f"model.hf_dir={args.model}",
-        f"train.run_dir={run_dir}",
-        f"train.steps={args.steps}",
-        "train.progress=false",
-        f"rollout.prompts_per_step={PROMPTS}",
-        f"rollout.group_size={GROUP}",
-        f"rollout.max_new_tokens={NEW_TOKENS}",
-        "algorithm.updates_per_batch=1",
-        "routing.metrics=false",
-        "algorithm.micro_batch_size=32",
-        "reward.rewards=[{name: correct, fn: math_correct}]",
-        "reward.conditionals=[]",
-        *args.overrides,
-    ]
+    overrides = [*moe_rl_overrides(args.model, args.steps, run_dir), *args.overrides]
     stderr = sys.stderr
     sys.stderr = open(os.devnull, "w")  # the console lines
     try:
