@@ -160,6 +160,19 @@ def _patch_megatron() -> None:
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
+    # dist_checkpointing's fully parallel load makes each shard a rank receives with
+    # ShardedTensor.init_data("cuda"), whose default torch.empty was bound before the
+    # factories were bridged
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    init_data = ShardedTensor.init_data
+
+    @functools.wraps(init_data)
+    def init_data_on_the_device(self, device, init_fn=None):
+        return init_data(self, _DEVICE if _is_cuda(device) else device, init_fn or torch.empty)
+
+    ShardedTensor.init_data = init_data_on_the_device
+
 
 # ----------------------------------------------------------------- gloo collectives
 

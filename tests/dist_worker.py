@@ -403,6 +403,18 @@ def tensor_sync_checks(model, hf_config, out: Path) -> None:
 CKPT_STEPS = 2  # optimizer steps before the checkpoint (then one more from it)
 
 
+def training_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's weights and optimizer state (each part's master weights and Adam state)."""
+    out = {f"model.{k}": v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    for i, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        for g, group in enumerate(part.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                out[f"optimizer.{i}.{g}.{j}.param"] = p.detach()
+                for k, v in part.optimizer.state[p].items():
+                    out[f"optimizer.{i}.{g}.{j}.{k}"] = v
+    return out
+
+
 def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
     """The distributed optimizer's checkpoint formats across data-parallel sizes, on one layout
     (tp = pp = ep = 1, so DP = the world size). One process: CKPT_STEPS steps, a ``dp_reshardable``
@@ -423,8 +435,9 @@ def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
 
     batch = fixed_batch(hf_config.vocab_size)
 
-    def fresh(layout: ParallelLayout):
-        init_distributed(layout, model_dims(hf_config), seed=0)
+    def fresh(layout: ParallelLayout, init: bool = True):
+        if init:
+            init_distributed(layout, model_dims(hf_config), seed=0)
         config = make_transformer_config(hf_config, layout)
         model = build_model(hf_config, config)
         load_hf_weights(model, hf_config, hf_dir)
@@ -443,7 +456,38 @@ def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
         dist.barrier()
         ps.destroy_model_parallel()
 
+    def compare_loads(layout: ParallelLayout, names: tuple[str, ...], run: str) -> None:
+        """megatron's fully parallel load (load_checkpoint's default) against each rank reading
+        its own: every rank's weights and optimizer state, per checkpoint."""
+        differ = {}
+        for name in names:
+            path, meta = select_checkpoint(root / name)
+            states = []
+            for parallel in (False, True, None):  # (None: not loaded)
+                model, ddp, optimizer, settings = fresh(layout, init=not states)
+                if parallel is not None:
+                    load_checkpoint(path, meta, TrainingState(model, optimizer, settings), layout, parallel=parallel)
+                states.append(training_tensors(model, optimizer))
+            serial, parallel, unloaded = states
+            assert serial.keys() == parallel.keys()  # (a fresh optimizer has no Adam state yet)
+            differ[name] = {
+                "parallel_vs_serial": sorted(k for k in serial if not torch.equal(serial[k], parallel[k])),
+                "unloaded_vs_serial": sum(not torch.equal(serial[k], unloaded[k]) for k in unloaded),
+                "tensors": len(serial),
+            }
+            dist.barrier()
+            ps.destroy_model_parallel()
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, differ)
+        if dist.get_rank() == 0:
+            import json
+
+            (out / f"ckpt_parallel_load_{run}.json").write_text(json.dumps(every))
+
     layout = ParallelLayout()
+    if int(os.environ["WORLD_SIZE"]) == 4:  # EP 2 x DP 4 (expert DP 2); TP 2 x EP 2 x DP 2
+        compare_loads(ParallelLayout(ep=2), ("full",), "ep2dp4")
+        return compare_loads(ParallelLayout(tp=2, ep=2), ("full",), "tp2ep2dp2")
     if int(os.environ["WORLD_SIZE"]) == 1:
         model, ddp, optimizer, settings = fresh(layout)
         for _ in range(CKPT_STEPS):
@@ -460,6 +504,7 @@ def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
         load_checkpoint(path, meta, TrainingState(model, optimizer, settings), layout)
         step(ddp, optimizer)
         done(model, f"ckpt_{name}_dp2")
+    compare_loads(ParallelLayout(), ("dpr", "full"), "dp2")
     ep2 = ParallelLayout(ep=2)
     model, ddp, optimizer, settings = fresh(ep2)
     path = root / "dpr" / "checkpoints" / f"step_{CKPT_STEPS:06d}"
@@ -562,7 +607,7 @@ def main() -> None:
             family_checks(family, layout, family_batch, out / Path(family).name, bias_checks, grad_checks)
         dist.barrier()
         ps.destroy_model_parallel()
-    if checkpoints is not None and int(os.environ["WORLD_SIZE"]) in (1, 2):
+    if checkpoints is not None:
         checkpoint_checks(hf_dir, hf_config, checkpoints, Path(out_dir))
     dist.destroy_process_group()
 

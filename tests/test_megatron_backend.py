@@ -183,6 +183,23 @@ def test_optimizer_checkpoint_resumes_under_another_data_parallel_size(qwen3_run
         torch.testing.assert_close(got[key], w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.parametrize("run", ["dp2", "ep2dp4", "tp2ep2dp2"])
+def test_fully_parallel_load_gives_each_rank_the_state_its_own_reads_give(qwen3_runs: Path, run: str) -> None:
+    """load_checkpoint's default, megatron's fully parallel load over the data-parallel ranks
+    (each shared tensor read by one rank and broadcast), against each rank reading all it
+    needs itself: every rank's weights and optimizer state bit-equal, for the one-process
+    checkpoints loaded on DP 2 (dp_reshardable and fully_reshardable) and resharded to
+    EP 2 x DP 4 (expert DP 2) and TP 2 x EP 2 x DP 2 (fully_reshardable)."""
+    import json
+
+    ranks = json.loads((qwen3_runs / f"ckpt_parallel_load_{run}.json").read_text())
+    assert len(ranks) == (2 if run == "dp2" else 4)
+    for per_rank in ranks:
+        for name, r in per_rank.items():
+            assert r["parallel_vs_serial"] == [], (name, r["parallel_vs_serial"][:5])
+            assert r["unloaded_vs_serial"] > 0 and r["tensors"] > 0  # the load did change the state
+
+
 def test_dp_reshardable_checkpoint_refuses_another_layout_in_one_line(qwen3_runs: Path) -> None:
     message = (qwen3_runs / "ckpt_dpr_ep2_refusal.txt").read_text()
     assert "\n" not in message and "train.checkpoint_reshardable=false" in message, message

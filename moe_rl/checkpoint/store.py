@@ -379,9 +379,15 @@ class Checkpointer:
             self._pruning.start()
 
 
-def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: ParallelLayout) -> None:
+def load_checkpoint(
+    path: Path, meta: dict, state: TrainingState, layout: ParallelLayout, *, parallel: bool = True
+) -> None:
     """Collective. Restores model, optimizer and RNG (see :func:`select_checkpoint`),
-    resharded when ``layout`` or the world size differs from the checkpoint's."""
+    resharded when ``layout`` or the world size differs from the checkpoint's.
+    ``parallel``: megatron's fully parallel load over the data-parallel ranks (what they
+    all need is read once, by one of them, and broadcast), else each rank reads what it
+    holds itself: a ``fully_reshardable`` optimizer state, which every data-parallel rank
+    reads whole before it keeps its shard, read by every one of them."""
     problem = layout_problem(path, meta, layout)
     sharding = meta.get("optimizer_sharding", RESHARDABLE)  # (unrecorded: written before dp_reshardable existed)
     if (
@@ -397,8 +403,9 @@ def load_checkpoint(path: Path, meta: dict, state: TrainingState, layout: Parall
     if problem:
         raise CheckpointMismatch(problem)
     state = dataclasses.replace(state, optimizer_sharding=sharding)
-    # (each rank reads what it holds; megatron's fully parallel load gave wrong tensors on data-parallel ranks here)
-    loaded, absent = _load_sharded(state.sharded_state_dict(loading=True), path, transformer_impl_of(state.model))
+    loaded, absent = _load_sharded(
+        state.sharded_state_dict(loading=True), path, transformer_impl_of(state.model), parallel=parallel
+    )
     state.load(loaded, extra_state_absent=absent)
     same_layout = meta.get("layout") == _layout_meta(layout) and meta["world_size"] == world_size()
     if not same_layout and rank() == 0:
@@ -501,15 +508,21 @@ def transformer_impl_of(model: torch.nn.Module) -> str:
     return "transformer_engine" if any(type(m).__module__.startswith(te) for m in model.modules()) else "local"
 
 
-def _load_sharded(request: dict, path: Path, impl: str) -> tuple[dict, bool]:
-    """Collective: ``request`` read from ``path/dist``, and whether some of its
-    ``_extra_state`` entries were absent (left out: Transformer Engine's layers hold some the
-    local ones do not; the checkpoint's own extra entries are not read). Any other absent
-    key refuses the checkpoint in one line naming both implementations."""
+def _load_sharded(request: dict, path: Path, impl: str, *, parallel: bool = False) -> tuple[dict, bool]:
+    """Collective: ``request`` read from ``path/dist`` (``parallel``: megatron's fully
+    parallel load over the data-parallel ranks), and whether some of its ``_extra_state``
+    entries were absent (left out: Transformer Engine's layers hold some the local ones do
+    not; the checkpoint's own extra entries are not read). Any other absent key refuses the
+    checkpoint in one line naming both implementations."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    loaded, _, absent = dist_checkpointing.load(request, str(path / "dist"), strict=StrictHandling.RETURN_UNEXPECTED)
+    loaded, _, absent = dist_checkpointing.load(
+        request,
+        str(path / "dist"),
+        sharded_strategy=_parallel_load_strategy(path) if parallel else None,
+        strict=StrictHandling.RETURN_UNEXPECTED,
+    )
     keys = sorted({str(getattr(k, "key", k)) for k in absent})
     # (each rank's own keys: every rank refuses together)
     others = sorted({k for ks in all_gather_objects(keys) for k in ks if not k.endswith("_extra_state")})
@@ -572,6 +585,20 @@ def _save_strategy():
     return FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True
     )
+
+
+def _parallel_load_strategy(path: Path):
+    """megatron's torch_dist load, each tensor the data-parallel ranks share read by one of
+    them and broadcast to the others (``FullyParallelLoadStrategyWrapper``); ``None`` (each
+    rank reads its own) with one data-parallel rank."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group.size() <= 1:
+        return None
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path / "dist")), group)
 
 
 def _layout_meta(layout: ParallelLayout) -> dict:
