@@ -485,8 +485,10 @@ def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
             (out / f"ckpt_parallel_load_{run}.json").write_text(json.dumps(every))
 
     layout = ParallelLayout()
-    if int(os.environ["WORLD_SIZE"]) == 4:  # EP 2 x DP 4 (expert DP 2); TP 2 x EP 2 x DP 2
+    # 4 processes: EP 2 x DP 4 (expert DP 2); TP 2 x DP 2 (expert TP 2 x expert DP 2); TP 2 x EP 2 x DP 2
+    if int(os.environ["WORLD_SIZE"]) == 4:
         compare_loads(ParallelLayout(ep=2), ("full",), "ep2dp4")
+        compare_loads(ParallelLayout(tp=2), ("full",), "tp2dp2")  # linear_fc1's halves: strided shards exchanged
         return compare_loads(ParallelLayout(tp=2, ep=2), ("full",), "tp2ep2dp2")
     if int(os.environ["WORLD_SIZE"]) == 1:
         model, ddp, optimizer, settings = fresh(layout)

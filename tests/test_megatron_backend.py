@@ -183,13 +183,14 @@ def test_optimizer_checkpoint_resumes_under_another_data_parallel_size(qwen3_run
         torch.testing.assert_close(got[key], w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("run", ["dp2", "ep2dp4", "tp2ep2dp2"])
+@pytest.mark.parametrize("run", ["dp2", "ep2dp4", "tp2dp2", "tp2ep2dp2"])
 def test_fully_parallel_load_gives_each_rank_the_state_its_own_reads_give(qwen3_runs: Path, run: str) -> None:
     """load_checkpoint's default, megatron's fully parallel load over the data-parallel ranks
     (each shared tensor read by one rank and broadcast), against each rank reading all it
     needs itself: every rank's weights and optimizer state bit-equal, for the one-process
     checkpoints loaded on DP 2 (dp_reshardable and fully_reshardable) and resharded to
-    EP 2 x DP 4 (expert DP 2) and TP 2 x EP 2 x DP 2 (fully_reshardable)."""
+    EP 2 x DP 4 (expert DP 2), TP 2 x DP 2 (expert TP 2 x expert DP 2: the experts'
+    gate and up halves, strided views, exchanged) and TP 2 x EP 2 x DP 2 (fully_reshardable)."""
     import json
 
     ranks = json.loads((qwen3_runs / f"ckpt_parallel_load_{run}.json").read_text())

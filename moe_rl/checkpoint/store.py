@@ -517,10 +517,12 @@ def _load_sharded(request: dict, path: Path, impl: str, *, parallel: bool = Fals
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from moe_rl.checkpoint.parallel_load import parallel_load_strategy
+
     loaded, _, absent = dist_checkpointing.load(
         request,
         str(path / "dist"),
-        sharded_strategy=_parallel_load_strategy(path) if parallel else None,
+        sharded_strategy=parallel_load_strategy(path) if parallel else None,
         strict=StrictHandling.RETURN_UNEXPECTED,
     )
     keys = sorted({str(getattr(k, "key", k)) for k in absent})
@@ -585,20 +587,6 @@ def _save_strategy():
     return FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True
     )
-
-
-def _parallel_load_strategy(path: Path):
-    """megatron's torch_dist load, each tensor the data-parallel ranks share read by one of
-    them and broadcast to the others (``FullyParallelLoadStrategyWrapper``); ``None`` (each
-    rank reads its own) with one data-parallel rank."""
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if group.size() <= 1:
-        return None
-    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path / "dist")), group)
 
 
 def _layout_meta(layout: ParallelLayout) -> dict:
