@@ -5,7 +5,8 @@ math: ``torch.cuda.current_device()`` used as a device, CUDA streams and events,
 model-parallel RNG tracker's CUDA generator, literal ``device="cuda"`` tensors, a
 Transformer-Engine symbol that is undefined without TE, split sizes that must be host
 lists, ``torch.cuda.*Tensor`` type-name checks in the optimizer, and gloo's refusal of
-unequal all_gather sizes. :func:`install` bridges each of them onto the CPU once.
+unequal all_gather sizes. :func:`install` bridges each of them onto the CPU once, and
+refuses what NCCL refuses and gloo silently gets wrong (a strided tensor in a collective).
 
 It is installed by :func:`parallel.distributed.init_distributed` only when
 ``torch.cuda.is_available()`` is false; GPU runs never load this module.
@@ -47,6 +48,7 @@ def install(device: torch.device | str = "cpu") -> None:
     _patch_torch_cuda()
     _patch_megatron()
     _patch_uneven_collectives()
+    _refuse_strided_collectives()
     _patch_devices()
     _run_compiled_helpers_eagerly()
     _INSTALLED = True
@@ -219,6 +221,48 @@ def _patch_uneven_collectives() -> None:
 
     dist.all_gather = uneven_all_gather
     dist.reduce_scatter = uneven_reduce_scatter
+
+
+# the collectives' tensor arguments that NCCL checks to be dense (ProcessGroupNCCL's
+# check_gpu_single_tensor): positional index and keyword name
+_DENSE_ARGUMENTS = {
+    "broadcast": ((0, "tensor"),),
+    "all_reduce": ((0, "tensor"),),
+    "reduce": ((0, "tensor"),),
+    "send": ((0, "tensor"),),
+    "recv": ((0, "tensor"),),
+    "isend": ((0, "tensor"),),
+    "irecv": ((0, "tensor"),),
+    "all_gather": ((1, "tensor"),),
+    "reduce_scatter": ((0, "output"),),
+    "all_gather_into_tensor": ((0, "output_tensor"), (1, "input_tensor")),
+    "reduce_scatter_tensor": ((0, "output"), (1, "input")),
+    "all_to_all_single": ((0, "output"), (1, "input")),
+}
+
+
+def _refuse_strided_collectives() -> None:
+    """NCCL refuses a strided tensor ("Tensors must be contiguous"); gloo reads and writes
+    one as if it were dense, silently wrong. Refuse it here as NCCL does, so that CPU runs
+    fail where GPU runs would."""
+    for name, arguments in _DENSE_ARGUMENTS.items():
+        setattr(dist, name, _dense_only(getattr(dist, name), name, arguments))
+
+
+def _dense_only(collective, name: str, arguments: tuple[tuple[int, str], ...]):
+    @functools.wraps(collective)
+    def checked(*args, **kwargs):
+        for index, keyword in arguments:
+            tensor = args[index] if index < len(args) else kwargs.get(keyword)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                raise ValueError(
+                    f"torch.distributed.{name} given a strided tensor (shape {tuple(tensor.shape)}, "
+                    f"stride {tensor.stride()}): NCCL refuses it (Tensors must be contiguous), gloo "
+                    "would read or write it as if dense"
+                )
+        return collective(*args, **kwargs)
+
+    return checked
 
 
 # ----------------------------------------------------------------- literal "cuda"

@@ -75,4 +75,16 @@ assert not torch.is_tensor(splits) and list(splits) == [1, 2]
 out = [torch.empty(2, 3)]
 dist.all_gather(out, torch.ones(2, 3))
 assert torch.equal(out[0], torch.ones(2, 3))
+
+# 7. a strided tensor in a collective is refused, as NCCL refuses it (gloo would fill it as if dense)
+halves = torch.zeros(4, 6).chunk(2, dim=1)
+for call in (lambda: dist.broadcast(halves[0], src=0), lambda: dist.all_reduce(tensor=halves[1])):
+    try:
+        call()
+    except ValueError as e:
+        assert "strided tensor" in str(e) and "NCCL refuses" in str(e), e
+    else:
+        raise AssertionError("a strided tensor must be refused")
+dense = halves[0].contiguous()
+dist.broadcast(dense, src=0)  # dense ones pass
 print("bridge checks passed")
