@@ -224,15 +224,14 @@ def _patch_uneven_collectives() -> None:
 
 
 # the collectives' tensor arguments that NCCL checks to be dense (ProcessGroupNCCL's
-# check_gpu_single_tensor): positional index and keyword name
+# check_gpu_single_tensor): positional index and keyword name (isend / irecv stay as they
+# are: P2POp accepts only those very functions; batch_isend_irecv checks their tensors)
 _DENSE_ARGUMENTS = {
     "broadcast": ((0, "tensor"),),
     "all_reduce": ((0, "tensor"),),
     "reduce": ((0, "tensor"),),
     "send": ((0, "tensor"),),
     "recv": ((0, "tensor"),),
-    "isend": ((0, "tensor"),),
-    "irecv": ((0, "tensor"),),
     "all_gather": ((1, "tensor"),),
     "reduce_scatter": ((0, "output"),),
     "all_gather_into_tensor": ((0, "output_tensor"), (1, "input_tensor")),
@@ -247,22 +246,33 @@ def _refuse_strided_collectives() -> None:
     fail where GPU runs would."""
     for name, arguments in _DENSE_ARGUMENTS.items():
         setattr(dist, name, _dense_only(getattr(dist, name), name, arguments))
+    batch = dist.batch_isend_irecv
+
+    @functools.wraps(batch)
+    def dense_batch_isend_irecv(p2p_op_list):
+        _refuse_strided("batch_isend_irecv", [op.tensor for op in p2p_op_list])
+        return batch(p2p_op_list)
+
+    dist.batch_isend_irecv = dense_batch_isend_irecv
 
 
 def _dense_only(collective, name: str, arguments: tuple[tuple[int, str], ...]):
     @functools.wraps(collective)
     def checked(*args, **kwargs):
-        for index, keyword in arguments:
-            tensor = args[index] if index < len(args) else kwargs.get(keyword)
-            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-                raise ValueError(
-                    f"torch.distributed.{name} given a strided tensor (shape {tuple(tensor.shape)}, "
-                    f"stride {tensor.stride()}): NCCL refuses it (Tensors must be contiguous), gloo "
-                    "would read or write it as if dense"
-                )
+        _refuse_strided(name, [args[i] if i < len(args) else kwargs.get(key) for i, key in arguments])
         return collective(*args, **kwargs)
 
     return checked
+
+
+def _refuse_strided(name: str, tensors: list[Any]) -> None:
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+            raise ValueError(
+                f"torch.distributed.{name} given a strided tensor (shape {tuple(tensor.shape)}, "
+                f"stride {tensor.stride()}): NCCL refuses it (Tensors must be contiguous), gloo "
+                "would read or write it as if dense"
+            )
 
 
 # ----------------------------------------------------------------- literal "cuda"
