@@ -31,10 +31,11 @@ _THREADS = 4  # zlib.crc32 and file reads release the GIL
 
 
 def file_sum(path: Path) -> tuple[int, int]:
-    """``(size, CRC-32)`` of a file, read once in chunks."""
-    crc, size, buf = 0, 0, bytearray(_CHUNK)
-    view = memoryview(buf)
+    """``(size, CRC-32)`` of a file, read once in chunks (a small file's buffer is its
+    own size, not a whole chunk: the many small files summed at commit stay cheap)."""
     with open(path, "rb", buffering=0) as f:
+        crc, size, buf = 0, 0, bytearray(min(_CHUNK, os.fstat(f.fileno()).st_size + 1))
+        view = memoryview(buf)
         while n := f.readinto(buf):
             crc, size = zlib.crc32(view[:n], crc), size + n
     return size, crc
