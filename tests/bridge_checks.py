@@ -87,4 +87,15 @@ for call in (lambda: dist.broadcast(halves[0], src=0), lambda: dist.all_reduce(t
         raise AssertionError("a strided tensor must be refused")
 dense = halves[0].contiguous()
 dist.broadcast(dense, src=0)  # dense ones pass
+
+# 8. with a CPU-only torch, megatron's helpers are not torch.compile'd (parallel.fusers): its
+# jit_fuser is its own no-op and torch's inductor was not imported for them
+import sys  # noqa: E402
+
+import megatron.core.jit  # noqa: E402
+from megatron.core.fusions import fused_bias_geglu  # noqa: E402, F401
+
+if torch.version.cuda is None and torch.version.hip is None:
+    assert megatron.core.jit.jit_fuser is megatron.core.jit.noop_decorator
+    assert "torch._inductor.compile_fx" not in sys.modules
 print("bridge checks passed")
