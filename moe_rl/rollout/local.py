@@ -220,58 +220,32 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         vocab = self.model.config.vocab_size
         if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        stop_ids = self.eos_ids | set(params.stop_token_ids)
-        row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
-        ids = torch.tensor(prompts, device=self.model.device)
-        step_out = self.model(ids, use_cache=True)
         tracked = routed or self.mismatch is not None
-        routing = [self._routers.take(n, prompt_len)[0]] if tracked else []
-        fed, drawn, drawn_logps = [ids], [], []  # every row's tokens as fed, drawn, and their log-probs
-        outputs: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        for step in range(params.max_new_tokens):
-            logits = step_out.logits[:, -1].float() / params.temperature
-            logp = torch.log_softmax(logits, dim=-1)
-            next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), _uniforms(row_seeds, step))
-            drawn_logp = logp.gather(1, next_tokens[:, None]).squeeze(1)
-            tokens, token_logps = next_tokens.tolist(), drawn_logp.tolist()
-            live = torch.tensor([r is None for r in reasons])
-            drawn.append(next_tokens)
-            drawn_logps.append(drawn_logp.masked_fill(~live.to(drawn_logp.device), float("nan")))
-            for j in range(n):  # a finished row's draw is fed back and ignored
-                if reasons[j] is None:
-                    outputs[j].append(tokens[j])
-                    logprobs[j].append(token_logps[j])
-                    reasons[j] = "stop" if tokens[j] in stop_ids else None
-            if all(r is not None for r in reasons) or step == params.max_new_tokens - 1:
-                break  # the last sampled token is never fed back (as in SGLang)
-            step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
-            fed.append(next_tokens[:, None])
-            if tracked:
-                routing.append(self._routers.take(n, 1)[0])
+        d = self._decode(prompts, seeds, params, tracked)
+        # outside inference mode from here: the tensors made below (kept by the mismatch, or
+        # returned) are ordinary ones
         samples = []
-        full_routing = torch.cat(routing, dim=1) if tracked else None  # [n, positions, L, k]
+        full_routing = torch.cat(d.routing, dim=1) if tracked else None  # [n, positions, L, k]
         if self.mismatch is not None:
             self.mismatch.observe(
-                torch.cat(fed, 1),
+                torch.cat(d.fed, 1),
                 full_routing,
                 prompt_len,
-                torch.stack(drawn, 1),
-                torch.stack(drawn_logps, 1),
+                torch.stack(d.drawn, 1),
+                torch.stack(d.drawn_logps, 1),
                 params.temperature,
             )
         for j in range(n):
             routed_j = None
             if routed:
                 # its own storage, not the batch's
-                routed_j = full_routing[j, : prompt_len + len(outputs[j]) - 1].to(self._index_dtype, copy=True)
+                routed_j = full_routing[j, : prompt_len + len(d.outputs[j]) - 1].to(self._index_dtype, copy=True)
             samples.append(
                 Sample(
                     prompt_ids=list(prompts[j]),
-                    output_ids=outputs[j],
-                    output_logprobs=logprobs[j],
-                    finish_reason=reasons[j] or "length",
+                    output_ids=d.outputs[j],
+                    output_logprobs=d.logprobs[j],
+                    finish_reason=d.reasons[j] or "length",
                     weight_version=self._version,
                     seed=seeds[j],
                     routed_experts=routed_j,
@@ -279,12 +253,68 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             )
         return samples
 
+    @torch.inference_mode()
+    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, tracked: bool) -> _Decoded:
+        """The prefill and decode steps (in inference mode: no autograd bookkeeping per
+        operation; the tensors it returns are read outside it, never changed in place)."""
+        n, prompt_len = len(seeds), len(prompts[0])
+        stop_ids = self.eos_ids | set(params.stop_token_ids)
+        row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+        ids = torch.tensor(prompts, device=self.model.device)
+        step_out = self.model(ids, use_cache=True)
+        d = _Decoded(n, fed=[ids], routing=[self._routers.take(n, prompt_len)[0]] if tracked else [])
+        for step in range(params.max_new_tokens):
+            if step % _UNIFORM_STEPS == 0:
+                uniforms = _uniform_steps(row_seeds, step, min(_UNIFORM_STEPS, params.max_new_tokens - step))
+            logits = _last_logits(step_out, params.temperature)
+            logp = torch.log_softmax(logits, dim=-1)
+            next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), uniforms[:, step % _UNIFORM_STEPS])
+            drawn_logp = logp.gather(1, next_tokens[:, None]).squeeze(1)
+            if self.mismatch is not None:
+                live = torch.tensor([r is None for r in d.reasons], device=drawn_logp.device)
+                d.drawn.append(next_tokens)
+                d.drawn_logps.append(drawn_logp.masked_fill(~live, float("nan")))
+            d.add(next_tokens.tolist(), drawn_logp.tolist(), stop_ids)
+            if d.finished() or step == params.max_new_tokens - 1:
+                break  # the last sampled token is never fed back (as in SGLang)
+            step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
+            if self.mismatch is not None:
+                d.fed.append(next_tokens[:, None])
+            if tracked:
+                d.routing.append(self._routers.take(n, 1)[0])
+        return d
+
     def _cache_kwargs(self, out) -> dict:
         """The KV cache of the last step, under the name this transformers version uses
         (``cache`` in 5.x, ``past_key_values`` before)."""
         if hasattr(out, "cache") and out.cache is not None:
             return {"cache": out.cache}
         return {"past_key_values": out.past_key_values}
+
+
+class _Decoded:
+    """One batch's decoding so far: each row's output tokens, their log-probs and finish
+    reason; with a simulated mismatch every step's tokens as fed, drawn, and their
+    log-probs (``nan`` once a row has finished); the routing of each forward pass when tracked."""
+
+    def __init__(self, n: int, fed: list[Tensor], routing: list[Tensor]) -> None:
+        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.fed, self.routing = fed, routing
+        self.drawn: list[Tensor] = []
+        self.drawn_logps: list[Tensor] = []
+
+    def add(self, tokens: list[int], token_logps: list[float], stop_ids: set[int]) -> None:
+        """One step's draws; a finished row's draw is fed back and ignored."""
+        for j, reason in enumerate(self.reasons):
+            if reason is None:
+                self.outputs[j].append(tokens[j])
+                self.logprobs[j].append(token_logps[j])
+                self.reasons[j] = "stop" if tokens[j] in stop_ids else None
+
+    def finished(self) -> bool:
+        return all(r is not None for r in self.reasons)
 
 
 class _BatchingTurns:
@@ -345,16 +375,31 @@ def _by_length(prompts: Sequence[Sequence[int]], seeds: Sequence[int] = ()) -> l
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def _uniforms(seeds: np.ndarray, step: int) -> Tensor:
+def _uniforms(seeds: np.ndarray, step: int | np.ndarray) -> Tensor:
     """One uniform in [0, 1) per row, a function of (the row's seed, ``step``) alone
     (splitmix64 as a counter-based generator): a sample's draws never depend on which
-    other rows share its batch."""
+    other rows share its batch. ``step`` may be an array broadcast against ``seeds``."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as intended
-        x = seeds * _GOLDEN + np.uint64(step + 1) * _MIX1
+        x = seeds * _GOLDEN + (np.asarray(step, dtype=np.uint64) + np.uint64(1)) * _MIX1
         x = (x ^ (x >> np.uint64(30))) * _MIX1
         x = (x ^ (x >> np.uint64(27))) * _MIX2
         x = x ^ (x >> np.uint64(31))
     return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+_UNIFORM_STEPS = 64  # decode steps whose uniforms are made at once
+
+
+def _uniform_steps(seeds: np.ndarray, first: int, count: int) -> Tensor:
+    """:func:`_uniforms` of steps ``first .. first + count - 1``, ``[rows, count]``."""
+    return _uniforms(seeds[:, None], np.arange(first, first + count, dtype=np.uint64)[None, :])
+
+
+def _last_logits(out, temperature: float) -> Tensor:
+    """The last position's logits in fp32, divided by ``temperature`` (not when it is 1:
+    ``x / 1.0`` is ``x``)."""
+    logits = out.logits[:, -1].float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _draw(probs: Tensor, uniforms: Tensor) -> Tensor:
