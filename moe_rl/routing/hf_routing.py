@@ -54,6 +54,10 @@ class RouterCapture:
         self._captured = {}
         return indices, probs
 
+    def clear(self) -> None:
+        """Forget what ran since the last :meth:`take` (routers called on their own)."""
+        self._captured = {}
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
