@@ -498,7 +498,10 @@ class _WriterReports:
 def load_weights(path: Path, model: torch.nn.Module) -> None:
     """Collective: the weights of checkpoint ``path`` (written under any layout) into this
     rank's ``model``; the optimizer state is not read."""
-    loaded, absent = _load_sharded({"model": model.sharded_state_dict()}, path, transformer_impl_of(model))
+    # (each rank reads its own: export, eval and drift load weights once; resumes share the reads)
+    loaded, absent = _load_sharded(
+        {"model": model.sharded_state_dict()}, path, transformer_impl_of(model), parallel=False
+    )
     model.load_state_dict(loaded["model"], strict=not absent)
 
 
@@ -508,7 +511,7 @@ def transformer_impl_of(model: torch.nn.Module) -> str:
     return "transformer_engine" if any(type(m).__module__.startswith(te) for m in model.modules()) else "local"
 
 
-def _load_sharded(request: dict, path: Path, impl: str, *, parallel: bool = False) -> tuple[dict, bool]:
+def _load_sharded(request: dict, path: Path, impl: str, *, parallel: bool) -> tuple[dict, bool]:
     """Collective: ``request`` read from ``path/dist`` (``parallel``: megatron's fully
     parallel load over the data-parallel ranks), and whether some of its ``_extra_state``
     entries were absent (left out: Transformer Engine's layers hold some the local ones do
