@@ -498,7 +498,7 @@ class _WriterReports:
 def load_weights(path: Path, model: torch.nn.Module) -> None:
     """Collective: the weights of checkpoint ``path`` (written under any layout) into this
     rank's ``model``; the optimizer state is not read."""
-    # (each rank reads its own: export, eval and drift load weights once; resumes share the reads)
+    # (each rank reads its own: export loads the weights once; resumes share the reads)
     loaded, absent = _load_sharded(
         {"model": model.sharded_state_dict()}, path, transformer_impl_of(model), parallel=False
     )
