@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -99,25 +100,25 @@ class RewardScorer:
 
     def _call_all(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> Iterator[tuple[float, str | None]]:
         """Each call's (value, failure kind), in order, run one at a time on the scorer's
-        reward thread. The calls are queued together (one hand-off per batch: a hand-off
-        per call cost more than a cached rule reward) and each gets ``timeout_s`` from when
-        the one before it ended (a warm-up still running at the first batch counts against its
-        first call); a call past it scores a timeout, and the thread, still busy with it, is
-        left behind: a fresh one runs the rest."""
+        reward thread. The calls are queued together and this thread sleeps until all have
+        run (one hand-off and one wake-up per batch: a wake-up per call cost more than the
+        calls of a cached rule reward); each call gets ``timeout_s`` from when the one before
+        it ended (a warm-up still running at the first batch counts against its first call).
+        A call past it scores a timeout, and the thread, still busy with it, is left behind:
+        a fresh one runs the rest."""
         while calls:
             if self._thread is None:
                 self._thread = _RewardThread()
-            pending = self._thread.submit(calls)
-            for k, call in enumerate(pending):
-                if not call.done.wait(self.timeout_s):
-                    self._thread.abandon()
-                    self._thread = None
-                    yield 0.0, "timeout"
-                    calls = calls[k + 1 :]
-                    break
+            batch = self._thread.submit(calls)
+            late = batch.wait(self.timeout_s)
+            for call in batch.calls[:late]:
                 yield call.outcome()
-            else:
-                calls = []
+            if late is None:
+                return
+            self._thread.abandon()
+            self._thread = None
+            yield 0.0, "timeout"
+            calls = calls[late + 1 :]
 
     def close(self) -> None:
         """Stop the worker processes (if any)."""
@@ -128,20 +129,59 @@ class RewardScorer:
 
 @dataclass
 class _PendingCall:
-    """One reward call queued on a :class:`_RewardThread`; ``done`` is set once it ran."""
+    """One reward call queued on a :class:`_RewardThread`; ``value`` or ``error`` once it ran."""
 
     fn: Callable[..., Any]  # a reward function (or, at the start, :func:`warm_up`)
     sample: Any  # its first argument: a RewardInput (for warm_up: the reward function)
     kwargs: dict
-    done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(self.sample, **self.kwargs)
+        except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
+            self.error = e
 
     def outcome(self) -> tuple[float, str | None]:
         if self.error is not None:
             log.debug("reward function raised: %r", self.error)
             return 0.0, "error"
         return reward_outcome(self.value)
+
+
+class _Batch:
+    """Calls queued together on a :class:`_RewardThread`, which runs them in order and
+    counts them off (``ended``, and when the last of those ended) as it goes."""
+
+    def __init__(self, calls: list[_PendingCall]) -> None:
+        self.calls = calls
+        self.ended = 0
+        self.last_end = 0.0  # time.monotonic() when call ``ended - 1`` ended
+        self.done = threading.Event()  # every call ran
+
+    def run(self, abandoned: threading.Event) -> None:
+        for call in self.calls:
+            if abandoned.is_set():
+                return
+            call.run()
+            self.last_end = time.monotonic()  # before the count: a reader that sees the count sees this
+            self.ended += 1
+        self.done.set()
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Sleep until every call ran (``None``), or until one has run ``timeout_s`` since
+        the one before it ended (the first: since now); that call's index. Wakes only
+        when the batch is done or the running call's time is up."""
+        waited_from = time.monotonic()
+        while not self.done.is_set():
+            ended = self.ended
+            started = self.last_end if ended else waited_from
+            remaining = started + timeout_s - time.monotonic()
+            if remaining <= 0:
+                return ended
+            self.done.wait(remaining)
+        return None
 
 
 class _RewardThread:
@@ -152,29 +192,22 @@ class _RewardThread:
     ``reward.workers`` for that)."""
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._abandoned = threading.Event()
         threading.Thread(
-            target=self._serve, args=(self._tasks, self._abandoned), daemon=True, name="moe-rl-reward"
+            target=self._serve, args=(self._batches, self._abandoned), daemon=True, name="moe-rl-reward"
         ).start()
 
     @staticmethod
-    def _serve(tasks: queue.SimpleQueue, abandoned: threading.Event) -> None:
+    def _serve(batches: queue.SimpleQueue, abandoned: threading.Event) -> None:
         while not abandoned.is_set():
-            for call in tasks.get():
-                if abandoned.is_set():
-                    return
-                try:
-                    call.value = call.fn(call.sample, **call.kwargs)
-                except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
-                    call.error = e
-                call.done.set()
+            batches.get().run(abandoned)
 
-    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> list[_PendingCall]:
-        """Queue ``calls`` (run in order); wait on each one's ``done``."""
-        pending = [_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls]
-        self._tasks.put(pending)
-        return pending
+    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> _Batch:
+        """Queue ``calls`` (run in order, after any batch queued before)."""
+        batch = _Batch([_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls])
+        self._batches.put(batch)
+        return batch
 
     def abandon(self) -> None:
         """Drop what is queued behind the running call; the thread ends after it."""
