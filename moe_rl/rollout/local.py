@@ -67,6 +67,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             if router_flip_frac > 0
             else None
         )
+        if self.mismatch is None:  # hooked only for the batches whose routing is returned
+            self._routers.remove()
         self._index_dtype = expert_index_dtype(self.arch.num_experts(cfg))
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None) or cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
@@ -221,7 +223,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         tracked = routed or self.mismatch is not None
-        d = self._decode(prompts, seeds, params, tracked)
+        with self._routers.attached() if tracked else contextlib.nullcontext():
+            d = self._decode(prompts, seeds, params, tracked)
         # outside inference mode from here: the tensors made below (kept by the mismatch, or
         # returned) are ordinary ones
         samples = []
@@ -261,7 +264,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
         ids = torch.tensor(prompts, device=self.model.device)
-        step_out = self.model(ids, use_cache=True)
+        # the last position's logits only: the prompt's others are never read (at a 151k
+        # vocabulary, prompt_len x 151k floats a row)
+        step_out = self.model(ids, use_cache=True, logits_to_keep=1)
         d = _Decoded(n, fed=[ids], routing=[self._routers.take(n, prompt_len)[0]] if tracked else [])
         for step in range(params.max_new_tokens):
             if step % _UNIFORM_STEPS == 0:

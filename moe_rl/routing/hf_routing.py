@@ -10,6 +10,9 @@ group-limited) is the model's own.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import Tensor
 
@@ -28,8 +31,27 @@ class RouterCapture:
         self.score_function = arch.router(cfg)["moe_router_score_function"]
         self.moe_layers = [l for l, is_moe in enumerate(arch.moe_layer_pattern(cfg)) if is_moe]
         layers = model.get_decoder().layers
+        self._gates = [layers[l].mlp.gate for l in self.moe_layers]
         self._captured: dict[int, tuple[Tensor, Tensor]] = {}
-        self._handles = [layers[l].mlp.gate.register_forward_hook(self._hook(l)) for l in self.moe_layers]
+        self._handles: list = []
+        self.attach()
+
+    def attach(self) -> None:
+        """Hook the routers (as made: hooked), unless they are."""
+        if not self._handles:
+            self._handles = [gate.register_forward_hook(self._hook(l)) for l, gate in zip(self.moe_layers, self._gates)]
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[RouterCapture]:
+        """The routers hooked within (and unhooked after, if they were not before): a model
+        that only sometimes needs its routing pays for the hooks only then."""
+        was_attached = bool(self._handles)
+        self.attach()
+        try:
+            yield self
+        finally:
+            if not was_attached:
+                self.remove()
 
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> None:
@@ -59,8 +81,11 @@ class RouterCapture:
         self._captured = {}
 
     def remove(self) -> None:
+        """Unhook the routers (:meth:`attach` hooks them again)."""
         for handle in self._handles:
             handle.remove()
+        self._handles = []
+        self._captured = {}
 
 
 @torch.no_grad()
