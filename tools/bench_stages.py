@@ -41,6 +41,7 @@ STAGES = [
     ("loop", 0, None),  # one iteration of Trainer.train's loop: train_step and the end of step
     ("train_step", 1, "moe_rl.trainer.trainer:Trainer.train_step"),
     ("collect_experience", 2, "moe_rl.trainer.trainer:Trainer.collect_experience"),
+    ("prompt encoding", 3, "moe_rl.data.prompts:PromptFormatter.encode_all"),
     (
         "rollout: generation",
         3,
