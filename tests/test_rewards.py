@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 import torch
 
+from moe_rl.rewards import scorer as scorer_module
 from moe_rl.rewards import ConditionalSpec, RewardInput, RewardScorer, RewardSpec, resolve_reward_fn
 from moe_rl.rewards.rules import format_reward, length_reward, math_correct, overlong_penalty
 
@@ -166,6 +168,36 @@ def test_in_process_rewards_share_one_thread_until_a_call_hangs() -> None:
     first, later = CALLING_THREADS[:3], CALLING_THREADS[3]
     assert len(set(first)) == 1 and first[0] != threading.get_ident()  # one reward thread, not the caller
     assert later != first[0]  # its thread was left with the hung call: a fresh one took over
+
+
+def test_each_in_process_call_gets_the_timeout_from_when_the_one_before_it_ended() -> None:
+    """Three calls of 0.3 s under a 0.5 s timeout: the batch takes 0.9 s, no call times out;
+    a call of 30 s among them does, and the calls after it still score on a fresh thread."""
+    scorer = RewardScorer([RewardSpec("t", f"{__name__}:_sleeps")], timeout_s=0.5)
+    start = time.monotonic()
+    batch = scorer.score([sample("0.3"), sample("0.3"), sample("0.3")])
+    assert time.monotonic() - start >= 0.9
+    assert sum(batch.failures["t"].values()) == 0 and batch.values[:, 0].tolist() == [1.0, 1.0, 1.0]
+    batch = scorer.score([sample("0.01"), sample("hang"), sample("0.01")])
+    assert batch.failures["t"] == {"timeout": 1} and batch.values[:, 0].tolist() == [1.0, 0.0, 1.0]
+
+
+def _slow_warm_up(s: RewardInput) -> float:
+    return 1.0
+
+
+_slow_warm_up.warm_up = lambda: time.sleep(30)
+
+
+def test_a_warm_up_is_not_charged_to_the_first_calls_but_a_hung_one_is_left_behind(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(scorer_module, "WARM_UP_TIMEOUT_S", 0.5)
+    scorer = RewardScorer([RewardSpec("w", f"{__name__}:_slow_warm_up")], timeout_s=0.1)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=scorer_module.__name__):
+        batch = scorer.score([sample("a"), sample("b")])
+    assert 0.5 <= time.monotonic() - start < 5  # waited for the warm-up's allowance, not the call's 0.1 s
+    assert batch.values[:, 0].tolist() == [1.0, 1.0] and sum(batch.failures["w"].values()) == 0
+    assert "warm-up ran past 0.5 s" in caplog.text
 
 
 WARMED: list[int] = []

@@ -32,6 +32,8 @@ from moe_rl.rewards.base import (
 
 log = logging.getLogger(__name__)
 
+WARM_UP_TIMEOUT_S = 120.0  # the rewards' warm-up (lazy imports, parser tables) may take this long
+
 
 class RewardScorer:
     """Scores samples with several named rewards, safely; see the module docstring."""
@@ -69,7 +71,7 @@ class RewardScorer:
             self._pool = RewardPool(workers, timeout_s, functions=sorted({s.fn for s in specs}))
         else:  # while the run builds its model
             self._thread = _RewardThread()
-            self._thread.submit([(warm_up, fn, {}) for fn in self._fns])
+            self._thread.submit([(warm_up, fn, {}) for fn in self._fns], WARM_UP_TIMEOUT_S)
 
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
@@ -103,20 +105,25 @@ class RewardScorer:
         reward thread. The calls are queued together and this thread sleeps until all have
         run (one hand-off and one wake-up per batch: a wake-up per call cost more than the
         calls of a cached rule reward); each call gets ``timeout_s`` from when the one before
-        it ended (a warm-up still running at the first batch counts against its first call).
-        A call past it scores a timeout, and the thread, still busy with it, is left behind:
-        a fresh one runs the rest."""
+        it ended (the first: from when the thread took the batch, after the rewards'
+        warm-up). A call past it scores a timeout, and the thread, still busy with it, is
+        left behind: a fresh one runs the rest."""
         while calls:
             if self._thread is None:
                 self._thread = _RewardThread()
-            batch = self._thread.submit(calls)
-            late = batch.wait(self.timeout_s)
-            for call in batch.calls[:late]:
+            batch = self._thread.submit(calls, self.timeout_s)
+            late = self._thread.wait(batch)
+            for call in batch.calls[: max(late, 0) if late is not None else None]:
                 yield call.outcome()
             if late is None:
                 return
             self._thread.abandon()
             self._thread = None
+            if late < 0:  # still warming up: none of these ran
+                log.warning(
+                    "a reward's warm-up ran past %g s; left behind, the rewards run without it", WARM_UP_TIMEOUT_S
+                )
+                continue
             yield 0.0, "timeout"
             calls = calls[late + 1 :]
 
@@ -151,42 +158,18 @@ class _PendingCall:
 
 
 class _Batch:
-    """Calls queued together on a :class:`_RewardThread`, which runs them in order and
-    counts them off (``ended``, and when the last of those ended) as it goes."""
+    """Calls queued together on a :class:`_RewardThread`, run in order; each may run
+    ``timeout_s`` from when the one before it ended."""
 
-    def __init__(self, calls: list[_PendingCall]) -> None:
-        self.calls = calls
-        self.ended = 0
-        self.last_end = 0.0  # time.monotonic() when call ``ended - 1`` ended
+    def __init__(self, calls: list[_PendingCall], timeout_s: float) -> None:
+        self.calls, self.timeout_s = calls, timeout_s
+        self.ended = 0  # calls that have run
         self.done = threading.Event()  # every call ran
-
-    def run(self, abandoned: threading.Event) -> None:
-        for call in self.calls:
-            if abandoned.is_set():
-                return
-            call.run()
-            self.last_end = time.monotonic()  # before the count: a reader that sees the count sees this
-            self.ended += 1
-        self.done.set()
-
-    def wait(self, timeout_s: float) -> int | None:
-        """Sleep until every call ran (``None``), or until one has run ``timeout_s`` since
-        the one before it ended (the first: since now); that call's index. Wakes only
-        when the batch is done or the running call's time is up."""
-        waited_from = time.monotonic()
-        while not self.done.is_set():
-            ended = self.ended
-            started = self.last_end if ended else waited_from
-            remaining = started + timeout_s - time.monotonic()
-            if remaining <= 0:
-                return ended
-            self.done.wait(remaining)
-        return None
 
 
 class _RewardThread:
-    """One daemon thread that runs reward calls in turn (a thread per call cost more than
-    a rule reward itself). A call past its timeout leaves the thread behind
+    """One daemon thread that runs batches of reward calls in turn (a thread per call cost
+    more than a rule reward itself). A call past its timeout leaves the thread behind
     (:meth:`abandon`: the calls queued after it are dropped) and a new one takes over: the
     hung call cannot stall the step, but its thread is not stopped (use
     ``reward.workers`` for that)."""
@@ -194,20 +177,47 @@ class _RewardThread:
     def __init__(self) -> None:
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._abandoned = threading.Event()
-        threading.Thread(
-            target=self._serve, args=(self._batches, self._abandoned), daemon=True, name="moe-rl-reward"
-        ).start()
+        self._running: _Batch | None = None  # the batch whose call runs now
+        self._call_started = time.monotonic()  # when its running call started
+        threading.Thread(target=self._serve, daemon=True, name="moe-rl-reward").start()
 
-    @staticmethod
-    def _serve(batches: queue.SimpleQueue, abandoned: threading.Event) -> None:
-        while not abandoned.is_set():
-            batches.get().run(abandoned)
+    def _serve(self) -> None:
+        while not self._abandoned.is_set():
+            batch = self._batches.get()
+            self._call_started = time.monotonic()
+            self._running = batch
+            for call in batch.calls:
+                if self._abandoned.is_set():
+                    return
+                call.run()
+                self._call_started = time.monotonic()  # before the count: whoever sees the count sees this
+                batch.ended += 1
+            self._running = None
+            batch.done.set()
 
-    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> _Batch:
+    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]], timeout_s: float) -> _Batch:
         """Queue ``calls`` (run in order, after any batch queued before)."""
-        batch = _Batch([_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls])
+        batch = _Batch([_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls], timeout_s)
         self._batches.put(batch)
         return batch
+
+    def wait(self, batch: _Batch) -> int | None:
+        """Sleep until every call of ``batch`` ran (``None``), or until the running call has
+        run past its batch's timeout: its index in ``batch``, or -1 when it belongs to a
+        batch ahead of it (the warm-up). Wakes only when the batch is done or a running
+        call's time is up."""
+        waited_from = time.monotonic()
+        while not batch.done.is_set():
+            running = self._running
+            ended = batch.ended
+            started = max(self._call_started, waited_from)
+            deadline = started + (running or batch).timeout_s
+            if time.monotonic() >= deadline and running is not None:
+                return ended if running is batch else -1
+            # behind another batch: look again soon (its end starts this batch's clock)
+            wake = deadline if running is batch else min(deadline, time.monotonic() + 0.05)
+            batch.done.wait(max(wake - time.monotonic(), 0.001))
+        return None
 
     def abandon(self) -> None:
         """Drop what is queued behind the running call; the thread ends after it."""
