@@ -206,9 +206,11 @@ def train_step(
     chunks: list[DistributedDataParallel],
     optimizer: MegatronOptimizer,
     forward_backward: Callable[[], list[dict]],
+    biases: list[torch.Tensor] | None = None,
 ) -> StepResult:
     """Zero gradients, run ``forward_backward`` (e.g. :func:`run_microbatches` with
-    ``forward_only=False``), reduce gradients across ranks, clip and step.
+    ``forward_only=False``), reduce gradients across ranks, clip and step. ``biases``: the
+    chunks' :func:`expert_biases` (found here when not given: a walk of every module).
 
     ``updated`` is False when the gradients held NaN/Inf and the step was skipped."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -217,7 +219,7 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = forward_backward()
-    biases = _expert_biases(chunks)
+    biases = expert_biases(chunks) if biases is None else biases
     biases_before = [b.clone() for b in biases]
     finalize_model_grads(chunks)  # (also moves routers' expert biases by their load-balancing rule)
     if not _grads_finite(chunks):
@@ -234,7 +236,7 @@ def train_step(
     return StepResult(updated=bool(updated), grad_norm=float(grad_norm or 0.0), outputs=outputs)
 
 
-def _expert_biases(chunks: list[DistributedDataParallel]) -> list[torch.Tensor]:
+def expert_biases(chunks: list[DistributedDataParallel]) -> list[torch.Tensor]:
     """The routers' expert-bias buffers (aux-loss-free balancing), which megatron-core
     updates inside ``finalize_model_grads``."""
     return [b for chunk in chunks for name, b in chunk.module.named_buffers() if name.endswith("router.expert_bias")]

@@ -28,6 +28,7 @@ from parallel.optim import (
     StepResult,
     build_lr_scheduler,
     build_optimizer,
+    expert_biases,
     train_step,
     wrap_ddp,
 )
@@ -50,6 +51,11 @@ class Policy:
     def weights(self) -> HFWeights:
         return HFWeights(self.model, self.hf_config)
 
+    @functools.cached_property
+    def expert_biases(self) -> list[torch.Tensor]:
+        """The routers' expert-bias buffers (found once; megatron moves them in place)."""
+        return expert_biases([self.ddp])
+
     def logprobs(self, batches: Sequence[MicroBatch], hooks: Sequence[ForwardHooks] = ()) -> list[dict]:
         """Forward only: per micro-batch ``logprobs`` / ``entropy`` (last stage)."""
         return run_microbatches([self.ddp], list(batches), hooks=hooks)
@@ -60,6 +66,7 @@ class Policy:
             [self.ddp],
             self.optimizer,
             lambda: run_microbatches([self.ddp], list(batches), loss_fn=loss_fn, forward_only=False, hooks=hooks),
+            self.expert_biases,
         )
 
 
