@@ -113,7 +113,8 @@ class RewardScorer:
                 self._thread = _RewardThread()
             batch = self._thread.submit(calls, self.timeout_s)
             late = self._thread.wait(batch)
-            for call in batch.calls[: max(late, 0) if late is not None else None]:
+            ran = len(batch.calls) if late is None else max(late, 0)  # the calls that finished
+            for call in batch.calls[:ran]:
                 yield call.outcome()
             if late is None:
                 return
