@@ -5,8 +5,9 @@ math: ``torch.cuda.current_device()`` used as a device, CUDA streams and events,
 model-parallel RNG tracker's CUDA generator, literal ``device="cuda"`` tensors, a
 Transformer-Engine symbol that is undefined without TE, split sizes that must be host
 lists, ``torch.cuda.*Tensor`` type-name checks in the optimizer, and gloo's refusal of
-unequal all_gather sizes. :func:`install` bridges each of them onto the CPU once, and
-refuses what NCCL refuses and gloo silently gets wrong (a strided tensor in a collective).
+unequal all_gather sizes. :func:`install` bridges each of them onto the CPU once,
+refuses what NCCL refuses and gloo silently gets wrong (a strided tensor in a collective),
+and returns an all_reduce over a one-rank group at once (gloo's costs 30-140 us).
 
 It is installed by :func:`parallel.distributed.init_distributed` only when
 ``torch.cuda.is_available()`` is false; GPU runs never load this module.
@@ -48,6 +49,7 @@ def install(device: torch.device | str = "cpu") -> None:
     _patch_torch_cuda()
     _patch_megatron()
     _patch_uneven_collectives()
+    _return_one_rank_all_reduce_at_once()
     _refuse_strided_collectives()
     _patch_devices()
     _run_compiled_helpers_eagerly()
@@ -221,6 +223,35 @@ def _patch_uneven_collectives() -> None:
 
     dist.all_gather = uneven_all_gather
     dist.reduce_scatter = uneven_reduce_scatter
+
+
+# the reductions whose result over one rank is that rank's tensor as it is (not PREMUL_SUM)
+_IDENTITY_ON_ONE_RANK = (
+    dist.ReduceOp.SUM,
+    dist.ReduceOp.AVG,
+    dist.ReduceOp.MAX,
+    dist.ReduceOp.MIN,
+    dist.ReduceOp.PRODUCT,
+    dist.ReduceOp.BAND,
+    dist.ReduceOp.BOR,
+    dist.ReduceOp.BXOR,
+)
+
+
+def _return_one_rank_all_reduce_at_once() -> None:
+    """An all_reduce over a one-rank group leaves the tensor as it is; gloo still copies it
+    through its own buffers and hands it to a worker thread (30-140 us a call, the gradient
+    buffers' sync and the grad norm's each step of a single-process run). Return at once
+    there. (Installed under the strided-tensor refusal, which still checks the tensor.)"""
+    all_reduce = dist.all_reduce
+
+    @functools.wraps(all_reduce)
+    def one_rank_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op in _IDENTITY_ON_ONE_RANK and dist.get_world_size(group) == 1:
+            return _DoneWork() if async_op else None
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = one_rank_all_reduce
 
 
 # the collectives' tensor arguments that NCCL checks to be dense (ProcessGroupNCCL's

@@ -98,4 +98,19 @@ from megatron.core.fusions import fused_bias_geglu  # noqa: E402, F401
 if torch.version.cuda is None and torch.version.hip is None:
     assert megatron.core.jit.jit_fuser is megatron.core.jit.noop_decorator
     assert "torch._inductor.compile_fx" not in sys.modules
+# 9. an all_reduce over a one-rank group returns at once with the tensor as it was, also
+# async and inside a coalescing manager (the multi-process tests cover larger groups)
+from torch.distributed.distributed_c10d import _coalescing_manager  # noqa: E402
+
+one = dist.new_group([0])
+values = torch.tensor([1.5, -2.0, 3.25])
+for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+    t = values.clone()
+    assert dist.all_reduce(t, op=op, group=one) is None and torch.equal(t, values), op
+    work = dist.all_reduce(t, op=op, async_op=True)
+    assert work.wait() and torch.equal(t, values), op
+with _coalescing_manager(group=one, async_ops=True) as cm:  # megatron's gradient-buffer sync
+    dist.all_reduce(t, group=one, async_op=True)
+cm.wait()
+assert torch.equal(t, values)
 print("bridge checks passed")
