@@ -140,6 +140,14 @@ class WeightStreamer:
         self.model = model
         self.mapper = ParamMapper(hf_config, model)
         self.dst = dst
+        tied = self.mapper.tied
+        # each weight's module and attribute, read afresh at every sync (a buffer may be
+        # replaced); a walk of every module per sync cost more than the sync's copies
+        self._owners = [
+            (name, *_owner(model, name))
+            for name, _ in named_weights(model)
+            if not (name == "output_layer.weight" and tied)
+        ]
         self.weights = self._current_weights()
         self.recipes = {name: self.mapper.recipe(name) for name in self.weights}
         self.writer_of = {name: _writer_rank(recipe, self.mapper) for name, recipe in self.recipes.items()}
@@ -147,8 +155,8 @@ class WeightStreamer:
         self._plans: dict[tuple[int, torch.dtype | None, bool], list[Bucket]] = {}  # plan() per its arguments
 
     def _current_weights(self) -> dict[str, torch.Tensor]:
-        tied = self.mapper.tied
-        return {name: w for name, w in named_weights(self.model) if not (name == "output_layer.weight" and tied)}
+        """The weights (parameters, expert biases) as their modules hold them now."""
+        return {name: getattr(module, attribute) for name, module, attribute in self._owners}
 
     def _global_plan(self) -> tuple[list[WeightEntry], list[int]]:
         """Every rank's entries, and each pipeline stage's first global rank (its sender:
@@ -256,6 +264,12 @@ class WeightStreamer:
         return [(key, full if into_place else full.contiguous()) for key, full in zip(recipe.hf_keys, fulls)]
 
 
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module that holds the weight called ``name`` in ``model``, and its attribute."""
+    path, _, attribute = name.rpartition(".")
+    return model.get_submodule(path), attribute
+
+
 def _writer_rank(recipe: Recipe, mapper: ParamMapper) -> int | None:
     """The global rank that writes this rank's parameter made by ``recipe``: this rank or
     the first rank of its tensor-parallel group, or ``None`` when this rank's replica does
@@ -307,11 +321,12 @@ class HFWeights:
         In a single process, views of the weights themselves (nothing to gather: packing
         them into a bucket first copied the whole model once more each sync)."""
         merged: dict[str, torch.Tensor] = {}
-        if world_size() == 1:
+        if world_size() == 1:  # no shards to gather: each recipe's views of the weight
             streamer = self.streamer
             streamer.weights = streamer._current_weights()
             for name, weight in streamer.weights.items():
-                merged.update(streamer._gather_full(name, weight.dtype, weight.device, into_place=True))
+                recipe = streamer.recipes[name]
+                merged.update(zip(recipe.hf_keys, streamer.mapper.to_full(recipe, [weight.detach()])))
             return merged
         self.send_buckets(sys.maxsize, None, merged.update)
         return merged if rank() == self.streamer.dst else None

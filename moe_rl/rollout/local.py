@@ -117,13 +117,16 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         missing = sorted({key for _, key in self._sources if key not in hf_tensors})
         if missing:
             raise ValueError(f"weight update lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        targets, values = [], []
         for target, key in self._sources:
             value = hf_tensors[key]
             if value.shape != target.shape:
                 raise ValueError(
                     f"weight update: {key} has shape {tuple(value.shape)}, the engine's is {tuple(target.shape)}"
                 )
-            target.copy_(self._rounded(value))
+            targets.append(target)
+            values.append(self._rounded(value))
+        torch._foreach_copy_(targets, values)  # one call, not one per tensor (each expert's are many)
         if self.mismatch is not None:
             self.mismatch.refresh()
         self._version = weight_version
