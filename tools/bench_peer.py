@@ -3,10 +3,15 @@ GRPOTrainer and in moe-rl, each in its own process; prints JSON (median step tim
 mean response tokens, peak RSS). Run by tools/bench.py; needs `pip install trl`.
 
     python tools/bench_peer.py --side both|trl|moe-rl --model DIR [--steps 24] [--steps-per-turn 3]
+    python tools/bench_peer.py --side ab --base CHECKOUT --model DIR [--steps 120]
 
 ``--side both`` runs the two processes taking turns of a few steps (one runs while
 the other waits for its turn): the machine's slow and fast spells, which last seconds,
 then hit both sides alike, and each process's peak memory is still its own.
+``--side ab`` runs this tree's moe-rl against another checkout's (``git worktree add
+/tmp/base REF``) the same way, for changes smaller than the run-to-run spread of the
+TRL ratio (the median turn ratio of this tree to the base; run it with ``--first base``
+too: the second side of a pair tends to read a little slower).
 """
 
 from __future__ import annotations
@@ -164,11 +169,28 @@ def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
 
 
 def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "moe-rl") -> dict:
-    """Each side in its own process, taking turns of ``steps_per_turn`` steps (``first``
-    starts); their JSON and the per-turn paired time ratios."""
-    sides = (first, "trl" if first == "moe-rl" else "moe-rl")
+    """moe-rl and TRL, each in its own process, taking turns of ``steps_per_turn`` steps
+    (``first`` starts); their JSON and the per-turn paired time ratios (moe-rl / TRL)."""
+    sides = {"moe-rl": ["--side", "moe-rl"], "trl": ["--side", "trl"]}
+    return _paired(sides, "moe-rl", "trl", first, model_dir, steps, steps_per_turn)
+
+
+def this_tree_vs(base: str, model_dir: str, steps: int, steps_per_turn: int, first: str = "base") -> dict:
+    """This tree's moe-rl and the checkout ``base``'s, taking turns as :func:`both_sides`;
+    the per-turn paired time ratios are this tree's / the base's."""
+    sides = {"this": ["--side", "moe-rl"], "base": ["--side", "moe-rl", "--src", os.path.abspath(base)]}
+    return _paired(sides, "this", "base", first, model_dir, steps, steps_per_turn)
+
+
+def _paired(
+    sides: dict[str, list[str]], top: str, bottom: str, first: str, model_dir: str, steps: int, steps_per_turn: int
+) -> dict:
+    """Each side (its name, and its ``--side ...`` arguments) in its own process, taking
+    turns (``first`` starts); their JSON, and turn by turn ``top``'s median step time over
+    ``bottom``'s (turn i of one side and turn i of the other ran right after each other)."""
+    order = [first, *(name for name in sides if name != first)]
     procs, go, finished, logs = {}, {}, {}, {}
-    for side in sides:
+    for side in order:
         go_r, go[side] = os.pipe()
         finished[side], done_w = os.pipe()
         logs[side] = tempfile.TemporaryFile("w+")
@@ -177,8 +199,7 @@ def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "mo
             "-W",
             "ignore",
             __file__,
-            "--side",
-            side,
+            *sides[side],
             "--model",
             model_dir,
             "--steps",
@@ -194,14 +215,13 @@ def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "mo
         os.close(go_r)
         os.close(done_w)
     try:
-        _take_turns(list(sides), procs, go, finished, logs)
+        _take_turns(list(order), procs, go, finished, logs)
     finally:
         for proc in procs.values():
             proc.kill()
-    out = {side: _side_json(side, procs[side], logs[side]) for side in sides}
-    # turn i of one side and turn i of the other ran right after each other
-    pairs = zip(out["moe-rl"]["warm_turns"], out["trl"]["warm_turns"])
-    ratios = [statistics.median(m) / statistics.median(t) for m, t in pairs]
+    out = {side: _side_json(side, procs[side], logs[side]) for side in order}
+    pairs = zip(out[top]["warm_turns"], out[bottom]["warm_turns"])
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in pairs]
     out["turn_time_ratios"], out["median_turn_time_ratio"] = ratios, statistics.median(ratios)
     return out
 
@@ -243,25 +263,39 @@ def _side_json(side: str, proc: subprocess.Popen, log) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--side", choices=["both", "trl", "moe-rl"], required=True)
+    p.add_argument("--side", choices=["both", "ab", "trl", "moe-rl"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--steps-per-turn", type=int, default=3, help="with --side both: >= 2, and --steps > 2x it")
+    p.add_argument("--steps-per-turn", type=int, default=3, help="with --side both|ab: >= 2, and --steps > 2x it")
     p.add_argument(
-        "--first", choices=["moe-rl", "trl"], default="moe-rl", help="with --side both: the side that starts"
+        "--first",
+        choices=["moe-rl", "trl", "this", "base"],
+        help="the side that starts (--side both: moe-rl or trl, default moe-rl; --side ab: this or base, default base)",
     )
-    p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both
+    p.add_argument("--base", help="with --side ab: the other moe-rl checkout (e.g. a git worktree of another commit)")
+    p.add_argument("--src", help=argparse.SUPPRESS)  # --side moe-rl: the checkout to import moe-rl from
+    p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both|ab
     args = p.parse_args()
-    if args.side == "both":
+    if args.side in ("both", "ab"):
         if args.steps_per_turn < 2 or args.steps <= 2 * args.steps_per_turn:
             p.error(
-                "--side both needs --steps-per-turn >= 2 and --steps > 2 x --steps-per-turn (a turn's first step, "
-                "the first turn and the last are not counted)"
+                f"--side {args.side} needs --steps-per-turn >= 2 and --steps > 2 x --steps-per-turn (a turn's first "
+                "step, the first turn and the last are not counted)"
             )
-        print(
-            "BENCH_JSON " + json.dumps(both_sides(args.model, args.steps, args.steps_per_turn, args.first)), flush=True
-        )
+        firsts = ("moe-rl", "trl") if args.side == "both" else ("base", "this")
+        if args.first is not None and args.first not in firsts:
+            p.error(f"--side {args.side} takes --first {' or '.join(firsts)}")
+        if args.side == "both":
+            out = both_sides(args.model, args.steps, args.steps_per_turn, args.first or "moe-rl")
+        elif not args.base or not os.path.isdir(os.path.join(args.base, "moe_rl")):
+            p.error(f"--side ab needs --base, a checkout of moe-rl (a folder with moe_rl/ in it), got {args.base!r}")
+        else:
+            out = this_tree_vs(args.base, args.model, args.steps, args.steps_per_turn, args.first or "base")
+        print("BENCH_JSON " + json.dumps(out), flush=True)
         return
+    if args.src:  # before anything imports moe_rl
+        sys.path.insert(0, args.src)
+        os.chdir(args.src)
     turns = Turns(args.turns, args.steps_per_turn)
     if args.side == "trl":
         out = trl_side(args.model, args.steps, turns)
