@@ -21,8 +21,45 @@ def install() -> None:
     if not isinstance(mla.TELinear, type):
         mla.HAVE_TE = False
     _mask_padding_in_expert_load()
+    _foreach_grad_norm_and_clip()
     _adam_step_in_reshardable_load()
     _adam_step_per_parameter_on_load()
+
+
+def _foreach_grad_norm_and_clip() -> None:
+    """Without Transformer Engine or apex, megatron-core's grad norm and clipping fall back
+    to ``local_multi_tensor_l2_norm`` / ``local_multi_tensor_scale``: a norm and a
+    ``float()`` per tensor (on a GPU a device sync each) and a multiply-then-copy per tensor.
+    torch's foreach kernels take the list at once: the same per-tensor norms and products
+    (bit-equal on a CPU; fused and without the syncs on a GPU). TE's and apex's kernels,
+    where megatron found them, stay."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``amp_C.multi_tensor_l2norm``'s interface (as megatron's local fallback): the l2 norm
+    of every tensor of ``tensor_lists`` together, ``[1]`` fp32 on their device; no per-tensor norms."""
+    import torch
+
+    norms = torch.stack([torch.stack(torch._foreach_norm(tensors)) for tensors in tensor_lists])
+    return torch.norm(norms.to(torch.float32)).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """``amp_C.multi_tensor_scale``'s interface: ``tensor_lists[1][i] = tensor_lists[0][i] * scale``."""
+    import torch
+
+    sources, targets = tensor_lists[0], tensor_lists[1]
+    if all(s is t for s, t in zip(sources, targets)):
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
 
 
 def _mask_padding_in_expert_load() -> None:

@@ -56,6 +56,10 @@ textbook = max(
 moved = sum(int((auto["after"][n] != auto["before"][n]).sum()) for n in auto["before"])
 same = max(float((auto["after"][n] - sharded["after"][n]).abs().max()) for n in auto["after"])
 kernels_differ = max(float((auto["after"][n] - foreach["after"][n]).abs().max()) for n in auto["after"])
+from megatron.core.optimizer import clip_grads  # noqa: E402
+
+from parallel import megatron_compat  # noqa: E402
+
 print(
     json.dumps(
         {
@@ -67,6 +71,10 @@ print(
             "textbook_max_err": textbook,
             "moved": moved,
             "auto_vs_sharded_max_diff": same,
+            "grad_norm_and_clip_kernels": [
+                clip_grads.l2_norm_impl is megatron_compat.foreach_l2_norm,
+                clip_grads.multi_tensor_scale_impl is megatron_compat.foreach_scale,
+            ],
         }
     )
 )

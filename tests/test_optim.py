@@ -25,6 +25,37 @@ def test_adam_runs_torchs_fused_kernel_unless_told_otherwise(result) -> None:
     assert result["foreach_kernels"] == ["fused=False foreach=True"]
 
 
+def test_grad_norm_and_clipping_run_torchs_foreach_kernels_as_megatrons_fallback_would(result) -> None:
+    """Without TE or apex (here) megatron's fallbacks are swapped for foreach ones in a real
+    run; on random gradients they give megatron's fallback results bit for bit."""
+    import torch
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from parallel.megatron_compat import foreach_l2_norm, foreach_scale
+
+    assert result["grad_norm_and_clip_kernels"] == [True, True]
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        grads = [
+            torch.randn(int(torch.randint(1, 3000, (), generator=gen)), generator=gen) * 10.0 ** (trial % 7 - 5)
+            for _ in range(int(torch.randint(1, 25, (), generator=gen)))
+        ]
+        # megatron's local_multi_tensor_l2_norm (less its device="cuda"): each norm, then theirs
+        expected = torch.norm(torch.tensor([[torch.norm(g) for g in grads]]))
+        norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
+        assert norm.shape == (1,) and norm.dtype == torch.float32 and torch.equal(norm[0], expected)
+        scale = 1.0 / (1.5 + trial)
+        theirs, ours, into = (
+            [g.clone() for g in grads],
+            [g.clone() for g in grads],
+            [torch.empty_like(g) for g in grads],
+        )
+        local_multi_tensor_scale(2048 * 32, None, [theirs, theirs], scale)
+        foreach_scale(2048 * 32, None, [ours, ours], scale)
+        foreach_scale(2048 * 32, None, [grads, into], scale)
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(theirs, ours, into))
+
+
 def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None:
     assert result["moved"] > 1000
     assert result["textbook_max_err"] < 1e-6  # a few float32 ulps of weights near 1; the step itself is lr = 1e-3

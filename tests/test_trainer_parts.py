@@ -638,11 +638,14 @@ def test_tensorboard_scalars_of_a_step_are_one_event_and_read_back_by_tag(tmp_pa
 
     from moe_rl.trainer.metrics import BackgroundWriter
 
+    from torch.utils.tensorboard.summary import histogram
+
     writer = BackgroundWriter(SummaryWriter(str(tmp_path)))
+    values = {step: torch.randn(500, generator=torch.Generator().manual_seed(step)) * step for step in (1, 2)}
     for step in (1, 2):
         for i in range(5):
             writer.add_scalar(f"a/x{i}", step * 10 + i, step)
-        writer.add_histogram("h", torch.arange(4.0) * step, step)
+        writer.add_histogram("h", values[step], step)
         writer.add_scalar("b/late", step / 2, step)  # after another kind of call: its own event
     writer.close()
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0}).Reload()
@@ -657,6 +660,16 @@ def test_tensorboard_scalars_of_a_step_are_one_event_and_read_back_by_tag(tmp_pa
         if e.HasField("summary") and e.summary.value[0].HasField("simple_value")
     ]
     assert [(e.step, len(e.summary.value)) for e in scalar_events] == [(1, 5), (1, 1), (2, 5), (2, 1)]
+    # the histograms are torch's own with TensorBoard's default bins, bucket for bucket
+    histograms = [
+        e
+        for e in LegacyEventFileLoader(str(path)).Load()
+        if e.HasField("summary") and e.summary.value[0].HasField("histo")
+    ]
+    default_bins = SummaryWriter(str(tmp_path / "other")).default_bins
+    assert [(e.step, e.summary.value[0].histo) for e in histograms] == [
+        (step, histogram("h", values[step], default_bins).value[0].histo) for step in (1, 2)
+    ]
 
 
 def test_routing_of_more_than_256_experts_travels_as_bytes() -> None:

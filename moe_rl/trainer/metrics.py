@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -303,6 +304,9 @@ class BackgroundWriter:
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
+        # TensorBoard's default ("tensorflow") bin edges as one array: given its list,
+        # np.histogram converts the ~1,500 edges on every call (~0.1 ms); the same histogram
+        self._bins = np.asarray(writer.default_bins) if hasattr(writer, "default_bins") else "tensorflow"
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._scalars: list[tuple[str, float]] = []  # of step self._scalars_step, not yet queued
@@ -318,7 +322,7 @@ class BackgroundWriter:
         self._scalars_step = step
 
     def add_histogram(self, tag: str, values: Tensor, step: int) -> None:
-        self._submit("add_histogram", tag, values, step)
+        self._submit("add_histogram", tag, values, step, bins=self._bins)
 
     def add_histogram_raw(self, tag: str, **kwargs: Any) -> None:
         self._submit("add_histogram_raw", tag, **kwargs)
@@ -345,7 +349,7 @@ class BackgroundWriter:
     def _finite_histogram(self, tag: str, values: Tensor, step: int) -> None:
         values = values.float()[torch.isfinite(values)]
         if values.numel():
-            self._writer.add_histogram(tag, values, step)
+            self._writer.add_histogram(tag, values, step, bins=self._bins)
 
     def add_custom_scalars(self, layout: dict) -> None:
         self._submit("add_custom_scalars", layout)
