@@ -176,9 +176,11 @@ def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "mo
 
 
 def this_tree_vs(base: str, model_dir: str, steps: int, steps_per_turn: int, first: str = "base") -> dict:
-    """This tree's moe-rl and the checkout ``base``'s, taking turns as :func:`both_sides`;
+    """This script's checkout's moe-rl and the checkout ``base``'s (each imported from its own
+    folder, whichever one the environment installed), taking turns as :func:`both_sides`;
     the per-turn paired time ratios are this tree's / the base's."""
-    sides = {"this": ["--side", "moe-rl"], "base": ["--side", "moe-rl", "--src", os.path.abspath(base)]}
+    this = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this script's checkout
+    sides = {"this": ["--side", "moe-rl", "--src", this], "base": ["--side", "moe-rl", "--src", os.path.abspath(base)]}
     return _paired(sides, "this", "base", first, model_dir, steps, steps_per_turn)
 
 
