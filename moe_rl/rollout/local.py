@@ -126,7 +126,11 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
                 )
             targets.append(target)
             values.append(self._rounded(value))
-        torch._foreach_copy_(targets, values)  # one call, not one per tensor (each expert's are many)
+        if all(t.device == v.device for t, v in zip(targets, values)):
+            torch._foreach_copy_(targets, values)  # one call, not one per tensor (each expert's are many)
+        else:  # from the trainer's device (foreach ops take one device)
+            for target, value in zip(targets, values):
+                target.copy_(value)
         if self.mismatch is not None:
             self.mismatch.refresh()
         self._version = weight_version
