@@ -10,8 +10,8 @@ the other waits for its turn): the machine's slow and fast spells, which last se
 then hit both sides alike, and each process's peak memory is still its own.
 ``--side ab`` runs this tree's moe-rl against another checkout's (``git worktree add
 /tmp/base REF``) the same way, for changes smaller than the run-to-run spread of the
-TRL ratio (the median turn ratio of this tree to the base; run it with ``--first base``
-too: the second side of a pair tends to read a little slower).
+TRL ratio (the median turn ratio of this tree to the base; run it once with each side
+starting, ``--first base`` and ``--first this``: an A/A run reads 0.985-0.989).
 """
 
 from __future__ import annotations

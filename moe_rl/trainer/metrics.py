@@ -306,7 +306,7 @@ class BackgroundWriter:
         self._writer = writer
         # TensorBoard's default ("tensorflow") bin edges as one array: given its list,
         # np.histogram converts the ~1,500 edges on every call (~0.1 ms); the same histogram
-        self._bins = np.asarray(writer.default_bins) if hasattr(writer, "default_bins") else "tensorflow"
+        self._bins = np.asarray(writer.default_bins)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._scalars: list[tuple[str, float]] = []  # of step self._scalars_step, not yet queued
