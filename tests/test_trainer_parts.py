@@ -194,6 +194,47 @@ def test_log_ratio_metrics_of_a_pass_equal_each_micro_batch_selected_alone() -> 
             assert "log_ratio_p01" not in out and "log_ratio_p99" not in out
 
 
+def test_update_metrics_reduce_to_token_weighted_means_of_the_micro_batches() -> None:
+    """One process: loss terms summed, the rest weighted by each micro-batch's tokens, the
+    ratio's extremes over all (a float64 or a plain-number metric next to fp32 ones: the
+    same figures); the off-policy sums added up before the diagnostics are formed."""
+    from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
+    from moe_rl.trainer.metrics import reduce_offpolicy, reduce_update_metrics
+    from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
+
+    gen = torch.Generator().manual_seed(11)
+    keys = SUM_METRICS + MEAN_METRICS
+    outputs = [{k: torch.rand((), generator=gen) for k in (*keys, "ratio_min", "ratio_max")} for _ in range(3)]
+    for out, tokens in zip(outputs, (5.0, 12.0, 1.0)):
+        out["tokens"] = torch.tensor(tokens)
+    del outputs[1]["kl_ref"]  # a metric one micro-batch lacks counts 0 there
+    mixed = [dict(out) for out in outputs]
+    mixed[0]["entropy"] = outputs[0]["entropy"].double()
+    mixed[2]["approx_kl"] = float(outputs[2]["approx_kl"])
+    expected_tokens = 18.0
+    for got in (reduce_update_metrics(outputs), reduce_update_metrics(mixed)):
+        for k in SUM_METRICS:
+            assert got[k] == pytest.approx(sum(float(o[k]) for o in outputs), rel=1e-12)
+        for k in MEAN_METRICS:
+            weighted = sum(float(o[k]) * float(o["tokens"]) for o in outputs if k in o)
+            assert got[k] == pytest.approx(weighted / expected_tokens, rel=1e-6)
+        assert got["ratio_min"] == min(float(o["ratio_min"]) for o in outputs)
+        assert got["ratio_max"] == max(float(o["ratio_max"]) for o in outputs)
+    assert reduce_update_metrics(outputs) == reduce_update_metrics([dict(o) for o in outputs])
+
+    parts = [
+        {OFFPOLICY + k: torch.rand((), generator=gen) * 10 for k in (*MISMATCH_SUMS, "weight_min", "weight_max")}
+        for _ in range(2)
+    ]
+    totals = {k: sum(float(p[OFFPOLICY + k]) for p in parts) for k in MISMATCH_SUMS}
+    totals["weight_min"] = min(float(p[OFFPOLICY + "weight_min"]) for p in parts)
+    totals["weight_max"] = max(float(p[OFFPOLICY + "weight_max"]) for p in parts)
+    got = reduce_offpolicy(parts)
+    assert got.keys() == {OFFPOLICY + k for k in mismatch_metrics(totals)}
+    for k, v in mismatch_metrics(totals).items():
+        assert got[OFFPOLICY + k] == pytest.approx(v, rel=1e-6)
+
+
 def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
     batch, mb, logp, entropy = objective_inputs(1)
     loss, metrics = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(

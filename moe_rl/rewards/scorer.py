@@ -76,7 +76,7 @@ class RewardScorer:
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
         a hung call's worker killed at the timeout), or one call at a time in a thread."""
-        values = torch.zeros(len(samples), len(self.specs), dtype=torch.float32)
+        columns: list[list[float]] = []
         failures = {n: Counter() for n in self.names}
         if self._pool is not None:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
@@ -85,8 +85,9 @@ class RewardScorer:
             outcomes = self._call_all(
                 [(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples]
             )
-        for j, spec in enumerate(self.specs):
-            for i in range(len(samples)):
+        for spec in self.specs:
+            column = []
+            for _ in samples:
                 value, failure = next(outcomes)
                 if failure is not None:
                     failures[spec.name][failure] += 1
@@ -95,7 +96,10 @@ class RewardScorer:
                             "reward %r: %s on a sample (scored 0; counted, further ones not logged)", spec.name, failure
                         )
                     self.failure_totals[spec.name][failure] += 1
-                values[i, j] = value
+                column.append(value)
+            columns.append(column)
+        # one tensor for the table (an element assignment per value cost more than a cached rule reward)
+        values = torch.tensor(columns, dtype=torch.float32).T.contiguous()  # [samples, rewards]
         for c in self.conditionals:
             values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
         return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)

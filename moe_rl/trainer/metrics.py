@@ -26,22 +26,16 @@ from parallel.collectives import all_reduce, reports_loss
 def _host_values(outputs: list[dict], keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[list[float]]:
     """Each output's ``keys`` as host floats (``optional`` ones 0 where absent), moved in one
     device-to-host copy for the whole pass (a ``float()`` per value is a device sync each on
-    a GPU)."""
+    a GPU). Values of one dtype and device (the usual case: the loss's fp32 scalars) are
+    stacked at once; a mixed table converts each value on its own (the same floats)."""
     if not outputs:
         return []
-    rows = [
-        torch.stack(
-            [
-                torch.as_tensor(out.get(key, 0.0) if key in optional else out[key]).reshape(()).to(torch.float64)
-                for key in keys
-            ]
-        )
-        for out in outputs
-    ]
-    devices = {row.device for row in rows}
-    if len(devices) > 1:  # values on different devices (host counts next to device metrics)
-        rows = [row.cpu() for row in rows]
-    return torch.stack(rows).cpu().tolist()
+    values = [torch.as_tensor(out.get(key, 0.0) if key in optional else out[key]) for out in outputs for key in keys]
+    if len({(v.dtype, v.device) for v in values}) == 1 and all(v.dim() == 0 for v in values):
+        flat = torch.stack(values).to(torch.float64)
+    else:
+        flat = torch.stack([v.reshape(()).to(torch.float64).cpu() for v in values])
+    return flat.view(len(outputs), len(keys)).cpu().tolist()
 
 
 def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
@@ -49,8 +43,8 @@ def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
     data-parallel ranks (sums for the loss terms, min/max for the ratio); the reporting
     rank of each replica (:func:`parallel.collectives.reports_loss`) contributes."""
     keys = SUM_METRICS + MEAN_METRICS
-    sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
-    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # min ratio, -max ratio
+    sums = [0.0] * (len(keys) + 1)
+    ratio_min, neg_ratio_max = float("inf"), float("inf")
     if reports_loss():
         table = _host_values(outputs, (*keys, "tokens", "ratio_min", "ratio_max"), optional=(*keys, "tokens"))
         for out, row in zip(outputs, table):
@@ -59,12 +53,12 @@ def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
                 if key in out:
                     sums[i] += row[i] * (1.0 if key in SUM_METRICS else w)
             sums[-1] += w
-            extremes[0] = min(extremes[0], row[-2])
-            extremes[1] = min(extremes[1], -row[-1])
-    sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
-    tokens = max(float(sums[-1]), 1.0)
-    result = {key: float(sums[i]) / (1.0 if key in SUM_METRICS else tokens) for i, key in enumerate(keys)}
-    result["ratio_min"], result["ratio_max"] = float(extremes[0]), float(-extremes[1])
+            ratio_min, neg_ratio_max = min(ratio_min, row[-2]), min(neg_ratio_max, -row[-1])
+    totals = all_reduce(torch.tensor(sums, dtype=torch.float64)).tolist()
+    ratio_min, neg_ratio_max = all_reduce(torch.tensor([ratio_min, neg_ratio_max], dtype=torch.float64), "min").tolist()
+    tokens = max(totals[-1], 1.0)
+    result = {key: totals[i] / (1.0 if key in SUM_METRICS else tokens) for i, key in enumerate(keys)}
+    result["ratio_min"], result["ratio_max"] = ratio_min, -neg_ratio_max
     return result
 
 
@@ -91,12 +85,12 @@ def reduce_offpolicy(outputs: list[dict]) -> dict[str, float]:
     extremes = torch.full((2,), float("inf"), dtype=torch.float64)  # min weight, -max weight
     if parts:  # one device-to-host copy for all micro-batches
         keys = [OFFPOLICY + k for k in (*MISMATCH_SUMS, "weight_min", "weight_max")]
-        table = torch.stack([torch.stack([p[k].to(torch.float64) for k in keys]) for p in parts]).cpu()
+        table = torch.tensor(_host_values(parts, tuple(keys)), dtype=torch.float64)
         sums = table[:, : len(MISMATCH_SUMS)].sum(0)
         extremes = torch.stack([table[:, -2].min(), -table[:, -1].max()])
-    sums, extremes = all_reduce(sums), all_reduce(extremes, "min")
-    totals = {k: float(v) for k, v in zip(MISMATCH_SUMS, sums)}
-    totals.update(weight_min=float(extremes[0]), weight_max=float(-extremes[1]))
+    sums, extremes = all_reduce(sums).tolist(), all_reduce(extremes, "min").tolist()
+    totals = dict(zip(MISMATCH_SUMS, sums))
+    totals.update(weight_min=extremes[0], weight_max=-extremes[1])
     return {OFFPOLICY + k: v for k, v in mismatch_metrics(totals).items()}
 
 
