@@ -24,18 +24,27 @@ from parallel.collectives import all_reduce, reports_loss
 
 
 def _host_values(outputs: list[dict], keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[list[float]]:
-    """Each output's ``keys`` as host floats (``optional`` ones 0 where absent), moved in one
-    device-to-host copy for the whole pass (a ``float()`` per value is a device sync each on
-    a GPU). Values of one dtype and device (the usual case: the loss's fp32 scalars) are
-    stacked at once; a mixed table converts each value on its own (the same floats)."""
+    """Each output's ``keys`` as host floats (``optional`` ones 0 where absent): the tensors
+    of each device stacked and moved in one device-to-host copy for the whole pass (a
+    ``float()`` per value is a device sync each on a GPU); a plain number as a tensor of its
+    own would hold it (a Python float in fp32)."""
     if not outputs:
         return []
-    values = [torch.as_tensor(out.get(key, 0.0) if key in optional else out[key]) for out in outputs for key in keys]
-    if len({(v.dtype, v.device) for v in values}) == 1 and all(v.dim() == 0 for v in values):
-        flat = torch.stack(values).to(torch.float64)
-    else:
-        flat = torch.stack([v.reshape(()).to(torch.float64).cpu() for v in values])
-    return flat.view(len(outputs), len(keys)).cpu().tolist()
+    values = [out.get(key, 0.0) if key in optional else out[key] for out in outputs for key in keys]
+    flat = [0.0] * len(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, Tensor):
+            by_device.setdefault(value.device, []).append(i)
+        else:
+            flat[i] = torch.as_tensor(value).to(torch.float64).item()
+    for indices in by_device.values():
+        tensors = [values[i] if values[i].dim() == 0 else values[i].reshape(()) for i in indices]
+        if len({t.dtype for t in tensors}) > 1:  # each converted exactly, not promoted together
+            tensors = [t.to(torch.float64) for t in tensors]
+        for i, value in zip(indices, torch.stack(tensors).to(torch.float64).cpu().tolist()):
+            flat[i] = value
+    return [flat[row * len(keys) : (row + 1) * len(keys)] for row in range(len(outputs))]
 
 
 def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
