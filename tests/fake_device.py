@@ -6,7 +6,8 @@ module registers a second device type, ``fakegpu`` (torch's PrivateUse1 key, set
 a Python backend), whose tensors hold a CPU tensor inside and compute on it, and which
 refuse, as CUDA does, any op that mixes them with a CPU tensor of one or more dimensions
 (0-dim CPU tensors pass as scalars, as on CUDA). ``.item()``, ``.tolist()`` and
-``.cpu()`` work (they synchronise on a GPU); ``.numpy()`` fails, as on CUDA.
+``.cpu()`` work (they synchronise on a GPU: :data:`HOST_READS` counts them, and the ops
+whose output size depends on the values); ``.numpy()`` fails, as on CUDA.
 
 Use: ``cpu_bridge.install(FAKE_DEVICE)`` before megatron starts, then run the code under
 ``with on_fake_device():`` -- factories given ``device=FAKE_DEVICE``, ``.to(FAKE_DEVICE)``,
@@ -17,6 +18,7 @@ check scripts that use it run in a fresh Python.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -92,7 +94,19 @@ def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
 
 _KERNELS.impl("empty.memory_format", _empty, "PrivateUse1")
 _KERNELS.impl("empty_strided", _empty_strided, "PrivateUse1")
-_KERNELS.impl("_local_scalar_dense", lambda t: t.inner.item(), "PrivateUse1")  # torch.tensor([device scalars])
+# reads of a device tensor's values on the host, each a device sync on a GPU, by kind: "item",
+# "tolist", "to_host" (.cpu(), .to("cpu")) and "output_size" (ops whose output's size depends
+# on the values: CUDA copies the size to the host first)
+HOST_READS: collections.Counter = collections.Counter()
+_VALUE_SIZED = {torch.ops.aten.masked_select.default, torch.ops.aten.nonzero.default}
+
+
+def _item(t: "OnDevice"):
+    HOST_READS["item"] += 1
+    return t.inner.item()
+
+
+_KERNELS.impl("_local_scalar_dense", _item, "PrivateUse1")  # .item(), torch.tensor([device scalars])
 
 # ops that legitimately take a host tensor beside a device one (copies between them)
 _CROSSING = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.set_.source_Tensor}
@@ -141,12 +155,25 @@ class OnDevice(torch.Tensor):
                     f"Expected all tensors to be on the same device: {func} got a CPU tensor of shape "
                     f"{list(host[0].shape)} with {NAME} tensors (on a GPU this is a crash)"
                 )
+        if func in _VALUE_SIZED:
+            HOST_READS["output_size"] += 1
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            HOST_READS["item"] += 1
         args, kwargs = tree_map(_unwrap, (args, kwargs))
         to_host = _is_cpu(kwargs.get("device"))
         if "device" in kwargs:
             kwargs["device"] = torch.device("cpu")
         out = func(*args, **kwargs)
         return out if to_host else tree_map(_wrap, out)
+
+
+def _to_host(func, args: tuple, kwargs: dict) -> bool:
+    if func is torch.Tensor.cpu:
+        return True
+    if func is torch.Tensor.to:
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        return isinstance(target, (str, torch.device)) and _is_cpu(target)
+    return False
 
 
 def _is_host(t: Any) -> bool:
@@ -201,7 +228,10 @@ class _FakeDeviceMode(TorchFunctionMode):
             args[0].inner = args[1].inner
             return None
         if func is torch.Tensor.tolist and isinstance(args[0], OnDevice):
+            HOST_READS["tolist"] += 1
             return args[0].inner.tolist()
+        if isinstance(args[0] if args else None, OnDevice) and _to_host(func, args, kwargs):
+            HOST_READS["to_host"] += 1
         if func is torch.Tensor.numpy and isinstance(args[0], OnDevice):
             raise DeviceDisciplineError(f"can't convert {NAME} tensor to numpy: use .cpu() first (as on a GPU)")
         return func(*args, **kwargs)

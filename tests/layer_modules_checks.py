@@ -1,7 +1,7 @@
 """One process: the same HF weights and batch through every choice of experts module
 (GroupedExperts with the grouped matmul and with its per-expert fallback, megatron's
 SequentialMLP), core attention (SdpaAttention, megatron's DotProductAttention) and token
-dispatcher (the allgather one chosen at EP = 1, megatron's alltoall); and
+dispatcher (the one-rank dispatcher given at EP = 1, megatron's allgather and alltoall); and
 SdpaAttention against DotProductAttention on random inputs under each mask it may get;
 what the Transformer Engine spec changes in each family's layer spec (its classes are
 placeholders without TE: only the spec is built). Run by test_layer_modules; prints one
@@ -9,9 +9,11 @@ JSON line."""
 
 import json
 import sys
+from unittest import mock
 
 import torch
 
+from moe_rl.models import builder
 from moe_rl.models.builder import build_model, make_transformer_config
 from moe_rl.models.forward import run_microbatches
 from moe_rl.models.grouped_experts import StackedLinear
@@ -31,9 +33,13 @@ def loss_fn(le, mb):
     return -(le[..., 0] * torch.linspace(0.5, 1.5, le.shape[-2])).sum() / 40, {}
 
 
-def run(modules: LayerModules, grouped_matmul: bool = True, **overrides) -> dict:
+def run(modules: LayerModules, grouped_matmul: bool = True, megatron_dispatcher: bool = False, **overrides) -> dict:
     config = make_transformer_config(hf_config, layout, **overrides)
-    model = build_model(hf_config, config, modules=modules)
+    if megatron_dispatcher:  # the model as built before the one-rank dispatcher was given to it
+        with mock.patch.object(builder, "use_one_rank_dispatchers", lambda model: 0):
+            model = build_model(hf_config, config, modules=modules)
+    else:
+        model = build_model(hf_config, config, modules=modules)
     load_hf_weights(model, hf_config, hf_dir)
     stacked = [m for m in model.modules() if isinstance(m, StackedLinear)]
     for m in stacked:
@@ -93,6 +99,7 @@ variants = {
     "grouped_local": (LayerModules(attention="local"), True, {}),
     "sequential_sdpa": (LayerModules(experts="sequential"), True, {}),
     "grouped_sdpa_alltoall": (LayerModules(), True, {"moe_token_dispatcher_type": "alltoall"}),
+    "grouped_sdpa_megatron_allgather": (LayerModules(), True, {"megatron_dispatcher": True}),
 }
 runs = {}
 for name, (modules, grouped, overrides) in variants.items():
@@ -105,11 +112,12 @@ for name, (modules, grouped, overrides) in variants.items():
         "sdpa_modules": r["sdpa_modules"],
         "dispatchers": r["dispatchers"],
     }
-a, b = runs["grouped_sdpa_alltoall"], runs["grouped_sdpa"]
-out["alltoall_vs_allgather"] = {
-    "logp_max_diff": float((a["logp"] - b["logp"]).abs().max()),
-    "grad_max_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
-}
+for other in ("grouped_sdpa_alltoall", "grouped_sdpa_megatron_allgather"):
+    a, b = runs[other], runs["grouped_sdpa"]
+    out[f"{other}_vs_one_rank"] = {
+        "logp_max_diff": float((a["logp"] - b["logp"]).abs().max()),
+        "grad_max_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
+    }
 out["grad_max_abs"] = max(float(g.abs().max()) for g in reference["grads"].values())
 out["attention"] = attention_checks(make_transformer_config(hf_config, layout))
 

@@ -79,6 +79,9 @@ def test_what_travels_fits_and_the_stage_limits_fit_the_device() -> None:
         limits = sum(gpu_check.limit_of(n, mode) for n in gpu_check.stages_of(mode))
         assert limits <= gpu_check.BUDGET_S[mode] and gpu_check.BUDGET_S[mode] + install_s <= 60 * minutes, mode
     assert gpu_check.stages_of("quick") == ["env", "kernels", "logprob", "parity", "train", "trainer"]
+    scale = sum(gpu_check.limit_of(n, "full", scale=True) for n in gpu_check.stages_of("full", scale=True))
+    assert scale <= gpu_check.SCALE_BUDGET_S and gpu_check.SCALE_BUDGET_S + install_s <= 60 * 5.5
+    assert gpu_check.stages_of("full", scale=True) == ["env", "slice", "long_context", "sync", "checkpoint"]
 
 
 def test_checks_fail_on_nan_and_a_stage_of_skips_says_skipped() -> None:
@@ -142,3 +145,35 @@ def test_smoke_run_of_the_stages(tmp_path: Path) -> None:
             "transformer_engine vs local",
         ):
             assert verdicts[name] == SKIPPED, name
+
+
+@pytest.mark.e2e
+def test_smoke_run_of_the_scale_stages(tmp_path: Path) -> None:
+    """``gpu_check.sh --smoke --scale`` (tiny sizes, in one process): the dispatchers give the
+    same log-probs, the replayed long sequence its own, every packed tensor the export's, both
+    checkpoints are written; rates and syncs say SKIPPED off a GPU."""
+    import torch
+
+    out = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--smoke", "--scale", "--in-process"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"},
+    )
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert result["stage_set"] == "scale" and list(result["verdicts"]) == gpu_check.stages_of("full", scale=True)
+    assert set(result["verdicts"].values()) == {OK}
+    figures = {name: stage["figures"] for name, stage in result["stages"].items()}
+    assert figures["slice"]["one_rank_vs_allgather_max_logp_diff"] == 0.0
+    assert figures["slice"]["alltoall_vs_allgather_max_logp_diff"] == 0.0
+    assert all(math.isfinite(figures["slice"][k]["forward_backward_s"]) for k in ("one_rank", "allgather", "alltoall"))
+    assert figures["long_context"]["max_logp_diff_replayed_vs_own"] == 0.0
+    assert figures["long_context"]["routing_bytes"] == 512 * 2 * 2  # tokens x MoE layers x top-k, a byte each
+    assert figures["sync"]["bytes"] > 0 and figures["sync"]["buckets"] >= 1
+    assert {"fully_reshardable", "dp_reshardable"} <= set(figures["checkpoint"])
+    if not torch.cuda.is_available():
+        verdicts = {c["name"]: c["verdict"] for s in result["stages"].values() for c in s["checks"]}
+        assert verdicts["one_rank: forward+backward MFU vs the measured matmul rate"] == SKIPPED

@@ -2,7 +2,8 @@
 SequentialMLP + local attention's log-probs and HF-named gradients on the same weights
 (GroupedExperts bit for bit, SdpaAttention to float error), with the grouped matmul and
 its fallback; SdpaAttention equals the local attention under each mask; StackedLinear is
-one matmul per expert, including experts that get no rows."""
+one matmul per expert, including experts that get no rows; at EP = 1 the one-rank token
+dispatcher equals megatron's and reads no device value on the host."""
 
 from __future__ import annotations
 
@@ -61,12 +62,30 @@ def test_allgather_dispatcher_only_where_every_rank_holds_every_expert_whole(
 
 
 @pytest.mark.distributed
-def test_the_allgather_dispatcher_chosen_at_ep_1_equals_alltoall(result) -> None:
-    """One process (EP = expert TP = 1) builds the allgather dispatcher; megatron's alltoall
-    one gives the same log-probs and gradients to the last bit."""
-    assert result["grouped_sdpa"]["dispatchers"] == ["MoEAllGatherTokenDispatcher"]
+def test_the_one_rank_dispatcher_given_at_ep_1_equals_megatrons_allgather_and_alltoall(result) -> None:
+    """One process (EP = expert TP = 1): megatron builds its allgather dispatcher and moe-rl
+    gives each MoE layer the sync-free one-rank dispatcher in its place; megatron's allgather
+    and alltoall dispatchers give the same log-probs and gradients to the last bit."""
+    assert result["grouped_sdpa"]["dispatchers"] == ["OneRankTokenDispatcher"]
+    assert result["grouped_sdpa_megatron_allgather"]["dispatchers"] == ["MoEAllGatherTokenDispatcher"]
     assert result["grouped_sdpa_alltoall"]["dispatchers"] == ["MoEAlltoAllTokenDispatcher"]
-    assert result["alltoall_vs_allgather"] == {"logp_max_diff": 0.0, "grad_max_diff": 0.0}
+    for other in ("grouped_sdpa_alltoall", "grouped_sdpa_megatron_allgather"):
+        assert result[f"{other}_vs_one_rank"] == {"logp_max_diff": 0.0, "grad_max_diff": 0.0}
+
+
+@pytest.mark.distributed
+def test_a_step_at_ep_1_reads_no_device_value_on_the_host_per_moe_layer() -> None:
+    """On the stand-in accelerator, experts on the grouped-matmul path: the one-rank
+    dispatcher's forward + backward read nothing on the host (a step: the two grad norms of
+    the dense and expert optimizers and the finite check); megatron's allgather dispatcher,
+    which it replaces, reads the expert counts and two value-sized outputs per layer forward
+    (each a device sync on a GPU)."""
+    result = run_check_script("host_reads_checks.py")
+    forwards = result["moe_layer_forwards"]
+    assert result["one_rank"]["dispatcher"] == "OneRankTokenDispatcher"
+    assert result["one_rank"]["forward_backward"] == {}
+    assert result["one_rank"]["whole_step"] == {"item": 3}
+    assert result["megatron_allgather"]["forward_backward"] == {"to_host": forwards, "output_size": 2 * forwards}
 
 
 @pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])

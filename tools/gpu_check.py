@@ -7,6 +7,7 @@ mode's budget; a stage is cut to what is left of it) and asserts against stated 
 each check is ok, FAILED, or SKIPPED where it cannot run here (no CUDA, no Transformer Engine).
 
 - ``env``: torch / CUDA / GPU, the packages import, the install report has no problem;
+- ``prepare`` (full): the built-in model warm-started and cached once for the stages that train it;
 - ``kernels``: torch's ``grouped_mm`` against the per-expert loop and an fp32 loop on ragged and
   empty expert groups, forward and backward; attention under activation recompute stays on the
   causal path (no mask tensor; flash-only on CUDA) with the plain run's gradients;
@@ -23,7 +24,10 @@ each check is ok, FAILED, or SKIPPED where it cannot run here (no CUDA, no Trans
 - ``fusions`` (full): Transformer Engine against the local layers, fused AdamW against foreach;
 - ``perf`` (full): the bf16 matmul rate and a ~0.7B-parameter MoE's step MFU.
 
-    python tools/gpu_check.py [--mode smoke|quick|full] [--only a,b] [--out-dir DIR] [--in-process]
+``--scale`` runs the real-shape stages instead (5.5 minutes): ``env``, then ``slice``,
+``long_context``, ``sync`` and ``checkpoint`` on a slice of Qwen3-30B-A3B (``gpu_check_scale.py``).
+
+    python tools/gpu_check.py [--mode smoke|quick|full] [--scale] [--only a,b] [--out-dir DIR] [--in-process]
 """
 
 from __future__ import annotations
@@ -45,31 +49,56 @@ from gpu_check_common import FAILED, MODES, ROOT, SKIPPED, Checks, check_line  #
 
 # stage: (its module, limit in full mode, in quick mode or None when quick leaves it out), in run order
 STAGES = {
-    "env": ("gpu_check", 20, 20),
-    "kernels": ("gpu_check_numerics", 40, 30),
-    "logprob": ("gpu_check_numerics", 35, 25),
-    "parity": ("gpu_check_numerics", 50, 40),
-    "train": ("gpu_check_training", 45, 30),
-    "trainer": ("gpu_check_training", 90, 60),
-    "offload": ("gpu_check_training", 35, None),
-    "colocated": ("gpu_check_training", 60, None),
-    "fusions": ("gpu_check_numerics", 40, None),
-    "perf": ("gpu_check_training", 35, None),
+    "env": ("gpu_check", 15, 20),
+    "prepare": ("gpu_check_training", 35, None),
+    "kernels": ("gpu_check_numerics", 35, 30),
+    "logprob": ("gpu_check_numerics", 30, 25),
+    "parity": ("gpu_check_numerics", 45, 40),
+    "train": ("gpu_check_training", 40, 30),
+    "trainer": ("gpu_check_training", 75, 60),
+    "offload": ("gpu_check_training", 30, None),
+    "colocated": ("gpu_check_training", 85, None),
+    "fusions": ("gpu_check_numerics", 30, None),
+    "perf": ("gpu_check_training", 30, None),
+}
+# --scale: the real-shape stages (tools/gpu_check_scale.py), with their limits at full size
+SCALE_STAGES = {
+    "env": ("gpu_check", 15),
+    "slice": ("gpu_check_scale", 120),
+    "long_context": ("gpu_check_scale", 60),
+    "sync": ("gpu_check_scale", 40),
+    "checkpoint": ("gpu_check_scale", 65),
 }
 # what the stages may take together; gpu_check.sh's install (30 s at most) and start-up come on
-# top: 8 minutes for full, 4 for quick. Smoke (CPU, tiny sizes) has no budget.
+# top: 8 minutes for full, 4 for quick, 5.5 for --scale. Smoke (CPU, tiny sizes) has no budget.
 BUDGET_S = {"full": 450, "quick": 205, "smoke": None}
+SCALE_BUDGET_S = 300
 SMOKE_LIMIT_S = 600
 
 
-def stages_of(mode: str, only: list[str] | None = None) -> list[str]:
-    names = [n for n, (_, _, quick) in STAGES.items() if mode != "quick" or quick is not None]
+def stages_of(mode: str, only: list[str] | None = None, scale: bool = False) -> list[str]:
+    if scale:
+        names = list(SCALE_STAGES)
+    else:
+        names = [n for n, (_, _, quick) in STAGES.items() if mode != "quick" or quick is not None]
     return [n for n in names if only is None or n in only]
 
 
-def limit_of(name: str, mode: str) -> float:
+def limit_of(name: str, mode: str, scale: bool = False) -> float:
+    if mode == "smoke":
+        return SMOKE_LIMIT_S
+    if scale:
+        return SCALE_STAGES[name][1]
     _, full, quick = STAGES[name]
-    return {"full": full, "quick": quick}.get(mode, SMOKE_LIMIT_S)
+    return {"full": full, "quick": quick}[mode]
+
+
+def budget_of(mode: str, scale: bool = False) -> float | None:
+    return SCALE_BUDGET_S if scale and mode != "smoke" else BUDGET_S[mode]
+
+
+def module_of(name: str) -> str:
+    return (STAGES.get(name) or SCALE_STAGES[name])[0]
 
 
 def stage_env(mode: str, checks: Checks, work: Path, install_report: Path | None = None) -> dict:
@@ -127,7 +156,7 @@ def run_stage(name: str, mode: str, install_report: Path | None = None, limit: f
     import importlib
 
     checks = Checks()
-    module = importlib.import_module(STAGES[name][0])
+    module = importlib.import_module(module_of(name))
     start = time.perf_counter()
     gpu_check_common.DEADLINE[:] = [] if limit is None else [time.monotonic() + limit]
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_{name}_") as work:
@@ -181,14 +210,16 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 
 def run_all(args: argparse.Namespace) -> dict:
-    budget = BUDGET_S[args.mode]
+    budget = budget_of(args.mode, args.scale)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": args.mode, "budget_s": budget}
+    results["stage_set"] = "scale" if args.scale else "check"
     results |= {"verdicts": {}, "stages": {}, "ok": True}
     out = args.out_dir / "gpu_check.json"
     start = time.perf_counter()
-    for name in stages_of(args.mode, args.only):
+    for name in stages_of(args.mode, args.only, args.scale):
         left = None if budget is None else budget - (time.perf_counter() - start)
-        limit = limit_of(name, args.mode) if left is None else min(limit_of(name, args.mode), left)
+        full_limit = limit_of(name, args.mode, args.scale)
+        limit = full_limit if left is None else min(full_limit, left)
         if limit < 5:
             result = {
                 "verdict": SKIPPED,
@@ -219,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "gpu_check")
     p.add_argument("--install-report", type=Path, help="tools/gpu_check_install.py's report")
     p.add_argument("--in-process", action="store_true", help="every stage in this process, no time limits")
-    p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
+    p.add_argument("--scale", action="store_true", help="the real-shape stages (tools/gpu_check_scale.py)")
+    p.add_argument("--stage", choices=sorted(set(STAGES) | set(SCALE_STAGES)), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -228,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(run_stage(args.stage, args.mode, args.install_report, args.limit), default=str)
         )
         return 0
-    unknown = set(args.only or []) - set(STAGES)
+    valid = SCALE_STAGES if args.scale else STAGES
+    unknown = set(args.only or []) - set(valid)
     if unknown:
-        p.error(f"unknown stages {sorted(unknown)}; stages: {', '.join(STAGES)}")
+        p.error(f"unknown stages {sorted(unknown)}; stages{' (--scale)' if args.scale else ''}: {', '.join(valid)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     return 0 if run_all(args)["ok"] else 1
 

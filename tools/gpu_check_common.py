@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OK, FAILED, SKIPPED = "ok", "FAILED", "SKIPPED"
 OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
-MODES = ("smoke", "quick", "full")
+MODES = ("smoke", "quick", "full")  # smoke: any machine, tiny sizes
 # the built-in model's warm-start cache, shared by the stages that train it (keyed by its config)
 CACHE = Path(tempfile.gettempdir()) / "gpu_check_cache"  # smoke: tiny sizes, any machine (the numbers mean nothing)
 
@@ -106,6 +106,34 @@ def timed(fn, reps: int = 5, warmup: int = 1) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / reps
+
+
+def matmul_tflops(n: int) -> float:
+    """The bf16 (CPU: fp32) rate of an ``n``-cube matmul on this device, TFLOP/s."""
+    import torch
+
+    dtype = torch.bfloat16 if cuda() else torch.float32
+    a, b = (torch.randn(n, n, device=device(), dtype=dtype) for _ in range(2))
+    return 2 * n**3 / timed(lambda: a @ b, reps=10, warmup=3) / 1e12
+
+
+def moe_step_flops(hf_config, tokens: int, seq: int) -> dict:
+    """Model FLOPs of a forward + backward over ``tokens`` tokens in sequences of ``seq``
+    (6 x active parameters per token, the output layer included, the input embedding (a
+    lookup) not, plus causal attention's scores and values) for a Qwen3-MoE-shaped config;
+    and its active parameters per token."""
+    h, layers, heads, kv = (
+        hf_config.hidden_size,
+        hf_config.num_hidden_layers,
+        hf_config.num_attention_heads,
+        hf_config.num_key_value_heads,
+    )
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    experts, k, ffn = hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size
+    attention = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
+    active = layers * (attention + h * experts + k * 3 * h * ffn) + hf_config.vocab_size * h
+    flops = 6 * active * tokens + 12 * layers * heads * head_dim * seq * tokens / 2
+    return {"active": active, "flops": flops}
 
 
 def rel_err(got, want) -> float:

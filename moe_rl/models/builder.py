@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from moe_rl.models.architectures import architecture_of, rope_theta, rotary_fraction, transformer_config_kwargs
 from moe_rl.models.layers import LayerModules, decoder_block_spec
 from moe_rl.models.logprob_head import LogProbConfig, LogProbHead
+from moe_rl.models.token_dispatch import use_one_rank_dispatchers
 from parallel.collectives import rank_device
 from parallel.layout import ParallelLayout
 
@@ -122,6 +123,7 @@ def build_model(
         rotary_base=rope_theta(hf_config),
         rotary_percent=rotary_fraction(hf_config),
     )
+    use_one_rank_dispatchers(model)
     if post:
         logprob_config = dataclasses.replace(logprob_config or LogProbConfig(), vocab_size=hf_config.vocab_size)
         LogProbHead.attach(model, logprob_config)

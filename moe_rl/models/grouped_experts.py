@@ -73,6 +73,8 @@ class GroupedExperts(MegatronModule):
     """Drop-in for megatron-core's ``SequentialMLP`` (same constructor and ``forward``
     contract; gated SiLU, no biases, as every supported family)."""
 
+    counts_on_device = True  # takes tokens_per_expert on the device (no host copy needed)
+
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None) -> None:
         super().__init__(config=config)
         plain_glu = (

@@ -1,0 +1,84 @@
+"""How often a training step reads device values on the host (a sync each on a GPU), per
+token dispatcher at EP = 1, counted on the stand-in accelerator (``tests/fake_device.py``).
+
+A tiny Qwen3-MoE on "the GPU", its experts on the grouped-matmul path (as bf16 on Hopper),
+two micro-batches forward and backward, then the optimizer step; once with moe-rl's
+one-rank dispatcher, once with megatron's allgather one. Prints one JSON line: the host
+reads of each pass by kind, and the number of MoE layer forwards. Run by test_layer_modules.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import torch  # noqa: E402
+from fake_device import FAKE_DEVICE, HOST_READS, on_fake_device  # noqa: E402
+
+
+def main() -> dict:
+    from parallel import cpu_bridge
+
+    cpu_bridge.install(FAKE_DEVICE)
+    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.builder import build_model, make_transformer_config
+    from moe_rl.models.forward import MicroBatch, run_microbatches
+    from moe_rl.models.grouped_experts import StackedLinear
+    from moe_rl.models.tiny import tiny_config
+    from parallel.distributed import init_distributed
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
+
+    hf_config = tiny_config("qwen3_moe", vocab_size=128, num_hidden_layers=2)
+    out: dict = {}
+    with on_fake_device():
+        init_distributed(ParallelLayout(), model_dims(hf_config), seed=0)
+        config = make_transformer_config(hf_config, ParallelLayout(), params_dtype=torch.float32)
+        model = build_model(hf_config, config)
+        for module in model.modules():
+            if isinstance(module, StackedLinear):
+                module.grouped = True  # the path bf16 experts take on Hopper GPUs
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        one_rank = {id(m): m.token_dispatcher for m in layers}
+        settings = OptimSettings()
+        ddp = wrap_ddp(model, config, settings)
+        optimizer = build_optimizer([ddp], settings)
+        gen = torch.Generator().manual_seed(0)
+        batches = [MicroBatch(torch.randint(0, 128, (2, 16), generator=gen).to(FAKE_DEVICE)) for _ in range(2)]
+
+        def loss_fn(le, mb):
+            return -le[..., 0].sum() / 60, {}
+
+        for name in ("one_rank", "megatron_allgather"):
+            for layer in layers:
+                layer.token_dispatcher = (
+                    one_rank[id(layer)]
+                    if name == "one_rank"
+                    else MoEAllGatherTokenDispatcher(
+                        layer.num_local_experts, layer.local_expert_indices, layer.config, get_default_pg_collection()
+                    )
+                )
+            step = lambda: run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False)  # noqa: E731
+            train_step([ddp], optimizer, step)  # warm: first-call work stays out of the counts
+            HOST_READS.clear()
+            run_microbatches([ddp], batches, loss_fn=loss_fn, forward_only=False)
+            forward_backward = dict(HOST_READS)
+            HOST_READS.clear()
+            train_step([ddp], optimizer, step)
+            out[name] = {
+                "dispatcher": type(layers[0].token_dispatcher).__name__,
+                "forward_backward": forward_backward,
+                "whole_step": dict(HOST_READS),
+            }
+    out["moe_layer_forwards"] = len(layers) * len(batches)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()), flush=True)
