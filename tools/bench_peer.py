@@ -3,7 +3,11 @@ GRPOTrainer and in moe-rl, each in its own process; prints JSON (median step tim
 mean response tokens, peak RSS). Run by tools/bench.py; needs `pip install trl`.
 
     python tools/bench_peer.py --side both|trl|moe-rl --model DIR [--steps 24] [--steps-per-turn 3]
+        [--new-tokens 6] [--device cpu|cuda]
     python tools/bench_peer.py --side ab --base CHECKOUT --model DIR [--steps 120]
+
+``--device`` (default: cuda where a GPU is there, else cpu) is where both sides run: TRL with
+``use_cpu`` off and bf16 on CUDA; on a CPU both processes see no GPU.
 
 ``--side both`` runs the two processes taking turns of a few steps (one runs while
 the other waits for its turn): the machine's slow and fast spells, which last seconds,
@@ -32,6 +36,7 @@ import warnings
 warnings.filterwarnings("ignore")
 PROMPTS, GROUP, NEW_TOKENS = 8, 4, 6
 TURN_TIMEOUT_S = 600.0
+DEVICES = ("cpu", "cuda")
 
 
 class Turns:
@@ -64,7 +69,7 @@ class Turns:
         return [times[i + 1 : i + self.steps] for i in starts]
 
 
-def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
+def trl_side(model_dir: str, steps: int, turns: Turns, new_tokens: int = NEW_TOKENS, device: str = "cpu") -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -97,13 +102,13 @@ def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=PROMPTS * GROUP,
         num_generations=GROUP,
-        max_completion_length=NEW_TOKENS,
+        max_completion_length=new_tokens,
         max_steps=steps,
         learning_rate=2e-4,
         logging_steps=100,
         report_to=[],
-        bf16=False,
-        use_cpu=True,
+        bf16=device == "cuda",
+        use_cpu=device == "cpu",
         loss_type="dapo",
         gradient_checkpointing=False,
         save_strategy="no",
@@ -124,7 +129,7 @@ def trl_side(model_dir: str, steps: int, turns: Turns) -> dict:
     return {"step_times": times, "response_tokens": lengths}
 
 
-def moe_rl_overrides(model_dir: str, steps: int, run_dir: str) -> list[str]:
+def moe_rl_overrides(model_dir: str, steps: int, run_dir: str, new_tokens: int = NEW_TOKENS) -> list[str]:
     """The moe-rl run this benchmark compares (the batch and settings TRL's side gets)."""
     return [
         f"model.hf_dir={model_dir}",
@@ -133,7 +138,7 @@ def moe_rl_overrides(model_dir: str, steps: int, run_dir: str) -> list[str]:
         "train.progress=false",
         f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.group_size={GROUP}",
-        f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"rollout.max_new_tokens={new_tokens}",
         "algorithm.updates_per_batch=1",
         "routing.metrics=false",
         "algorithm.micro_batch_size=32",
@@ -142,8 +147,8 @@ def moe_rl_overrides(model_dir: str, steps: int, run_dir: str) -> list[str]:
     ]
 
 
-def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
-    overrides = moe_rl_overrides(model_dir, steps, run_dir)
+def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns, new_tokens: int = NEW_TOKENS) -> dict:
+    overrides = moe_rl_overrides(model_dir, steps, run_dir, new_tokens)
     from moe_rl import tags
     from moe_rl.cli import main
     from moe_rl.trainer.trainer import Trainer
@@ -168,19 +173,27 @@ def moe_rl_side(model_dir: str, steps: int, run_dir: str, turns: Turns) -> dict:
     }
 
 
-def both_sides(model_dir: str, steps: int, steps_per_turn: int, first: str = "moe-rl") -> dict:
+def both_sides(
+    model_dir: str, steps: int, steps_per_turn: int, first: str = "moe-rl", run: tuple[str, ...] = ()
+) -> dict:
     """moe-rl and TRL, each in its own process, taking turns of ``steps_per_turn`` steps
-    (``first`` starts); their JSON and the per-turn paired time ratios (moe-rl / TRL)."""
-    sides = {"moe-rl": ["--side", "moe-rl"], "trl": ["--side", "trl"]}
+    (``first`` starts); their JSON and the per-turn paired time ratios (moe-rl / TRL).
+    ``run``: the arguments both sides get (``--new-tokens``, ``--device``)."""
+    sides = {"moe-rl": ["--side", "moe-rl", *run], "trl": ["--side", "trl", *run]}
     return _paired(sides, "moe-rl", "trl", first, model_dir, steps, steps_per_turn)
 
 
-def this_tree_vs(base: str, model_dir: str, steps: int, steps_per_turn: int, first: str = "base") -> dict:
+def this_tree_vs(
+    base: str, model_dir: str, steps: int, steps_per_turn: int, first: str = "base", run: tuple[str, ...] = ()
+) -> dict:
     """This script's checkout's moe-rl and the checkout ``base``'s (each imported from its own
     folder, whichever one the environment installed), taking turns as :func:`both_sides`;
     the per-turn paired time ratios are this tree's / the base's."""
     this = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this script's checkout
-    sides = {"this": ["--side", "moe-rl", "--src", this], "base": ["--side", "moe-rl", "--src", os.path.abspath(base)]}
+    sides = {
+        "this": ["--side", "moe-rl", "--src", this, *run],
+        "base": ["--side", "moe-rl", "--src", os.path.abspath(base), *run],
+    }
     return _paired(sides, "this", "base", first, model_dir, steps, steps_per_turn)
 
 
@@ -275,9 +288,18 @@ def main() -> None:
         help="the side that starts (--side both: moe-rl or trl, default moe-rl; --side ab: this or base, default base)",
     )
     p.add_argument("--base", help="with --side ab: the other moe-rl checkout (e.g. a git worktree of another commit)")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per response (both sides)")
+    p.add_argument("--device", choices=DEVICES, help="where both sides run (default: cuda where a GPU is there)")
     p.add_argument("--src", help=argparse.SUPPRESS)  # --side moe-rl: the checkout to import moe-rl from
     p.add_argument("--turns", help=argparse.SUPPRESS)  # "GO_FD,DONE_FD", set by --side both|ab
     args = p.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # (the children inherit it: neither side takes a GPU)
+    run = ("--new-tokens", str(args.new_tokens), "--device", args.device)
     if args.side in ("both", "ab"):
         if args.steps_per_turn < 2 or args.steps <= 2 * args.steps_per_turn:
             p.error(
@@ -288,11 +310,11 @@ def main() -> None:
         if args.first is not None and args.first not in firsts:
             p.error(f"--side {args.side} takes --first {' or '.join(firsts)}")
         if args.side == "both":
-            out = both_sides(args.model, args.steps, args.steps_per_turn, args.first or "moe-rl")
+            out = both_sides(args.model, args.steps, args.steps_per_turn, args.first or "moe-rl", run)
         elif not args.base or not os.path.isdir(os.path.join(args.base, "moe_rl")):
             p.error(f"--side ab needs --base, a checkout of moe-rl (a folder with moe_rl/ in it), got {args.base!r}")
         else:
-            out = this_tree_vs(args.base, args.model, args.steps, args.steps_per_turn, args.first or "base")
+            out = this_tree_vs(args.base, args.model, args.steps, args.steps_per_turn, args.first or "base", run)
         print("BENCH_JSON " + json.dumps(out), flush=True)
         return
     if args.src:  # before anything imports moe_rl
@@ -300,12 +322,16 @@ def main() -> None:
         os.chdir(args.src)
     turns = Turns(args.turns, args.steps_per_turn)
     if args.side == "trl":
-        out = trl_side(args.model, args.steps, turns)
+        out = trl_side(args.model, args.steps, turns, args.new_tokens, args.device)
     else:
-        out = moe_rl_side(args.model, args.steps, tempfile.mkdtemp(), turns)
+        out = moe_rl_side(args.model, args.steps, tempfile.mkdtemp(), turns, args.new_tokens)
     out["warm_turns"] = turns.warm(out["step_times"])
     out["median_step_s"] = statistics.median(t for turn in out["warm_turns"] for t in turn)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.device == "cuda":
+        import torch
+
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print("BENCH_JSON " + json.dumps(out), flush=True)
 
 

@@ -24,8 +24,9 @@ each check is ok, FAILED, or SKIPPED where it cannot run here (no CUDA, no Trans
 - ``fusions`` (full): Transformer Engine against the local layers, fused AdamW against foreach;
 - ``perf`` (full): the bf16 matmul rate and a ~0.7B-parameter MoE's step MFU.
 
-``--scale`` runs the real-shape stages instead (5.5 minutes): ``env``, then ``slice``,
-``long_context``, ``sync`` and ``checkpoint`` on a slice of Qwen3-30B-A3B (``gpu_check_scale.py``).
+``--scale`` runs the real-shape stages instead (8 minutes): ``env``, then ``slice``,
+``long_context``, ``sync`` and ``checkpoint`` on a slice of Qwen3-30B-A3B, and ``peer`` (TRL side by
+side on the GPU) (``gpu_check_scale.py``).
 
     python tools/gpu_check.py [--mode smoke|quick|full] [--scale] [--only a,b] [--out-dir DIR] [--in-process]
 """
@@ -50,14 +51,14 @@ from gpu_check_common import FAILED, MODES, ROOT, SKIPPED, Checks, check_line  #
 # stage: (its module, limit in full mode, in quick mode or None when quick leaves it out), in run order
 STAGES = {
     "env": ("gpu_check", 15, 20),
-    "prepare": ("gpu_check_training", 35, None),
+    "prepare": ("gpu_check_training", 60, None),
     "kernels": ("gpu_check_numerics", 35, 30),
     "logprob": ("gpu_check_numerics", 30, 25),
     "parity": ("gpu_check_numerics", 45, 40),
-    "train": ("gpu_check_training", 40, 30),
-    "trainer": ("gpu_check_training", 75, 60),
+    "train": ("gpu_check_training", 35, 30),
+    "trainer": ("gpu_check_training", 65, 60),
     "offload": ("gpu_check_training", 30, None),
-    "colocated": ("gpu_check_training", 85, None),
+    "colocated": ("gpu_check_training", 75, None),
     "fusions": ("gpu_check_numerics", 30, None),
     "perf": ("gpu_check_training", 30, None),
 }
@@ -68,11 +69,12 @@ SCALE_STAGES = {
     "long_context": ("gpu_check_scale", 60),
     "sync": ("gpu_check_scale", 40),
     "checkpoint": ("gpu_check_scale", 65),
+    "peer": ("gpu_check_scale", 150),
 }
 # what the stages may take together; gpu_check.sh's install (30 s at most) and start-up come on
-# top: 8 minutes for full, 4 for quick, 5.5 for --scale. Smoke (CPU, tiny sizes) has no budget.
+# top: 8 minutes for full, 4 for quick, 8 for --scale. Smoke (CPU, tiny sizes) has no budget.
 BUDGET_S = {"full": 450, "quick": 205, "smoke": None}
-SCALE_BUDGET_S = 300
+SCALE_BUDGET_S = 450
 SMOKE_LIMIT_S = 600
 
 

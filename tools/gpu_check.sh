@@ -2,7 +2,7 @@
 # One command on a GPU machine with no network (the lent H200): install what it lacks from
 # wheels/ (carried with the tree), then run tools/gpu_check.py's stages; gpu_check.json and
 # gpu_check.log go to $OUT when it is set (the folder the device tool brings back), else to
-# runs/gpu_check/. Within 8 minutes on one H200 (--quick: 4; --scale, the real-shape stages: 5.5).
+# runs/gpu_check/. Within 8 minutes on one H200 (--quick: 4; --scale, the real-shape stages: 8).
 #
 #   bash tools/gpu_check.sh [--quick | --smoke] [--scale] [--only STAGE,...] [--in-process]
 #   bash tools/gpu_check.sh --dry-run [--packages LIST]   # what it would install; nothing runs

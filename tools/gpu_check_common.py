@@ -144,9 +144,13 @@ def rel_err(got, want) -> float:
     return diff / scale if scale > 0 else diff
 
 
+# a world of one this process started (--in-process): a child starts its own
+_WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def cli_env() -> dict:
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES},
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }

@@ -3,6 +3,8 @@
 # installs on the lent GPU machine (no network there), and pin it in tools/gpu_check_wheels.json.
 #
 #   bash tools/gpu_wheels.sh [MACHINE_PACKAGE_LIST]    # default: tools/gpu_check_h200_packages.txt
+#   bash tools/gpu_wheels.sh --peer    # wheels/peer: TRL and what it needs that the H200 lacks
+#                                      # (gpu_check --scale's peer stage installs them there)
 #
 # Only what that machine lacks: moe-rl's dependencies (pyproject.toml) not on the list, less those
 # the check never imports (deepspeed, datasets: tools/gpu_check_install.py LEFT_OUT), and what they
@@ -12,4 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+if [[ ${1:-} == --peer ]]; then
+  # the versions tools/bench_peer.py's TRL side ran with; datasets' own pins (dill, multiprocess)
+  exec "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform any -d wheels/peer "trl==1.16.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
+fi
 exec "$PYTHON" tools/gpu_check_install.py lock --packages "${1:-tools/gpu_check_h200_packages.txt}" --wheels wheels
