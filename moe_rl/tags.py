@@ -30,7 +30,17 @@ def simulated_mismatch(metric: str, layer: int | None = None) -> str:
 
 SIMULATED_TARGET_FLIP_FRAC = "rollout/simulated_mismatch/target_flip_frac"
 SIMULATED_ANY_LAYER_FLIPPED_FRAC = "rollout/simulated_mismatch/any_layer_flipped_frac"
-SIMULATED_KL_K3 = "rollout/simulated_mismatch/kl_k3"  # KL(engine || unperturbed model), k3, per response token
+SIMULATED_KL_K3 = "rollout/simulated_mismatch/kl_k3"  # KL(engine || unperturbed model), k3 on the drawn tokens
+# the same KL exact over the vocabulary, and its parts: the routing's (engine routing, clean logits
+# vs clean) and the logits' (engine vs engine routing with clean logits)
+SIMULATED_KL = "rollout/simulated_mismatch/kl"
+SIMULATED_ROUTING_KL = "rollout/simulated_mismatch/kl_routing"
+SIMULATED_LOGIT_KL = "rollout/simulated_mismatch/kl_logits"
+# drawn tokens whose ratio (clean / engine) leaves [1/2, 2]
+SIMULATED_EXTREME_TOKEN_FRAC = "rollout/simulated_mismatch/extreme_token_frac"
+SIMULATED_TARGET_ROUTING_KL = "rollout/simulated_mismatch/target_routing_kl"
+SIMULATED_TARGET_LOGIT_KL = "rollout/simulated_mismatch/target_logit_kl"
+SIMULATED_LOGIT_SCALE = "rollout/simulated_mismatch/logit_scale"  # the logit noise's standard deviation (nats)
 
 
 def multi_turn(name: str) -> str:

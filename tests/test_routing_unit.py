@@ -20,7 +20,7 @@ from moe_rl.routing.encoding import (
     save_routing,
 )
 from moe_rl.routing.monitor import sampled_tokens
-from moe_rl.routing.replay import ReplayError, engine_routing_to_replay, to_local_tokens
+from moe_rl.routing.replay import ReplayError, RoutingReplay, engine_routing_to_replay, to_local_tokens
 from moe_rl.routing.stats import RoutingStats
 
 
@@ -78,6 +78,19 @@ def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(
         [reference.long()], seq_len=32, layer_numbers=[0, 2], top_k=4, num_experts=num_experts
     )
     assert replay[0].dtype == dtype and all(torch.equal(a.long(), b.long()) for a, b in zip(replay, wide))
+
+
+def test_replay_refuses_megatrons_fused_router() -> None:
+    """Transformer Engine's fused top-k never calls RouterReplay: replay on it would silently
+    route afresh, so it is refused by name."""
+    from types import SimpleNamespace as NS
+
+    router = NS(router_replay=object(), config=NS(moe_router_fusion=True, num_moe_experts=8), topk=2)
+    model = NS(decoder=NS(layers=[NS(layer_number=1, mlp=NS(router=router))]))
+    with pytest.raises(ValueError, match="moe_router_fusion=True"):
+        RoutingReplay(model)
+    router.config.moe_router_fusion = False
+    assert len(RoutingReplay(model).instances) == 1
 
 
 def test_metrics_sample_the_stated_share_of_tokens_deterministically() -> None:

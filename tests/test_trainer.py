@@ -464,6 +464,7 @@ SIM_RUNS = [
     "one-r3sim:1,1,1,1:r3+sim:2",
     "dsv3-r3sim:1,1,1,1:r3+dsv3+sim:2",
     "glm-r3sim:1,1,1,1:r3+glm+sim:2",
+    "one-r3simlogit:1,1,1,1:r3+simlogit:2",
 ]
 LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer_layouts_worker.py), in this order
     # (+dyn: micro-batches packed under a budget of 24 tokens, smaller than the one-process reference's derived default)
@@ -627,9 +628,11 @@ def test_a_checkpoint_resumes_under_another_layout(layout_runs: Path, run: str) 
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for r in SIM_RUNS])
 def test_simulated_mismatch_is_seen_by_the_trainer_and_replayed_exactly_by_r3(layout_runs: Path, run: str) -> None:
-    """The engine's perturbed routers: without replay the trainer finds about the target
-    share of its router choices differing from the engine's; R3 replays the engine's
-    choices, perturbed ones included, so none differ (Qwen3-MoE, DeepSeek-V3, GLM-4.5)."""
+    """The engine's perturbed routing (its choice only): without replay the trainer finds about
+    the target share of its router choices differing from the engine's; R3 replays the engine's
+    choices, perturbed ones included, so none differ and the trainer's log-probs are the engine's
+    (Qwen3-MoE, DeepSeek-V3, GLM-4.5); with the engine's logits perturbed as well, what R3 leaves
+    is that part, at its target KL."""
     steps = rows(layout_runs / run)
     assert sorted(steps) == [1, 2]
     for row in steps.values():
@@ -637,6 +640,11 @@ def test_simulated_mismatch_is_seen_by_the_trainer_and_replayed_exactly_by_r3(la
         assert 0.1 <= row["rollout/simulated_mismatch/flip_frac/mean"] <= 0.3
         changed = row["routing/train_vs_rollout/changed_frac/mean"]
         assert changed == 0.0 if "r3" in run else 0.05 <= changed <= 0.4, changed
+        mismatch = row["train/logp_mismatch_max"]
+        if "simlogit" in run:
+            assert 1e-3 <= row["train/offpolicy/kl_k3"] <= 4e-3 and mismatch > 1e-2
+        else:
+            assert mismatch < 1e-4 if "r3" in run else mismatch > 1e-2, mismatch
 
 
 @pytest.mark.parametrize("run", [r.split(":")[0] for r in FAMILY_RUNS])

@@ -11,7 +11,7 @@ VARIANT: none | r2 | r3 (with activation recompute) | kl (KL to the reference po
 ``+dyn``: micro-batches packed under a token budget (e.g. ``kl+dyn``), ``+qwen2`` / ``+olmoe``
 / ``+glm`` / ``+dsv3``: the built-in model in that family; ``+l3``: with 3 layers; ``+async``: asynchronous rollouts;
 ``mt``: multi-turn samples with environment tokens; ``+half``: the drift metrics on half the tokens;
-``+sim``: the engine's simulated router mismatch.
+``+sim``: the engine's simulated routing mismatch (``+simlogit``: and logit perturbation).
 The pytest side compares every layout with the one-process run of the same variant.
 """
 
@@ -56,8 +56,10 @@ VARIANTS = {
     "l3": ["model.num_layers=3", "warm_start.steps=4"],
     # step k+1 generated while step k trains (the runs here take exactly train.steps steps)
     "async": ["rollout.async_rollouts=true", "algorithm.old_logprobs=rollout", "train.steps=3"],
-    # a simulated train-inference mismatch: the engine's routers perturbed (rollout.simulate_mismatch)
+    # a simulated train-inference mismatch: the engine's routing perturbed (rollout.simulate_mismatch,
+    # selection only: gate values from the clean logits), and with its logits perturbed too
     "sim": ["rollout.simulate_mismatch.router_flip_frac=0.2"],
+    "simlogit": ["rollout.simulate_mismatch.router_flip_frac=0.2", "rollout.simulate_mismatch.logit_kl=2e-3"],
     # multi-turn samples (two policy turns around inserted tokens: tests/multi_turn_fns.py), R3
     "mt": ["rollout.generate_fn=multi_turn_fns:two_turns", "routing.replay=r3"],
 }

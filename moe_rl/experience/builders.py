@@ -129,7 +129,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         engine = LocalEngine(
             hf_dir,
             weight_precision=getattr(torch, precision) if precision else None,
-            router_flip_frac=r.simulate_mismatch.router_flip_frac,
+            mismatch=r.simulate_mismatch,
             mismatch_seed=cfg.train.seed * 1_000_003 + r.simulate_mismatch.seed,
         )
         closing.callback(engine.close)

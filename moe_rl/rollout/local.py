@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import re
 import time
-from typing import AsyncIterator, Mapping, Sequence
+from typing import AsyncIterator, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.contracts import InProcessWeightReceiver
-from moe_rl.rollout.mismatch import RouterPerturbation
+from moe_rl.rollout.mismatch import MismatchSimulation
+from moe_rl.rollout.settings import SimulatedMismatch
 from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
 
@@ -34,9 +35,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
     ``weight_precision`` (e.g. ``torch.bfloat16``) rounds every weight it loads or
     receives to that dtype while computing in ``dtype``: an inference engine's lower
     precision, without bf16 arithmetic (hundreds of times slower on CPUs).
-    ``router_flip_frac`` > 0 simulates a larger train-inference mismatch: the engine's
-    routers perturbed so that this fraction of tokens per MoE layer gets another top-k set
-    (:mod:`moe_rl.rollout.mismatch`, seeded by ``mismatch_seed``)."""
+    ``mismatch`` (enabled) simulates a larger train-inference mismatch: the engine's routing
+    and logits perturbed to its targets (:mod:`moe_rl.rollout.mismatch`, seeded by
+    ``mismatch_seed``); evaluation (:meth:`evaluation`) runs without it."""
 
     def __init__(
         self,
@@ -46,7 +47,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         weight_version: str = "0",
         dtype: torch.dtype = torch.float32,
         weight_precision: torch.dtype | None = None,
-        router_flip_frac: float = 0.0,
+        mismatch: SimulatedMismatch | None = None,
         mismatch_seed: int = 0,
     ) -> None:
         if (model_path is None) == (model is None):
@@ -55,7 +56,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         self.weight_precision = weight_precision
         self.model = model if model is not None else self._load(model_path)
         self.model.eval()
-        self.mismatch: RouterPerturbation | None = None  # made once the routers are found
+        self.mismatch: MismatchSimulation | None = None  # made once the routers are found
         self._round_weights()
         self._version = weight_version
         self._sources: list[tuple[Tensor, str]] | None = None  # made at the first weight update
@@ -63,10 +64,11 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         self.arch = architecture_of(cfg)
         self._routers = RouterCapture(self.model)
         self.mismatch = (
-            RouterPerturbation(self.model, self._routers, router_flip_frac, mismatch_seed)
-            if router_flip_frac > 0
+            MismatchSimulation(self.model, self._routers, mismatch, mismatch_seed)
+            if mismatch is not None and mismatch.enabled
             else None
         )
+        self._evaluating = False
         if self.mismatch is None:  # hooked only for the batches whose routing is returned
             self._routers.remove()
         self._index_dtype = expert_index_dtype(self.arch.num_experts(cfg))
@@ -99,6 +101,20 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
     def rollout_scalars(self) -> dict[str, float]:
         """The simulated mismatch's figures since the last call (none when it is off)."""
         return self.mismatch.take_scalars() if self.mismatch is not None else {}
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Generation inside is the trained model's own: no simulated mismatch, and nothing
+        of it tallied or kept to calibrate on."""
+        if self.mismatch is None:
+            yield
+            return
+        was, self._evaluating = self._evaluating, True
+        try:
+            with self.mismatch.unperturbed():
+                yield
+        finally:
+            self._evaluating = was
 
     # ------------------------------------------------------------ weights
 
@@ -186,7 +202,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         (no padding: the numerics of a batch of one)."""
         params.validate()
         start = time.perf_counter()
-        if self.mismatch is not None and not self.mismatch.calibrated:
+        if self._simulating() and not self.mismatch.calibrated:
             self._calibrate_mismatch(prompts, seeds, params)
         out: list[Sample | None] = [None] * len(prompts)
         for indices in _by_length(prompts, seeds):
@@ -206,11 +222,15 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         first time on a trial generation of these prompts (calibrated on the prompts alone,
         whose tokens route unlike responses'), which is then discarded."""
         if not self.mismatch.has_samples:
-            self.mismatch.calibrate(prompts)
+            self.mismatch.calibrate(prompts, params.temperature)
             for rows in _by_length(prompts, seeds):
                 self.generate_rows([list(prompts[i]) for i in rows], [seeds[i] for i in rows], params, False)
             self.mismatch.take_scalars()  # the trial's figures are not the run's
-        self.mismatch.calibrate(prompts)
+        self.mismatch.calibrate(prompts, params.temperature)
+
+    def _simulating(self) -> bool:
+        """Whether this generation simulates the mismatch (not during :meth:`evaluation`)."""
+        return self.mismatch is not None and not self._evaluating
 
     @contextlib.asynccontextmanager
     async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
@@ -229,14 +249,15 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         vocab = self.model.config.vocab_size
         if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        tracked = routed or self.mismatch is not None
+        simulating = self._simulating()
+        tracked = routed or simulating
         with self._routers.attached() if tracked else contextlib.nullcontext():
-            d = self._decode(prompts, seeds, params, tracked)
+            d = self._decode(prompts, seeds, params, tracked, simulating)
         # outside inference mode from here: the tensors made below (kept by the mismatch, or
         # returned) are ordinary ones
         samples = []
         full_routing = torch.cat(d.routing, dim=1) if tracked else None  # [n, positions, L, k]
-        if self.mismatch is not None:
+        if simulating:
             self.mismatch.observe(
                 torch.cat(d.fed, 1),
                 full_routing,
@@ -264,9 +285,12 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         return samples
 
     @torch.inference_mode()
-    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, tracked: bool) -> _Decoded:
+    def _decode(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, tracked: bool, simulating: bool
+    ) -> _Decoded:
         """The prefill and decode steps (in inference mode: no autograd bookkeeping per
-        operation; the tensors it returns are read outside it, never changed in place)."""
+        operation; the tensors it returns are read outside it, never changed in place);
+        ``simulating``: keep what the simulated mismatch observes."""
         n, prompt_len = len(seeds), len(prompts[0])
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
@@ -282,7 +306,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             logp = torch.log_softmax(logits, dim=-1)
             next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), uniforms[:, step % _UNIFORM_STEPS])
             drawn_logp = logp.gather(1, next_tokens[:, None]).squeeze(1)
-            if self.mismatch is not None:
+            if simulating:
                 live = torch.tensor([r is None for r in d.reasons], device=drawn_logp.device)
                 d.drawn.append(next_tokens)
                 d.drawn_logps.append(drawn_logp.masked_fill(~live, float("nan")))
@@ -290,7 +314,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             if d.finished() or step == params.max_new_tokens - 1:
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
-            if self.mismatch is not None:
+            if simulating:
                 d.fed.append(next_tokens[:, None])
             if tracked:
                 d.routing.append(self._routers.take(n, 1)[0])

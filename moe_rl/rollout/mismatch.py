@@ -1,21 +1,31 @@
 """A simulated train-inference mismatch for the local rollout engine (``rollout.simulate_mismatch``).
 
-At 30B scale an inference engine's kernels and precision route ~10% of tokens to another
-top-k set per layer than the trainer does (R3 paper, Qwen3-30B-A3B on SGLang vs Megatron);
-a tiny model in fp32 on one machine routes ~0.2% differently. To study that regime here the
-engine's routers get ``W + s_l * D_l`` instead of the trained ``W`` (``D_l`` a fixed random
-direction of ``W``'s norm, seeded): a deterministic function of the router's input, as
-kernel and precision differences are, that changes the engine's expert choices and therefore
-its log-probs, while the trainer's forward is untouched. What the engine routed is what it
-reports, so R3 replays exactly the perturbed choice.
+At 30B scale an inference engine and a trainer disagree in two ways (R3 paper, Qwen3-30B-A3B on
+SGLang vs Megatron: k3 KL ~1.5e-3 per token, ~7.5e-4 once the trainer replays the engine's
+routing, about a dense model's): ~10% of router choices per layer differ, because tiny numerical
+differences flip near-ties while gate values barely move, and every logit differs a little. A
+tiny model in fp32 on one machine shows neither, so the engine simulates both, on its side only
+(the trainer's forward is the model's own):
 
-The engine calibrates ``s_l`` itself, whenever its weights change (every step): by bisection
-per layer, in order, on the tokens it generated last (its first time: on a trial generation,
-discarded), so
-that the tokens that predict responses get another top-k set than under the unperturbed
-model at the target rate. The figures it measured on what it then generated (its routing
-against the unperturbed model's, teacher-forced on the same tokens) are reported as
-``rollout/simulated_mismatch/*``: a simulation, labelled as one.
+- **routing** (``mode=selection``, the default): each MoE layer's router picks its experts from
+  its scores plus ``s_l`` times a fixed seeded function of the router's input (deterministic, as
+  kernel differences are), and takes the gate values of the chosen experts from its clean logits
+  by the architecture's own formula (megatron-core's routing, what the trainer recomputes for
+  replayed experts). R3 therefore removes this part exactly. ``mode=weights`` perturbs the router
+  weights instead (``W + s_l D_l``, ``D_l`` a seeded direction of ``W``'s norm), which moves every
+  token's gate values too: R3 then replays the choice but not the rest.
+- **the rest** (``logit_kl``): the engine's final logits plus ``s`` times a fixed seeded function
+  of the last hidden state (unit variance per logit), where it samples and where it reports
+  log-probs alike: a mismatch of the policy itself, which no replay removes.
+
+The engine calibrates the scales itself whenever its weights change (every step), on the tokens
+it generated last (its first time: on a trial generation, discarded): the routing by bisection
+per layer in order to a flip fraction (``router_flip_frac``), or one scale for all layers to the
+KL the flips cause (``routing_kl``), then the logits' scale to their own KL (``logit_kl``, exact
+over the vocabulary on the routing the engine uses). What it measured on what it then generated,
+against its unperturbed self teacher-forced on the same tokens, is reported as
+``rollout/simulated_mismatch/*``: a simulation, labelled as one. Generation for evaluation
+(:meth:`MismatchSimulation.unperturbed`) uses the clean model and is neither tallied nor pooled.
 """
 
 from __future__ import annotations
@@ -23,184 +33,391 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from moe_rl import tags
+from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.hf_routing import RouterCapture
+from moe_rl.routing.scores import route_with_noisy_choice
+from moe_rl.rollout.settings import SimulatedMismatch
 
 log = logging.getLogger("moe_rl.rollout")
 
 BISECTION_STEPS = 8  # within a bracket of 9x around the last scale: ~1% of the scale
-WIDE_BISECTION_STEPS = 14
-SCALE_RANGE = (1e-4, 4.0)  # the perturbation's norm relative to the router weight's
+WIDE_BISECTION_STEPS = 16
+SCALE_RANGE = (1e-4, 16.0)  # router noise (units of the scores' noise, or of W's norm) and logit noise (nats)
 BRACKET = 3.0  # the last scale / 3 .. x 3
 POOL_TOKENS = 2048  # the most recent generated tokens kept to calibrate on
+EXTREME_LOG_RATIO = math.log(2.0)  # a token's ratio outside [1/2, 2]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Generated tokens to calibrate on: ``rows`` ``[b, s]``, the first position that predicts a
+    response token, the sampling temperature, and which positions from there predict one (a
+    row's positions past its end do not)."""
+
+    rows: Tensor
+    start: int
+    temperature: float
+    valid: Tensor  # [b, s - start] bool
+
+    def positions(self, values: Tensor) -> Tensor:
+        """``values`` ``[b, s, ...]`` at the positions that predict response tokens: ``[n, ...]``."""
+        return values[:, self.start :][self.valid]
 
 
 @dataclass
-class FlipTally:
-    """What the engine measured since it was last asked: per-layer flipped tokens, tokens with
-    a flip in any layer, and the k3 estimate of KL(engine || unperturbed model)."""
+class Tally:
+    """What the engine measured since it was last asked, over response-predicting positions:
+    per-layer flipped tokens, tokens with a flip in any layer, the k3 estimate on the drawn tokens
+    and the exact KLs (engine vs clean; routing part; logit part), extreme drawn tokens."""
 
     flipped: Tensor  # [num_layers] tokens whose top-k set differs
     any_layer: float = 0.0
     k3_sum: float = 0.0
+    kl_sum: float = 0.0
+    routing_kl_sum: float = 0.0
+    logit_kl_sum: float = 0.0
+    extreme: float = 0.0
     tokens: int = 0
 
-    def add(self, changed: Tensor, k3: Tensor) -> None:
-        self.flipped += changed.sum(0).double()
-        self.any_layer += float(changed.any(-1).sum())
-        self.k3_sum += float(k3.sum())
-        self.tokens += changed.shape[0]
+
+def unit_noise(inputs: Tensor, directions: Tensor) -> Tensor:
+    """``[T, rows of directions]``: the inputs ``[..., H]`` scaled to unit RMS per token, times
+    ``directions`` ``[N, H]`` (entries of variance ``1/H``): about unit variance per entry, a
+    fixed function of each token's input."""
+    x = inputs.reshape(-1, inputs.shape[-1]).float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp(min=1e-30))
+    return x @ directions.T
 
 
-@dataclass
-class RouterPerturbation:
-    """The engine's perturbed routers, their calibration and what they did."""
+def seeded_directions(shape: tuple[int, int], generator: torch.Generator, device: torch.device) -> Tensor:
+    """A fixed random ``[N, H]`` matrix of variance ``1/H`` entries (see :func:`unit_noise`)."""
+    return (torch.randn(shape, generator=generator, dtype=torch.float64) / math.sqrt(shape[1])).float().to(device)
 
-    model: torch.nn.Module
-    routers: RouterCapture
-    target: float
-    seed: int
-    scales: dict[int, float] = field(default_factory=dict)
-    calibrated: bool = False
 
-    def __post_init__(self) -> None:
-        layers = self.model.get_decoder().layers
-        self._gates = {l: layers[l].mlp.gate for l in self.routers.moe_layers}
-        generator = torch.Generator().manual_seed(self.seed)
+def exact_kl(p_logits: Tensor, q_logits: Tensor, temperature: float) -> Tensor:
+    """``KL(p || q)`` per position over the last dimension, at the sampling temperature."""
+    log_p = torch.log_softmax(p_logits.float() / temperature, -1)
+    log_q = torch.log_softmax(q_logits.float() / temperature, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+class _Switched:
+    """A hook that acts while ``on``; :meth:`off` turns it off for a block."""
+
+    on = True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        was, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = was
+
+
+class SelectionNoise(_Switched):
+    """``mode=selection``: a forward hook on each MoE layer's router (run before any other) that
+    re-chooses its experts from its scores plus ``scales[l]`` x :func:`unit_noise` of its input,
+    the gate values at those experts from its clean logits (megatron-core's routing formula)."""
+
+    def __init__(self, model: torch.nn.Module, moe_layers: list[int], generator: torch.Generator) -> None:
+        cfg = model.config
+        arch = architecture_of(cfg)
+        self.router = arch.router(cfg)
+        self.top_k = cfg.num_experts_per_tok
+        layers = model.get_decoder().layers
+        self.gates = {l: layers[l].mlp.gate for l in moe_layers}
+        self.biased = arch.has_expert_bias(cfg)
+        self.scales = {l: 0.0 for l in moe_layers}
+        shape = (arch.num_experts(cfg), cfg.hidden_size)
+        self._directions = {l: seeded_directions(shape, generator, model.device) for l in moe_layers}
+        self._handles = [gate.register_forward_hook(self._hook(l), prepend=True) for l, gate in self.gates.items()]
+
+    def _hook(self, layer: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
+            scale = self.scales[layer]
+            if not self.on or scale == 0.0:
+                return None  # the router's own output
+            logits, weights, _ = output
+            noise = scale * unit_noise(args[0], self._directions[layer])
+            bias = module.e_score_correction_bias if self.biased else None
+            gates, experts = route_with_noisy_choice(logits, noise, self.top_k, self.router, bias)
+            return logits, gates.to(weights.dtype), experts
+
+        return hook
+
+    def refresh(self) -> None:
+        """Nothing to redo after a weight load: the hook reads the live router."""
+
+
+class WeightNoise:
+    """``mode=weights``: each MoE layer's router weight is ``W + scales[l] * D_l`` (``D_l`` a
+    seeded direction of ``W``'s norm), which changes the gate values along with the choice."""
+
+    def __init__(self, model: torch.nn.Module, moe_layers: list[int], generator: torch.Generator) -> None:
+        layers = model.get_decoder().layers
+        self.gates = {l: layers[l].mlp.gate for l in moe_layers}
+        self.scales = {l: 0.0 for l in moe_layers}
         self._directions = {
-            l: torch.randn(gate.weight.shape, generator=generator, dtype=torch.float64)
-            for l, gate in self._gates.items()
+            l: torch.randn(gate.weight.shape, generator=generator, dtype=torch.float64).to(gate.weight.device)
+            for l, gate in self.gates.items()
         }
         self._clean: dict[int, Tensor] = {}
-        self.scales = {l: 0.0 for l in self._gates}
-        self._pool: list[tuple[Tensor, int]] = []  # (rows [b, s], first position that predicts a response token)
-        self._tally = self._empty_tally()
         self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Take the routers' current weights as the trained ones (after a weight load)."""
+        for l, gate in self.gates.items():
+            self._clean[l] = gate.weight.detach().clone()
+            direction = self._directions[l]
+            self._directions[l] = direction * (self._clean[l].double().norm() / direction.norm().clamp(min=1e-30))
+        self.apply()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for l, gate in self.gates.items():
+            perturbed = self._clean[l].double() + self.scales[l] * self._directions[l]
+            gate.weight.copy_(perturbed.to(gate.weight.dtype))
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        with torch.no_grad():
+            for l, gate in self.gates.items():
+                gate.weight.copy_(self._clean[l])
+        try:
+            yield
+        finally:
+            self.apply()
+
+
+class LogitNoise(_Switched):
+    """A forward hook on the output layer: the logits plus ``scale`` x :func:`unit_noise` of the
+    last hidden state (one seeded direction per vocabulary entry). ``captured`` keeps the last
+    call's (hidden states, logits before the noise) while :meth:`capturing`."""
+
+    def __init__(self, model: torch.nn.Module, generator: torch.Generator) -> None:
+        head = model.get_output_embeddings()
+        self.scale = 0.0
+        self._capture = False
+        self.captured: list[tuple[Tensor, Tensor]] = []
+        self._directions = seeded_directions((head.weight.shape[0], head.weight.shape[1]), generator, model.device)
+        self._handle = head.register_forward_hook(self._hook)
+
+    def noise(self, hidden: Tensor) -> Tensor:
+        """The unit noise ``[..., V]`` of hidden states ``[..., H]``."""
+        return unit_noise(hidden, self._directions).view(*hidden.shape[:-1], -1)
+
+    def _hook(self, module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        if self._capture:
+            self.captured.append((args[0].detach(), output.detach()))
+        if not self.on or self.scale == 0.0:
+            return None
+        return output + (self.scale * self.noise(args[0])).to(output.dtype)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[tuple[Tensor, Tensor]]]:
+        self._capture, self.captured = True, []
+        try:
+            yield self.captured
+        finally:
+            self._capture = False
+
+
+NOISES = {"selection": SelectionNoise, "weights": WeightNoise}
+
+
+class MismatchSimulation:
+    """The engine's perturbed routing and logits, their calibration and what they did."""
+
+    def __init__(self, model: torch.nn.Module, routers: RouterCapture, settings: SimulatedMismatch, seed: int) -> None:
+        self.model, self.routers, self.settings = model, routers, settings
+        generator = torch.Generator().manual_seed(seed)
+        self.routing = NOISES[settings.mode](model, routers.moe_layers, generator) if settings.routes else None
+        self.logits = LogitNoise(model, generator) if settings.logit_kl > 0 else None
+        self.calibrated = False
+        self._pool: list[Batch] = []
+        self._tally = self._empty_tally()
 
     @property
     def has_samples(self) -> bool:
         """Whether it has generated tokens to calibrate on."""
         return bool(self._pool)
 
-    def _empty_tally(self) -> FlipTally:
-        return FlipTally(torch.zeros(self.routers.num_layers, dtype=torch.float64))
+    def _empty_tally(self) -> Tally:
+        return Tally(torch.zeros(self.routers.num_layers, dtype=torch.float64))
 
-    # ------------------------------------------------------------ weights
-
-    @torch.no_grad()
     def refresh(self) -> None:
-        """Take the routers' current weights as the trained ones (after a weight load) and
-        perturb them again."""
-        for l, gate in self._gates.items():
-            self._clean[l] = gate.weight.detach().clone()
-            direction = self._directions[l]
-            self._directions[l] = direction * (self._clean[l].double().norm() / direction.norm().clamp(min=1e-30))
-        self._apply()
-        self.calibrated = False  # for these weights
-
-    @torch.no_grad()
-    def _apply(self) -> None:
-        for l, gate in self._gates.items():
-            perturbed = self._clean[l].double() + self.scales[l] * self._directions[l]
-            gate.weight.copy_(perturbed.to(gate.weight.dtype))
+        """The model's weights were just loaded: they are the trained ones; calibrate again."""
+        if self.routing is not None:
+            self.routing.refresh()
+        self.calibrated = False
 
     @contextlib.contextmanager
     def unperturbed(self) -> Iterator[None]:
-        """The trained routers for the forward passes inside."""
-        with torch.no_grad():
-            for l, gate in self._gates.items():
-                gate.weight.copy_(self._clean[l])
-        try:
+        """The clean model (routers and logits) for the forward passes inside."""
+        with contextlib.ExitStack() as stack:
+            for part in (self.routing, self.logits):
+                if part is not None:
+                    stack.enter_context(part.off())
             yield
-        finally:
-            self._apply()
 
     # ------------------------------------------------------------ measuring
 
     @torch.no_grad()
-    def _routing(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def _forward(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k ``[b, s, L, k]`` and logits ``[b, s, V]`` of one forward pass over ``rows``."""
         logits = self.model(rows).logits.float()
         return self.routers.take(*rows.shape)[0], logits
 
     @torch.no_grad()
-    def _router_inputs(self, batches: list[tuple[Tensor, int]], layer: int) -> list[tuple]:
+    def _router_inputs(self, batches: list[Batch], layer: int) -> list[tuple]:
         """What ``layer``'s router is given in a forward pass over each batch, the routers
         before it perturbed as they are now (its own scale cannot change its input)."""
         inputs: list[tuple] = []
-        handle = self._gates[layer].register_forward_pre_hook(lambda module, args: inputs.append(args))
+        handle = self.routing.gates[layer].register_forward_pre_hook(lambda module, args: inputs.append(args))
         try:
-            for rows, _ in batches:
-                self.model(rows)
+            for b in batches:
+                self.model(b.rows)
         finally:
             handle.remove()
             self.routers.clear()
         return inputs
 
     @torch.no_grad()
-    def _flip_rate(
-        self, batches: list[tuple[Tensor, int]], inputs: list[tuple], reference: list[Tensor], layer: int
-    ) -> float:
+    def _flip_rate(self, batches: list[Batch], inputs: list[tuple], reference: list[Tensor], layer: int) -> float:
         """The share of the batches' response-predicting tokens whose perturbed top-k set in
         ``layer`` differs from ``reference``: the router alone run on its ``inputs`` (what a
         whole forward pass would route there, at a fraction of its cost)."""
         flipped = tokens = 0
-        gate = self._gates[layer]
-        for (rows, start), args, ref in zip(batches, inputs, reference):
-            routed = gate(*args)[2].view(*rows.shape, -1)
-            changed = _changed(routed[:, start:], ref[:, start:, layer])
+        gate = self.routing.gates[layer]
+        for b, args, ref in zip(batches, inputs, reference):
+            routed = gate(*args)[2].view(*b.rows.shape, -1)
+            changed = changed_sets(b.positions(routed), b.positions(ref[:, :, layer]))
             flipped, tokens = flipped + int(changed.sum()), tokens + changed.numel()
         self.routers.clear()
         return flipped / max(tokens, 1)
 
+    @torch.no_grad()
+    def _routing_kl(self, batches: list[Batch], clean: list[Tensor]) -> float:
+        """KL(engine routing as now, clean logits || clean model) over the batches' response-predicting positions."""
+        total = count = 0.0
+        with self.logits.off() if self.logits is not None else contextlib.nullcontext():
+            for b, reference in zip(batches, clean):
+                kl = exact_kl(b.positions(self._forward(b.rows)[1]), b.positions(reference), b.temperature)
+                total, count = total + float(kl.sum()), count + kl.numel()
+        return total / max(count, 1.0)
+
     # ------------------------------------------------------------ calibration
 
-    def calibrate(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Bisect each MoE layer's scale (in order, the earlier ones fixed) until the tokens
-        generated last (the first time: ``prompts``) flip in that layer at the target rate."""
-        batches = self._pool or [(torch.tensor(g, device=self.model.device), 0) for g in _by_length(prompts)]
+    def calibrate(self, prompts: Sequence[Sequence[int]], temperature: float) -> None:
+        """Calibrate the routing, then the logits, on the tokens generated last (the first
+        time: ``prompts``, sampled at ``temperature``)."""
+        batches = self._pool or [_prompt_batch(g, temperature, self.model.device) for g in _by_length(prompts)]
         with self.unperturbed():
-            reference = [self._routing(rows)[0] for rows, _ in batches]
-        for l in self._gates:
-            self._apply()  # the layers before it at their calibrated scales
-            inputs = self._router_inputs(batches, l)
-            last = self.scales[l]
-            found = None
-            if last > 0:  # near the last scale; the target outside that bracket: over the whole range
-                found = self._bisect(l, batches, inputs, reference, last / BRACKET, last * BRACKET, BISECTION_STEPS)
-            if found is None:
-                found = self._bisect(l, batches, inputs, reference, *SCALE_RANGE, WIDE_BISECTION_STEPS)
-            self.scales[l] = SCALE_RANGE[1] if found is None else found
-        self._apply()
+            clean = [self._forward(b.rows) for b in batches]
+        if self.routing is not None and self.settings.router_flip_frac > 0:
+            self._calibrate_flips(batches, [routing for routing, _ in clean])
+        elif self.routing is not None:
+            self._calibrate_routing_kl(batches, [logits for _, logits in clean])
+        if self.logits is not None:
+            self._calibrate_logits(batches)
         self.calibrated = True
-        log.debug("simulated mismatch: router perturbation scales %s", {l: round(x, 4) for l, x in self.scales.items()})
+        log.debug(
+            "simulated mismatch: router scales %s, logit scale %s",
+            {l: round(x, 4) for l, x in (self.routing.scales.items() if self.routing else ())},
+            self.logits.scale if self.logits else None,
+        )
 
+    def _set_router_scale(self, layer: int | None, scale: float) -> None:
+        """One layer's scale (``None``: every layer's), applied."""
+        for l in self.routing.scales if layer is None else (layer,):
+            self.routing.scales[l] = scale
+        if isinstance(self.routing, WeightNoise):
+            self.routing.apply()
+
+    def _calibrate_flips(self, batches: list[Batch], reference: list[Tensor]) -> None:
+        """Each MoE layer's scale bisected (in order, the earlier ones fixed) until that layer
+        flips at ``router_flip_frac``."""
+        target = self.settings.router_flip_frac
+        for l in list(self.routing.scales):
+            inputs = self._router_inputs(batches, l)
+            rate = lambda: self._flip_rate(batches, inputs, reference, l)  # noqa: E731
+            found = self._search(lambda s: self._set_router_scale(l, s), rate, target, self.routing.scales[l])
+            self._set_router_scale(l, found)
+
+    def _calibrate_routing_kl(self, batches: list[Batch], clean: list[Tensor]) -> None:
+        """One scale for every MoE layer, bisected until the flips alone cost ``routing_kl``."""
+        last = next(iter(self.routing.scales.values()))
+        found = self._search(
+            lambda s: self._set_router_scale(None, s),
+            lambda: self._routing_kl(batches, clean),
+            self.settings.routing_kl,
+            last,
+        )
+        self._set_router_scale(None, found)
+
+    @torch.no_grad()
+    def _calibrate_logits(self, batches: list[Batch]) -> None:
+        """The logit noise's scale bisected until its KL, exact over the vocabulary on the
+        engine's own (perturbed) routing, is ``logit_kl``: no forward pass per trial."""
+        parts = []
+        with self.logits.capturing() as captured:
+            for b in batches:
+                self.model(b.rows)
+                hidden, logits = captured[-1]
+                parts.append((b.positions(logits).float(), self.logits.noise(b.positions(hidden)), b.temperature))
+        self.routers.clear()
+        count = sum(l.shape[0] for l, _, _ in parts)
+
+        def kl() -> float:
+            s = self.logits.scale
+            return sum(float(exact_kl(l + s * z, l, t).sum()) for l, z, t in parts) / max(count, 1)
+
+        found = self._search(lambda s: setattr(self.logits, "scale", s), kl, self.settings.logit_kl, self.logits.scale)
+        self.logits.scale = found
+
+    def _search(
+        self, set_scale: Callable[[float], None], measure: Callable[[], float], target: float, last: float
+    ) -> float:
+        """The scale at which ``measure()`` (increasing in it) meets ``target``: bisected in log
+        space near the last scale, over the whole range when the target lies outside that
+        bracket (the top of the range when even that does not reach it)."""
+        found = None
+        if last > 0:
+            found = self._bisect(set_scale, measure, target, last / BRACKET, last * BRACKET, BISECTION_STEPS)
+        if found is None:
+            found = self._bisect(set_scale, measure, target, *SCALE_RANGE, WIDE_BISECTION_STEPS)
+        if found is None:
+            set_scale(SCALE_RANGE[1])
+            log.warning(
+                "simulated mismatch: a target of %.3g is out of reach (the largest scale gives %.3g)", target, measure()
+            )
+        return SCALE_RANGE[1] if found is None else found
+
+    @staticmethod
     def _bisect(
-        self,
-        layer: int,
-        batches: list[tuple[Tensor, int]],
-        inputs: list[tuple],
-        reference: list[Tensor],
+        set_scale: Callable[[float], None],
+        measure: Callable[[], float],
+        target: float,
         lo: float,
         hi: float,
         steps: int,
     ) -> float | None:
-        """The scale in [lo, hi] (bisected in log space) at which ``layer`` flips at the
-        target rate; ``None`` when the target lies outside (the bracket never narrowed from
-        one side)."""
+        """``None`` when the target lies outside [lo, hi] (the bracket never narrowed from one side)."""
         lo, hi = math.log(lo), math.log(hi)
         moved_lo = moved_hi = False
         for _ in range(steps):
             mid = (lo + hi) / 2
-            self.scales[layer] = math.exp(mid)
-            self._apply()
-            if self._flip_rate(batches, inputs, reference, layer) < self.target:
+            set_scale(math.exp(mid))
+            if measure() < target:
                 lo, moved_lo = mid, True
             else:
                 hi, moved_hi = mid, True
@@ -211,42 +428,72 @@ class RouterPerturbation:
         self, rows: Tensor, routed: Tensor, prompt_len: int, outputs: Tensor, logprobs: Tensor, temperature: float
     ) -> None:
         """One batch the engine generated: ``rows`` ``[b, s]`` (prompt and output but the
-        last token), the perturbed routing it used ``[b, s, L, k]``, the output tokens
+        last token), the routing it used ``[b, s, L, k]``, the output tokens
         ``[b, s - prompt_len + 1]`` with their log-probs (``nan`` past a row's end). Tallies
-        the flips and the log-prob mismatch over the positions that predict output tokens,
-        and keeps the batch to calibrate on after the next weight update."""
-        with self.unperturbed():
-            reference, logits = self._routing(rows)
+        the flips and the mismatch over the positions that predict output tokens, and keeps
+        the batch to calibrate on after the next weight update."""
         start = prompt_len - 1
+        with self.logits.capturing() if self.logits is not None else contextlib.nullcontext() as captured:
+            engine = self._forward(rows)[1][:, start:]
+        routing_only = captured[-1][1][:, start:].float() if captured else engine
+        with self.unperturbed():
+            reference, clean = self._forward(rows)
+        clean = clean[:, start:]
         valid = ~torch.isnan(logprobs)  # [b, n]
-        changed = _changed(routed[:, start:], reference[:, start:])  # [b, n, L]
-        clean = torch.log_softmax(logits[:, start:] / temperature, -1).gather(-1, outputs.unsqueeze(-1)).squeeze(-1)
-        log_ratio = (clean - logprobs.to(clean.device))[valid]
-        self._tally.add(changed[valid], torch.expm1(log_ratio) - log_ratio)
-        self._pool.append((rows, start))
-        while sum(r.numel() for r, _ in self._pool) > POOL_TOKENS and len(self._pool) > 1:
+        changed = changed_sets(routed[:, start:], reference[:, start:])[valid]  # [tokens, L]
+        drawn = torch.log_softmax(clean / temperature, -1).gather(-1, outputs.unsqueeze(-1)).squeeze(-1)
+        log_ratio = (drawn - logprobs.to(drawn.device))[valid]
+        t = self._tally
+        t.flipped += changed.sum(0).double().cpu()
+        t.any_layer += float(changed.any(-1).sum())
+        t.k3_sum += float((torch.expm1(log_ratio) - log_ratio).sum())
+        t.extreme += float((log_ratio.abs() > EXTREME_LOG_RATIO).sum())
+        t.kl_sum += float(exact_kl(engine, clean, temperature)[valid].sum())
+        t.routing_kl_sum += float(exact_kl(routing_only, clean, temperature)[valid].sum())
+        t.logit_kl_sum += float(exact_kl(engine, routing_only, temperature)[valid].sum())
+        t.tokens += changed.shape[0]
+        self._pool.append(Batch(rows, start, temperature, valid.to(rows.device)))
+        while sum(int(b.valid.sum()) for b in self._pool) > POOL_TOKENS and len(self._pool) > 1:
             self._pool.pop(0)
 
     def take_scalars(self) -> dict[str, float]:
-        """``rollout/simulated_mismatch/*`` since the last call (the target, the scales, and
-        the measured flips and KL); empty if nothing was generated."""
-        tally, self._tally = self._tally, self._empty_tally()
-        if not tally.tokens:
+        """``rollout/simulated_mismatch/*`` since the last call (the targets, the scales, and
+        the measured flips and KLs); empty if nothing was generated."""
+        t, self._tally = self._tally, self._empty_tally()
+        if not t.tokens:
             return {}
-        flips = {l: float(tally.flipped[l]) / tally.tokens for l in self._gates}
-        return {
-            tags.SIMULATED_TARGET_FLIP_FRAC: self.target,
-            **{tags.simulated_mismatch("flip_frac", l): f for l, f in flips.items()},
-            tags.simulated_mismatch("flip_frac"): sum(flips.values()) / len(flips),
-            **{tags.simulated_mismatch("scale", l): s for l, s in self.scales.items()},
-            tags.SIMULATED_ANY_LAYER_FLIPPED_FRAC: tally.any_layer / tally.tokens,
-            tags.SIMULATED_KL_K3: tally.k3_sum / tally.tokens,
+        s = self.settings
+        out = {
+            tags.SIMULATED_ANY_LAYER_FLIPPED_FRAC: t.any_layer / t.tokens,
+            tags.SIMULATED_KL_K3: t.k3_sum / t.tokens,
+            tags.SIMULATED_KL: t.kl_sum / t.tokens,
+            tags.SIMULATED_ROUTING_KL: t.routing_kl_sum / t.tokens,
+            tags.SIMULATED_LOGIT_KL: t.logit_kl_sum / t.tokens,
+            tags.SIMULATED_EXTREME_TOKEN_FRAC: t.extreme / t.tokens,
         }
+        if self.routing is not None:
+            flips = {l: float(t.flipped[l]) / t.tokens for l in self.routing.scales}
+            out.update({tags.simulated_mismatch("flip_frac", l): f for l, f in flips.items()})
+            out.update({tags.simulated_mismatch("scale", l): x for l, x in self.routing.scales.items()})
+            out[tags.simulated_mismatch("flip_frac")] = sum(flips.values()) / len(flips)
+            out[tags.SIMULATED_TARGET_FLIP_FRAC if s.router_flip_frac > 0 else tags.SIMULATED_TARGET_ROUTING_KL] = (
+                s.router_flip_frac or s.routing_kl
+            )
+        if self.logits is not None:
+            out[tags.SIMULATED_TARGET_LOGIT_KL] = s.logit_kl
+            out[tags.SIMULATED_LOGIT_SCALE] = self.logits.scale
+        return out
 
 
-def _changed(a: Tensor, b: Tensor) -> Tensor:
+def changed_sets(a: Tensor, b: Tensor) -> Tensor:
     """Whether the top-k sets differ, per token and layer (``[..., L, k]`` -> ``[..., L]``)."""
     return (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1) < a.shape[-1]
+
+
+def _prompt_batch(prompts: list[list[int]], temperature: float, device: torch.device) -> Batch:
+    """Prompts of one length as a batch whose every position counts (a first calibration's)."""
+    rows = torch.tensor(prompts, device=device)
+    return Batch(rows, 0, temperature, torch.ones(rows.shape, dtype=torch.bool, device=device))
 
 
 def _by_length(prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:

@@ -18,23 +18,49 @@ PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
 FAILED_SAMPLES = ("zero", "drop")
 
 
+MISMATCH_MODES = ("selection", "weights")  # how the simulated mismatch changes the engine's routing
+
+
 @dataclass
 class SimulatedMismatch:
-    """A train-inference mismatch the local engine simulates (:mod:`moe_rl.rollout.mismatch`):
-    its routers' weights perturbed on the inference side only, calibrated by the engine so that
-    this fraction of tokens gets another top-k set per MoE layer than the unperturbed model."""
+    """A train-inference mismatch the local engine simulates (:mod:`moe_rl.rollout.mismatch`), on
+    the inference side only, in two parts calibrated by the engine after every weight update:
+    its routing (a target share of tokens flipped per MoE layer, or a target KL that the flips
+    alone cause) and a deterministic perturbation of its final logits (a target KL)."""
 
-    router_flip_frac: float = 0.0  # the target per-layer fraction (0: off; the R3 paper measures ~0.1 at 30B)
+    # selection: the experts chosen from perturbed router scores, their gate values from the clean
+    # logits (real engines: near-ties flip, gate values barely move); weights: the router weights
+    # perturbed, which moves every token's gate values as well as the choice
+    mode: str = "selection"
+    router_flip_frac: float = 0.0  # per-MoE-layer share of tokens routed to another top-k set (R3 paper: ~0.1 at 30B)
+    # instead of router_flip_frac: the KL (per response token) the routing flips alone cause, one
+    # noise scale for every layer (the flip fraction is what it takes)
+    routing_kl: float = 0.0
+    # the KL (per response token) of a deterministic perturbation of the engine's final logits, where
+    # it samples and where it reports log-probs: the part no replay removes (R3 paper: ~7.5e-4 under R3)
+    logit_kl: float = 0.0
     seed: int = 0  # the perturbation's directions (with train.seed): the same regime for the same seeds
 
     @property
+    def routes(self) -> bool:
+        """Whether the engine's routing is perturbed."""
+        return self.router_flip_frac > 0 or self.routing_kl > 0
+
+    @property
     def enabled(self) -> bool:
-        return self.router_flip_frac > 0
+        return self.routes or self.logit_kl > 0
 
     def validate(self) -> None:
+        key = "rollout.simulate_mismatch"
+        require_choice(f"{key}.mode", self.mode, MISMATCH_MODES)
         if not 0 <= self.router_flip_frac < 1:
+            raise ConfigError(f"{key}.router_flip_frac={self.router_flip_frac} must be in [0, 1) (0: off)")
+        for name in ("routing_kl", "logit_kl"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}={getattr(self, name)} must be in [0, 1) (0: off)")
+        if self.router_flip_frac > 0 and self.routing_kl > 0:
             raise ConfigError(
-                f"rollout.simulate_mismatch.router_flip_frac={self.router_flip_frac} must be in [0, 1) (0: off)"
+                f"{key}.router_flip_frac and {key}.routing_kl both set: the routing is calibrated to one of them"
             )
 
 

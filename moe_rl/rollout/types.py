@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Awaitable, Callable, ContextManager, Protocol, Sequence, TypeVar
 
 from torch import Tensor
 
@@ -128,6 +129,11 @@ class RolloutEngine(ABC):
         """Engine-side figures since the last call, logged with the step (e.g. the local
         engine's ``rollout/simulated_mismatch/*``)."""
         return {}
+
+    def evaluation(self) -> ContextManager[None]:
+        """Generation inside serves an evaluation: the local engine then runs its trained
+        model without its simulated mismatch (and keeps nothing of it); others as always."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Stop in-flight work and release resources."""

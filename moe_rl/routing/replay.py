@@ -73,6 +73,12 @@ class RoutingReplay:
         for _, router in layers:
             if router.router_replay is None:
                 raise ValueError("the model was built without moe_enable_routing_replay=True")
+            if router.config.moe_router_fusion:
+                raise ValueError(
+                    "routing replay with moe_router_fusion=True: megatron-core's fused router (Transformer Engine's "
+                    "fused_topk_with_score_function) never asks RouterReplay, so nothing would be replayed; build the "
+                    "model with moe_router_fusion=False"
+                )
             self.instances.append(router.router_replay)
         self.top_k = layers[0][1].topk if layers else 0
         self.index_dtype = expert_index_dtype(layers[0][1].config.num_moe_experts) if layers else torch.uint8

@@ -42,3 +42,41 @@ def natural_topk(logits: Tensor, config: TransformerConfig, expert_bias: Tensor 
 def chosen_experts(routing_map: Tensor, k: int) -> Tensor:
     """The ``k`` True columns of a ``[T, E]`` routing map, ``[T, k]`` ascending."""
     return routing_map.to(torch.int8).topk(k, dim=-1).indices.sort(-1).values
+
+
+class _ChoiceFromNoisyScores:
+    """megatron-core's replay seam (``router_replay.get_replay_topk``, called wherever its
+    routing takes the top-k) choosing the experts from the scores plus ``noise``: the biased
+    scores of a sigmoid router, before any group selection, so groups can flip too. The
+    gate values are then megatron's own, from the clean scores at the chosen experts."""
+
+    def __init__(self, noise: Tensor) -> None:
+        self.noise = noise
+        self.experts: Tensor | None = None
+
+    def get_replay_topk(self, scores: Tensor, topk: int, num_groups, group_topk, default_compute_topk):
+        _, self.experts = default_compute_topk(scores + self.noise, topk, num_groups=num_groups, group_topk=group_topk)
+        return scores.gather(1, self.experts), self.experts
+
+
+def route_with_noisy_choice(
+    logits: Tensor, noise: Tensor, top_k: int, router: dict, expert_bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Gate values and experts ``[T, k]`` of a router whose choice is made on its scores plus
+    ``noise`` ``[T, E]`` while its gates come from its clean ``logits`` ``[T, E]`` by the
+    architecture's own formula: megatron-core's routing with ``router``'s settings (an
+    :class:`~moe_rl.models.architectures.Architecture`'s ``router(cfg)``), which is what the
+    trainer computes for experts it is told to use (routing replay)."""
+    choice = _ChoiceFromNoisyScores(noise.to(torch.float32))
+    probs, _ = topk_routing_with_score_function(
+        logits.float(),
+        top_k,
+        use_pre_softmax=router.get("moe_router_pre_softmax", False),
+        num_groups=router.get("moe_router_num_groups"),
+        group_topk=router.get("moe_router_group_topk"),
+        scaling_factor=router.get("moe_router_topk_scaling_factor"),
+        score_function=router.get("moe_router_score_function", "softmax"),
+        expert_bias=expert_bias.float() if expert_bias is not None else None,
+        router_replay=choice,
+    )
+    return probs.gather(1, choice.experts), choice.experts

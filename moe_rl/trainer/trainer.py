@@ -491,7 +491,8 @@ class Trainer:
         """``eval/*`` of the weights the engine serves, on the first rank ({} elsewhere)."""
         if self.evaluator is None:
             return {}
-        return self.evaluator.run()
+        with self.collector.engine.evaluation():  # the engine's trained model, without a simulated mismatch
+            return self.evaluator.run()
 
     def _eval_due(self, step: int) -> bool:
         """After ``step`` steps: every ``train.eval_every`` steps, and at the end."""
