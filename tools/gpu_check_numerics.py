@@ -458,7 +458,11 @@ def torch_adam_check(checks: Checks, steps: int = 5, lr: float = 1e-3, weight_de
     start = [torch.randn(s, generator=gen).to(device()) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(device()) for s in shapes] for _ in range(steps)]
     final, seconds = {}, {}
-    for name, fused, decay in (("fused", True, weight_decay), ("foreach", False, weight_decay), ("no_decay", False, 0.0)):
+    for name, fused, decay in (
+        ("fused", True, weight_decay),
+        ("foreach", False, weight_decay),
+        ("no_decay", False, 0.0),
+    ):
         params = [torch.nn.Parameter(t.clone()) for t in start]
         adam = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused, foreach=not fused)
         for step_grads in grads:

@@ -10,7 +10,19 @@ import shutil
 import sys
 from pathlib import Path
 
-from gpu_check_common import CACHE, ROOT, Checks, cuda, matmul_tflops, moe_rl, moe_step_flops, one_rank, peak_mb, tail, timed
+from gpu_check_common import (
+    CACHE,
+    ROOT,
+    Checks,
+    cuda,
+    matmul_tflops,
+    moe_rl,
+    moe_step_flops,
+    one_rank,
+    peak_mb,
+    tail,
+    timed,
+)
 
 TINY_RUN = [
     "rollout.prompts_per_step=8",
