@@ -9,7 +9,11 @@ weight updates only between ``/begin_weight_update`` and ``/end_weight_update``;
 when it exceeds the input); seed 42 for requests without
 ``sampling_seed`` under ``--enable-deterministic-inference``. ``--precision bf16`` (not an
 SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
-so that its routing and log-probs drift from the trainer's as a real engine's do.
+so that its routing and log-probs drift from the trainer's as a real engine's do;
+``--simulate-mismatch JSON`` (not an SGLang flag either) simulates the local engine's larger
+mismatch (``rollout.simulate_mismatch``'s fields, e.g. ``{"router_flip_frac": 0.1, "logit_kl":
+7.5e-4}``), calibrated at start on a warm-up generation of random prompts and again after every
+weight update on what it generated.
 ``/init_weights_update_group`` joins the weight-update group for real (the request's
 backend: gloo here) as rank ``rank_offset``, blocking until every rank joined (several
 groups at once, by name); ``/update_weights_from_distributed`` receives each announced
@@ -57,6 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from moe_rl.rollout.local import LocalEngine
+from moe_rl.rollout.settings import SimulatedMismatch
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.rollout.sglang import FLATTENED_BUCKETS_SINCE, sglang_version
 from moe_rl.rollout.weight_sync import deserialize_sglang_payload
@@ -92,7 +97,16 @@ class State:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         precision = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
-        self.engine = LocalEngine(args.model_path, weight_version=args.weight_version, weight_precision=precision)
+        mismatch = SimulatedMismatch(**args.simulate_mismatch) if args.simulate_mismatch else None
+        self.engine = LocalEngine(
+            args.model_path,
+            weight_version=args.weight_version,
+            weight_precision=precision,
+            mismatch=mismatch,
+            mismatch_seed=args.random_seed,
+        )
+        if self.engine.mismatch is not None:
+            warm_up(self.engine)
         self.lock = threading.Lock()
         self.in_weight_update = False
         self.paused = threading.Event()
@@ -328,7 +342,7 @@ class Handler(BaseHTTPRequestHandler):
         while st.paused.is_set():
             time.sleep(0.01)
         with st.lock:
-            (sample,) = st.engine.generate_rows([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
+            (sample,) = st.engine.generate_seeded([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
         meta = {
             "id": body.get("rid") or f"req-{st.generate_requests}",
             "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]}
@@ -350,6 +364,14 @@ class Handler(BaseHTTPRequestHandler):
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts[start_len:])
         reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
         return 200, _inject_reply_fault(st.faults, reply, sample)
+
+
+def warm_up(engine: LocalEngine, prompts: int = 32, length: int = 6, tokens: int = 16) -> None:
+    """A generation of random prompts for the simulated mismatch to calibrate on (its figures dropped)."""
+    rng = torch.Generator().manual_seed(0)
+    rows = torch.randint(2, engine.model.config.vocab_size, (prompts, length), generator=rng).tolist()
+    engine.generate_seeded(rows, list(range(prompts)), SamplingParams(max_new_tokens=tokens), False)
+    engine.rollout_scalars()
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -554,6 +576,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-version", default="default")  # SGLang's own default
     # not SGLang's: weights rounded to bf16 (computed in fp32), an inference engine's numerics
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    # not SGLang's: the local engine's simulated mismatch (rollout.simulate_mismatch's fields as JSON)
+    p.add_argument("--simulate-mismatch", type=json.loads, default=None)
     args, _unknown = p.parse_known_args(argv)
     Handler.state = State(args)
     ThreadingHTTPServer.request_queue_size = 256  # a client's burst of concurrent requests is not refused

@@ -85,6 +85,34 @@ def test_engine_drift_equals_a_transformers_reference(tmp_path: Path) -> None:
     assert any((tmp_path / "out" / "tensorboard").iterdir())
 
 
+def test_the_stand_in_server_simulates_the_local_engines_mismatch(tmp_path: Path) -> None:
+    """``--simulate-mismatch``: the SGLang-protocol stand-in routes and samples as the local
+    engine's simulation does (here: a fifth of the tokens flipped per layer, and logit noise)."""
+    model = save_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", seed=5, num_hidden_layers=LAYERS)
+    target = 0.2
+    simulated = json.dumps({"router_flip_frac": target, "logit_kl": 2e-3})
+    settings = ServerSettings(
+        model_path=model,
+        port=free_port(),
+        return_routed_experts=True,
+        deterministic=True,
+        launch_command=SERVER,
+        extra_args=["--simulate-mismatch", simulated],
+    )
+    server = SGLangServer(settings, tmp_path / "logs")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 64) for _ in range(6)] for _ in range(32)]
+    try:
+        server.wait_healthy(timeout_s=120)
+        engine = SGLangEngine([server.url], num_layers=LAYERS, top_k=2, num_experts=4)
+        groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16), seed=0, return_routed_experts=True)
+    finally:
+        server.stop()
+    ref = _transformers_reference(model, [s for g in groups for s in g])
+    assert all(abs(f - target) <= 0.4 * target for f in ref["changed_frac"]), ref["changed_frac"]
+    assert ref["logp_mismatch_routing_same"] > 1e-3  # the logit part: every token, routed alike or not
+
+
 def _transformers_reference(model_dir: str, samples) -> dict:
     """Drift of the engine's routing and log-probs against transformers' fp32 model."""
     from transformers import AutoModelForCausalLM
