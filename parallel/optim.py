@@ -48,6 +48,9 @@ class OptimSettings:
     # AdamW (no Transformer Engine or apex, whose fused Adam it takes then); false: torch's
     # multi-tensor (foreach) form
     fused_adam: bool = True
+    # the MoE routers' learning rate as a multiple of the rest's (their own parameter group, on the
+    # same schedule): routing can move as fast as at scale while the rest of the model moves gently
+    router_lr_mult: float = 1.0
     extra: dict = field(default_factory=dict)  # further megatron-core OptimizerConfig fields
 
     def validate(self) -> None:
@@ -67,6 +70,8 @@ class OptimSettings:
                 raise ValueError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
         if not self.adam_eps > 0:
             raise ValueError(f"optim.adam_eps={self.adam_eps} must be > 0")
+        if not (math.isfinite(self.router_lr_mult) and self.router_lr_mult > 0):
+            raise ValueError(f"optim.router_lr_mult={self.router_lr_mult} must be a finite number > 0")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"optim.lr_schedule={self.lr_schedule!r} is not valid; valid: {', '.join(LR_SCHEDULES)}")
         for key in ("warmup_steps", "decay_steps"):
@@ -117,9 +122,23 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimSettin
         use_distributed_optimizer=shards_optimizer_state(settings),
         **settings.extra,
     )
-    optimizer = get_megatron_optimizer(opt_config, chunks)
+    optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=router_lr_overrides(opt_config, settings))
     choose_adam_kernel(optimizer, fused=settings.fused_adam)
     return optimizer
+
+
+def router_lr_overrides(opt_config, settings: OptimSettings) -> dict | None:
+    """megatron-core's parameter-group overrides (its standard ones: no weight decay on biases
+    and norms) plus, for ``router_lr_mult`` != 1, the routers' peak and final learning rates
+    scaled; ``None`` (megatron's default, the same standard ones) otherwise."""
+    if settings.router_lr_mult == 1.0:
+        return None
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(opt_config)
+    mult = settings.router_lr_mult
+    overrides[ParamKey(name="*.router.weight")] = {"max_lr": settings.lr * mult, "min_lr": settings.min_lr * mult}
+    return overrides
 
 
 def shards_optimizer_state(settings: OptimSettings) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_config
+from moe_rl.config import ConfigError, load_config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import DatasetTask, Problem, make_task
 from moe_rl.data.tokenizer import demo_tokenizer
@@ -87,6 +87,39 @@ def test_chat_rows_and_the_step_order(tmp_path: Path) -> None:
     assert sorted(seen[:5]) == sorted(p.prompt for p in many.items)  # each row once per epoch
     assert seen == [p.prompt for step in range(5) for p in many.problems(seed=3, step=step, count=2)]  # deterministic
     assert many.eval_problems(3) == many.items[:3] and many.eval_problems(0) == many.items
+
+
+@pytest.mark.parametrize("spec, operands", [("arithmetic", 2), ("arithmetic_chain", 3)])
+def test_held_out_problems_are_distinct_fixed_and_never_drawn_for_training(spec: str, operands: int) -> None:
+    import random
+
+    plain, held = make_task(spec, max_operand=9), make_task(spec, max_operand=9, held_out=64)
+    # without held-out problems the stream is the seeded draw it always was: operands in order
+    rng = random.Random(7 * 1_000_003 + 3)
+    draws = [[rng.randint(0, 9) for _ in range(operands)] for _ in range(50)]
+    want = [f"{a}+{b}=" for a, b in draws] if operands == 2 else [f"{a}*{b}+{c}=" for a, b, c in draws]
+    assert [p.prompt for p in plain.problems(7, 3, 50)] == want
+    evaluated = held.eval_problems(0)
+    assert len({p.prompt for p in evaluated}) == 64 and held.eval_problems(16) == evaluated[:16]
+    assert make_task(spec, max_operand=9, held_out=64).eval_problems(0) == evaluated  # the same choice every time
+    trained = {p.prompt for step in range(600) for p in held.problems(seed=1, step=step, count=32)}
+    assert not trained & {p.prompt for p in evaluated}
+    assert len(trained) == 10**operands - 64  # everything else is drawn
+    for p in evaluated:  # answers are the problems' own
+        assert int(p.answer) == eval(p.prompt.rstrip("="))
+
+
+def test_held_out_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"held_out=100 must be in \[0, 100\)"):
+        make_task("arithmetic", max_operand=9, held_out=100)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for bad, match in [
+        (["data.held_out=8", "data.eval_max_prompts=16"], "eval_max_prompts=16 exceeds data.held_out=8"),
+        (["data.held_out=8", f"data.task={tmp_path / 'd.jsonl'}"], "applies to the built-in tasks"),
+        (["data.held_out=100"], r"data.held_out=100 must be in \[0, 100\)"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, bad)
 
 
 def test_prompt_formatting(tokenizer) -> None:

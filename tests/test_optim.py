@@ -59,6 +59,8 @@ def test_grad_norm_and_clipping_run_torchs_foreach_kernels_as_megatrons_fallback
 def test_the_first_step_is_adams_and_sharding_does_not_change_it(result) -> None:
     assert result["moved"] > 1000
     assert result["textbook_max_err"] < 1e-6  # a few float32 ulps of weights near 1; the step itself is lr = 1e-3
+    # optim.router_lr_mult=10: the routers step at 10x the rate (their own parameter group), the rest as before
+    assert result["routers"] > 0 and result["router_lr_mult_textbook_max_err"] < 1e-6
     assert result["auto_vs_sharded_max_diff"] < 1e-7
     assert result["fused_vs_foreach_max_diff"] < 1e-6  # two kernels, the same step (float rounding apart)
 

@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_rl.checkpoint.run_dir import live_run_holding
     from moe_rl.commands import configure_logging
     from moe_rl.commands._distributed import fail
     from moe_rl.commands.export import model_dir_of
@@ -47,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_rl.rollout.types import RolloutError
 
     configure_logging()
+    live = live_run_holding(args.out) if args.out else None
+    if live:
+        return fail(f"--out {args.out!r} is inside a live run's directory ({live[0]}, held by {live[1]}): choose another")
     try:
         model_dir = model_dir_of(args.checkpoint)
         cfg = _config(args)
@@ -83,7 +87,7 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     formatter = d.prompt_formatter(tokenizer)
-    task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key)
+    task = make_task(d.eval_task, d.max_operand, d.prompt_key, d.answer_key, d.held_out)
     engine = _engine(args, cfg, model_dir)
     try:
         evaluator = build_evaluator(

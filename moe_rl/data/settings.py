@@ -22,6 +22,10 @@ class DataConfig:
     chat_template: bool = False  # apply the tokenizer's chat template (with the generation prompt)
     system_prompt: str = ""  # with chat_template: a system message before each prompt
     max_operand: int = 9  # the built-in tasks: largest operand
+    # the built-in tasks: this many distinct problems set aside (a fixed seeded choice) as the
+    # evaluation's, never drawn for training nor the built-in model's warm start (0: evaluation
+    # draws problems as training does)
+    held_out: int = 0
     max_prompt_tokens: int = 64  # longer prompts are left-truncated (counted)
     eval_task: str | None = None  # held-out problems (same forms as task); evaluated every train.eval_every steps
     eval_max_prompts: int = 0  # 0: every problem (the built-in task: 64)
@@ -45,6 +49,7 @@ class DataConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         require_positive("data.max_operand", self.max_operand, allow_zero=True)
+        self._validate_held_out()
         require_positive("data.max_prompt_tokens", self.max_prompt_tokens)
         require_positive("data.eval_max_prompts", self.eval_max_prompts, allow_zero=True)
         require_positive("data.eval_samples", self.eval_samples)
@@ -53,6 +58,22 @@ class DataConfig:
             raise ConfigError(
                 f"data.eval_solved_reward={self.eval_solved_reward!r} is not a reward; rewards: {', '.join(reward_names)}"
             )
+
+    def _validate_held_out(self) -> None:
+        from moe_rl.data.tasks import BUILT_IN_TASKS, make_task
+
+        if not self.held_out:
+            return
+        if self.task not in BUILT_IN_TASKS:
+            raise ConfigError(f"data.held_out={self.held_out} applies to the built-in tasks, not data.task={self.task!r}")
+        if self.eval_max_prompts > self.held_out:
+            raise ConfigError(
+                f"data.eval_max_prompts={self.eval_max_prompts} exceeds data.held_out={self.held_out} (the problems set aside)"
+            )
+        try:
+            make_task(self.task, self.max_operand, held_out=self.held_out)
+        except ValueError as e:
+            raise ConfigError(f"data.{e}") from None
 
     def prompt_formatter(self, tokenizer: PreTrainedTokenizerBase) -> PromptFormatter:
         """How this run's problems become prompt ids."""

@@ -52,23 +52,47 @@ class Task(Protocol):
 
 
 class ArithmeticTask:
-    """``a+b=`` with single-digit operands (by default); the answer goes in ``\\boxed{}``."""
+    """``a+b=`` with single-digit operands (by default); the answer goes in ``\\boxed{}``.
+    ``held_out`` > 0 sets that many distinct problems aside (a fixed seeded choice): they are
+    the evaluation's problems and are never drawn for training."""
 
     holds_messages = False
     skipped: tuple[str, ...] = ()
+    OPERANDS = 2
 
-    def __init__(self, max_operand: int = 9) -> None:
+    def __init__(self, max_operand: int = 9, held_out: int = 0) -> None:
         self.max_operand = max_operand
+        space = (max_operand + 1) ** self.OPERANDS
+        if not 0 <= held_out < space:
+            raise ValueError(f"held_out={held_out} must be in [0, {space}): the task has {space} distinct problems")
+        chosen = random.Random(EVAL_SEED).sample(range(space), held_out)
+        self._held_out = [self._operands_of(i) for i in chosen]
+        self._held_out_set = set(self._held_out)
+
+    def _operands_of(self, index: int) -> tuple[int, ...]:
+        """The ``index``-th operand tuple (base ``max_operand + 1`` digits)."""
+        base, out = self.max_operand + 1, []
+        for _ in range(self.OPERANDS):
+            index, digit = divmod(index, base)
+            out.append(digit)
+        return tuple(out)
+
+    def _problem(self, operands: tuple[int, ...]) -> Problem:
+        a, b = operands
+        return Problem(f"{a}+{b}=", str(a + b))
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         rng = random.Random(seed * 1_000_003 + step)
         out = []
-        for _ in range(count):
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            out.append(Problem(f"{a}+{b}=", str(a + b)))
+        while len(out) < count:
+            operands = tuple(rng.randint(0, self.max_operand) for _ in range(self.OPERANDS))
+            if operands not in self._held_out_set:  # (a held-out one is drawn again)
+                out.append(self._problem(operands))
         return out
 
     def eval_problems(self, limit: int) -> list[Problem]:
+        if self._held_out:
+            return [self._problem(o) for o in self._held_out[: limit or None]]
         return self.problems(EVAL_SEED, 0, limit or 64)
 
     @staticmethod
@@ -79,13 +103,11 @@ class ArithmeticTask:
 class ArithmeticChainTask(ArithmeticTask):
     """``a*b+c=`` (operands up to ``max_operand``): two steps, for tool-use rollouts."""
 
-    def problems(self, seed: int, step: int, count: int) -> list[Problem]:
-        rng = random.Random(seed * 1_000_003 + step)
-        out = []
-        for _ in range(count):
-            a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
-            out.append(Problem(f"{a}*{b}+{c}=", str(a * b + c)))
-        return out
+    OPERANDS = 3
+
+    def _problem(self, operands: tuple[int, ...]) -> Problem:
+        a, b, c = operands
+        return Problem(f"{a}*{b}+{c}=", str(a * b + c))
 
 
 class DatasetTask:
@@ -288,10 +310,13 @@ def _load_dataset_dir(path: Path, split: str | None):
     return loaded
 
 
-def make_task(spec: str, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer") -> Task:
-    """A built-in task, or a :class:`DatasetTask` (``ValueError`` if it cannot be read)."""
+def make_task(
+    spec: str, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer", held_out: int = 0
+) -> Task:
+    """A built-in task (``held_out`` problems set aside for evaluation), or a :class:`DatasetTask`
+    (``ValueError`` if it cannot be read)."""
     if spec == ARITHMETIC:
-        return ArithmeticTask(max_operand)
+        return ArithmeticTask(max_operand, held_out)
     if spec == ARITHMETIC_CHAIN:
-        return ArithmeticChainTask(max_operand)
+        return ArithmeticChainTask(max_operand, held_out)
     return DatasetTask(spec, prompt_key, answer_key)

@@ -29,6 +29,8 @@ def demo_model_dir(cfg: Config) -> Path:
         {
             "model": cfg.model.__dict__,
             "max_operand": cfg.data.max_operand,
+            # (only when set: the models cached before it existed keep their keys)
+            **({"held_out": cfg.data.held_out} if cfg.data.held_out else {}),
             "warm": cfg.warm_start.__dict__,
             "tokenizer": TOKENIZER_REVISION,
         },
@@ -169,7 +171,7 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     tokenizer = demo_tokenizer()
-    task = ArithmeticTask(cfg.data.max_operand)
+    task = ArithmeticTask(cfg.data.max_operand, cfg.data.held_out)  # never the held-out problems
     multiple = cfg.parallel.seq_len_multiple
     for step in range(cfg.warm_start.steps):
         problems = task.problems(seed=424242, step=step, count=cfg.warm_start.batch_size)

@@ -23,7 +23,7 @@ import yaml
 
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
-from moe_rl.checkpoint.run_dir import check_run_dir
+from moe_rl.checkpoint.run_dir import check_run_dir, hold_run_dir
 from moe_rl.checkpoint.store import (
     CheckpointMismatch,
     Checkpointer,
@@ -81,7 +81,7 @@ from parallel.collectives import (
     peak_memory_mb,
     rank_device,
 )
-from parallel.distributed import init_distributed
+from parallel.distributed import init_distributed, launch_env
 
 log = logging.getLogger("moe_rl.train")
 
@@ -137,6 +137,8 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
         check_server_placement(cfg)
+        # one run per run directory: a second is refused before anything else happens
+        self._closing.enter_context(hold_run_dir(self.run_dir, first_rank=launch_env().rank == 0))
         check_run_dir(cfg)
         # a data file without usable problems fails here, before any model or process group
         task = _make_task(cfg, cfg.data.task, "data.task")
@@ -566,7 +568,7 @@ def _load_tokenizer(hf_dir: str):
 def _make_task(cfg: Config, spec: str, key: str) -> Task:
     d = cfg.data
     try:
-        task = make_task(spec, d.max_operand, d.prompt_key, d.answer_key)
+        task = make_task(spec, d.max_operand, d.prompt_key, d.answer_key, d.held_out)
     except (ValueError, OSError) as e:
         raise ConfigError(f"{key}: {e}") from None
     if task.holds_messages and not d.chat_template:
