@@ -1,6 +1,6 @@
 """Faults a long run must survive: NaN updates, kill -9 during a step and during a
-checkpoint write, Ctrl-C under the --nproc launcher, a rank that dies, bad data lines,
-bad layouts (subprocess runs)."""
+checkpoint write, Ctrl-C under the --nproc launcher, a second run on a live run
+directory, a rank that dies, bad data lines, bad layouts (subprocess runs)."""
 
 from __future__ import annotations
 
@@ -216,6 +216,42 @@ if dist.get_rank() == 1:
 dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
 time.sleep(600)
 """
+
+
+def test_a_live_run_dir_refuses_a_second_run_compare_and_eval_output_and_kill_9_frees_it(base, tmp_path: Path) -> None:
+    """A run holds its run directory (a checkpoint commit held back keeps it alive): a second
+    ``moe-rl train`` there is refused in one line naming the holder, as are a ``compare`` over
+    it (``--fresh`` deletes nothing) and ``eval --out`` inside it; the first run is unharmed,
+    and after ``kill -9`` the directory can be taken again."""
+    from moe_rl.checkpoint.run_dir import hold_run_dir, holder_of
+
+    run_dir = tmp_path / "out" / "grpo"
+    args = cmd("train", *base, f"train.run_dir={run_dir}", "train.steps=4", "train.save_every=2",
+               faults=("--checkpoint-delay-s", "60"))  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    first = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_for(lambda: f"pid {first.pid} " in (holder_of(run_dir) or ""))
+        second = run("train", *base, f"train.run_dir={run_dir}", "train.steps=4", "train.resume=true")
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+        assert "is in use by another run (pid" in lines[-1] and str(first.pid) in lines[-1], lines[-1]
+        spec = tmp_path / "compare.yaml"
+        spec.write_text(f"out_dir: {tmp_path / 'out'}\nbase: {{}}\nruns: {{grpo: {{}}}}\n")
+        (tmp_path / "out" / "configs").mkdir()
+        (tmp_path / "out" / "configs" / "grpo.yaml").write_text("{}\n")  # as an earlier compare would leave
+        compare = run("compare", "--config", str(spec), "--fresh")
+        assert compare.returncode == 2 and "nothing was started or deleted" in compare.stderr, compare.stderr[-2000:]
+        assert run_dir.is_dir()
+        evaluate = run("eval", "--checkpoint", str(run_dir), "--out", str(run_dir / "eval"))
+        assert evaluate.returncode == 2 and "inside a live run's directory" in evaluate.stderr, evaluate.stderr
+        assert first.poll() is None  # unharmed: still at work
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert holder_of(run_dir) is None
+    with hold_run_dir(run_dir):
+        assert f"pid {os.getpid()} " in holder_of(run_dir)
 
 
 def test_a_dead_rank_stops_the_job_and_is_named() -> None:

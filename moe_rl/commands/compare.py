@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             for name, extra in runs.items()
             for seed in seeds
         }
+    busy = runs_in_use(out_dir, list(runs))
+    if busy:
+        return fail(f"{busy}: another compare or train is running there (nothing was started or deleted)")
     if args.fresh:
         for run_dir in remove_earlier_runs(out_dir, list(runs)):
             print(f"[compare] --fresh: deleted the earlier run {run_dir}", flush=True)
@@ -174,6 +177,17 @@ def finished_earlier(cfg) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def runs_in_use(out_dir: Path, names: list[str]) -> str | None:
+    """The first of ``names``' run directories a live run holds, said in one line, or ``None``."""
+    from moe_rl.checkpoint.run_dir import holder_of, in_use_message
+
+    for name in names:
+        holder = holder_of(out_dir / name)
+        if holder is not None:
+            return f"run {name!r}: {in_use_message(out_dir / name, holder)}"
+    return None
 
 
 def remove_earlier_runs(out_dir: Path, names: list[str]) -> list[Path]:

@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging()
     live = live_run_holding(args.out) if args.out else None
     if live:
-        return fail(f"--out {args.out!r} is inside a live run's directory ({live[0]}, held by {live[1]}): choose another")
+        return fail(
+            f"--out {args.out!r} is inside a live run's directory ({live[0]}, held by {live[1]}): choose another"
+        )
     try:
         model_dir = model_dir_of(args.checkpoint)
         cfg = _config(args)
