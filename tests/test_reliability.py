@@ -346,7 +346,7 @@ def run_copy(straight_run, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_why(run_copy: Path, damage, caplog) -> None:
-    from moe_rl.checkpoint.store import select_checkpoint
+    from moe_rl.checkpoint.store import checkpoint_dirs, select_checkpoint
 
     newest = run_copy / "checkpoints" / "step_000005"
     do, reason = DAMAGE[damage]
@@ -356,6 +356,21 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_why(run_copy: Pat
     assert path.name == "step_000004" and meta["step"] == 4
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and f"skipping checkpoint {newest}: " in warned[0] and reason in warned[0], warned
+    # set aside for a look: not counted by keep_last, not overwritten by the next save of step 5
+    assert warned[0].endswith("set aside as step_000005.damaged") and not newest.exists()
+    assert (newest.parent / "step_000005.damaged" / "dist").is_dir()
+    assert [p.name for _, p in checkpoint_dirs(run_copy)] == ["step_000002", "step_000004"]
+
+
+def test_a_second_damaged_checkpoint_of_a_step_is_set_aside_beside_the_first(run_copy: Path) -> None:
+    from moe_rl.checkpoint.store import set_aside
+
+    checkpoints = run_copy / "checkpoints"
+    first = set_aside(checkpoints / "step_000005")
+    (checkpoints / "step_000005").mkdir()
+    second = set_aside(checkpoints / "step_000005")
+    assert (first.name, second.name) == ("step_000005.damaged", "step_000005.damaged.2")
+    assert (first / "meta.json").is_file() and second.is_dir()
 
 
 def test_no_intact_checkpoint_is_refused_in_one_line(run_copy: Path, tmp_path: Path) -> None:
@@ -377,6 +392,44 @@ def test_no_intact_checkpoint_is_refused_in_one_line(run_copy: Path, tmp_path: P
     with pytest.raises(ConfigError, match="holds checkpoints .* none of which has a readable meta.json"):
         check_run_dir(load_config(None, [f"train.run_dir={run_copy}"]))
     assert (run_copy / "metrics.jsonl").read_text() == "kept\n" and all(s.is_dir() for s in steps)
+
+
+def test_no_intact_checkpoint_is_refused_before_any_rollout_server_is_reached(base, run_copy: Path) -> None:
+    """The rollout side comes after the resume's checkpoint check: a run on SGLang servers
+    (here an address nothing answers at) is refused for its checkpoints, in one line."""
+    for step in (run_copy / "checkpoints").iterdir():
+        _flip(step / "dist" / "__0_0.distcp")
+    out = run(
+        "train", *base, f"train.run_dir={run_copy}", "train.steps=6", "train.resume=true",
+        "rollout.engine=sglang", "rollout.sglang_urls=[http://127.0.0.1:9]", "train.resume_anyway=true",
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "no intact checkpoint in" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+
+
+def test_damaged_model_weights_are_refused_by_eval_and_drift(run_copy: Path) -> None:
+    """A checkpoint's model/ (the HF weights eval and drift load) is in the manifest and
+    verified before it is read: one flipped chunk is refused in one line naming the file."""
+    from moe_rl.checkpoint.store import CheckpointMismatch
+    from moe_rl.commands.export import model_dir_of
+
+    newest = run_copy / "checkpoints" / "step_000005"
+    meta = json.loads((newest / "meta.json").read_text())
+    assert "model/config.json" in meta["manifest"]
+    assert model_dir_of(str(newest)) == newest / "model"
+    (weights,) = sorted((newest / "model").glob("*.safetensors"))
+    _flip(weights)
+    with pytest.raises(CheckpointMismatch, match=f"model/{weights.name} is damaged"):
+        model_dir_of(str(newest))
+    out = run("eval", "--checkpoint", str(newest), "--task", "arithmetic")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"model/{weights.name} is damaged" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+    prompts = run_copy / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [5, 6, 7]}\n')
+    drift = run(
+        "drift", "--a", str(newest), "--b", str(newest), "--prompts", str(prompts), "--out", str(run_copy / "d")
+    )
+    assert drift.returncode == 2 and f"model/{weights.name} is damaged" in drift.stderr, drift.stderr[-2000:]
 
 
 def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(run_copy: Path, caplog) -> None:

@@ -52,7 +52,15 @@ import numpy as np
 import torch
 
 from moe_rl.checks import ConfigError
-from moe_rl.checkpoint.verify import SUMS, manifest_of, seal_problem, sealed, summing_writer, verification_problem
+from moe_rl.checkpoint.verify import (
+    SUMS,
+    manifest_of,
+    model_files_problem,
+    seal_problem,
+    sealed,
+    summing_writer,
+    verification_problem,
+)
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, rank, world_size
 from parallel.layout import ParallelLayout
@@ -60,6 +68,7 @@ from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_s
 
 log = logging.getLogger("moe_rl.train")
 _STEP = re.compile(r"step_(\d+)$")
+DAMAGED_SUFFIX = ".damaged"  # a checkpoint a resume skipped, set aside (never matched by _STEP)
 FORMAT = 2  # meta.json "format": megatron dist_checkpointing (format 1: HF weights + per-rank optimizer files)
 # megatron's distrib_optim_sharding_type for the distributed optimizer's state.
 # fully_reshardable: in model space (each parameter's fp32 copy and Adam moments shaped as the
@@ -124,26 +133,58 @@ def format_problem(path: Path, meta: dict) -> str | None:
 
 
 def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """Collective. The newest checkpoint that passes verification on every rank, warning
-    about newer ones that do not; ``None`` when the run directory holds none. A checkpoint
-    of an earlier format, or checkpoints none of which is intact, raise."""
-    skipped = []
+    """Collective. The newest checkpoint that passes verification on every rank; newer ones
+    that do not are warned about and, once an intact one is found, set aside
+    (:func:`set_aside`); ``None`` when the run directory holds none. A checkpoint of an
+    earlier format, or checkpoints none of which is intact (all left in place), raise."""
+    skipped: list[tuple[Path, str]] = []
     for _, path in reversed(checkpoint_dirs(run_dir)):
         meta = read_meta(path)
         if meta is not None and format_problem(path, meta):
             raise CheckpointMismatch(format_problem(path, meta))
         problem = checkpoint_problem(path, meta)
         if problem is None:
+            if rank() == 0:
+                for damaged, why in skipped:
+                    log.warning("skipping checkpoint %s: %s; set aside as %s", damaged, why, set_aside(damaged).name)
+            barrier()  # every rank sees the run directory as the first rank left it
             return path, meta
-        skipped.append(f"{path.name}: {problem}")
-        if rank() == 0:
-            log.warning("skipping checkpoint %s: %s", path, problem)
+        skipped.append((path, problem))
     if skipped:
+        if rank() == 0:
+            for damaged, why in skipped:
+                log.warning("skipping checkpoint %s: %s", damaged, why)
+        skipped = [f"{path.name}: {why}" for path, why in skipped]
         raise CheckpointMismatch(
             f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} ({'; '.join(skipped)}): nothing was loaded or "
             "deleted; move the damaged ones aside to start over from an older one, or choose another train.run_dir"
         )
     return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the damaged checkpoint ``path`` out of the run's way, to ``step_N.damaged``
+    (``.damaged.2``, ... if taken): kept for a look, never counted by ``keep_last``, never
+    overwritten by the next save of its step. Its new path."""
+    target, n = path.with_name(path.name + DAMAGED_SUFFIX), 2
+    while target.exists():
+        target, n = path.with_name(f"{path.name}{DAMAGED_SUFFIX}.{n}"), n + 1
+    path.rename(target)
+    return target
+
+
+def model_problem(path: Path) -> str | None:
+    """Why a training checkpoint's ``model/`` (its HF weights) cannot be trusted: an unreadable
+    or unsealed ``meta.json``, a file of it missing, of another size or with another CRC-32
+    than the manifest recorded at commit. One process reads every file once. A checkpoint
+    committed before ``model/`` was in the manifest passes with a warning."""
+    meta = read_meta(path)
+    if meta is None:
+        return "meta.json is empty or unreadable"
+    problem = seal_problem(meta) or model_files_problem(path, meta)
+    if problem is None and "model/config.json" not in meta.get("manifest", {}):
+        log.warning("checkpoint %s: its model/ was written before moe-rl recorded its checksums (not verified)", path)
+    return problem
 
 
 def checkpoint_problem(path: Path, meta: dict | None) -> str | None:

@@ -1,7 +1,7 @@
 """What a checkpoint must be before a resume or an export trusts it.
 
-At commit, ``meta.json`` gets a manifest: every file under ``dist/``, ``rng/`` and ``hf/``
-with its size and CRC-32. Each rank's background writer sums the ``.distcp`` files it has
+At commit, ``meta.json`` gets a manifest: every file under ``dist/``, ``rng/``, ``hf/`` and
+(where the checkpoint has its HF weights) ``model/`` with its size and CRC-32. Each rank's background writer sums the ``.distcp`` files it has
 just written (read back while they are in the page cache, in the writer process, so
 training does not wait); the first rank sums the small files at commit. ``meta.json``
 also gets a seal: a hash of everything else in it (step, fingerprint, layout, the
@@ -11,7 +11,8 @@ Verification: the seal, every file's size, and the checksums, each file summed b
 rank (round robin), so a resume on N ranks reads the checkpoint once more, split N ways.
 A checkpoint written before manifests existed is checked for its files' presence and for
 the ``.distcp`` sizes its ``dist/.metadata`` implies, with a warning that its contents are
-not verified. The ``model/`` HF directory is not covered (resume and export read ``dist/``).
+not verified. A resume and ``moe-rl export`` verify what they read (``dist/``, ``rng/``,
+``hf/``); ``eval`` and ``drift``, which read ``model/``, verify that (:func:`model_files_problem`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-SUMMED = ("dist", "rng", "hf")  # the folders the manifest covers
+SUMMED = ("dist", "rng", "hf", "model")  # the folders the manifest covers
+TRAINING_STATE = ("dist", "rng", "hf")  # what a resume (and an export) reads of them
 SUMS = "sums"  # the writers' reports in a temporary checkpoint, merged into meta.json at commit
 _CHUNK = 8 << 20
 _THREADS = 4  # zlib.crc32 and file reads release the GIL
@@ -105,12 +107,24 @@ def seal_problem(meta: dict) -> str | None:
 
 
 def verification_problem(path: Path, meta: dict, share: tuple[int, int]) -> str | None:
-    """Why the checkpoint at ``path`` is not what its sealed ``meta`` records: this rank
-    (``share``: rank, world size) checks every file's size and sums its share of them."""
+    """Why the checkpoint at ``path``'s training state (``TRAINING_STATE``) is not what its
+    sealed ``meta`` records: this rank (``share``: rank, world size) checks every file's size
+    and sums its share of them."""
     problem = seal_problem(meta)
     if problem or "seal" not in meta:
         return problem or _unsealed_problem(path)
-    manifest = meta["manifest"]
+    return _files_problem(path, meta["manifest"], TRAINING_STATE, share)
+
+
+def model_files_problem(path: Path, meta: dict) -> str | None:
+    """Why the checkpoint at ``path``'s ``model/`` files are not what its sealed ``meta``'s
+    manifest records (every one's size and CRC-32, summed here); ``None`` also when the
+    manifest has no entry for them (a checkpoint committed before it covered ``model/``)."""
+    return _files_problem(path, meta.get("manifest") or {}, ("model",), (0, 1))
+
+
+def _files_problem(path: Path, manifest: dict, folders: tuple[str, ...], share: tuple[int, int]) -> str | None:
+    manifest = {name: entry for name, entry in manifest.items() if name.split("/", 1)[0] in folders}
     for name, (size, _) in manifest.items():
         problem = _size_problem(path / name, name, size)
         if problem:

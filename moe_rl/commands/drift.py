@@ -178,6 +178,9 @@ def _routing_of(path: str, prompts: list[list[int]] | None) -> dict:
     from moe_rl.models.architectures import architecture_of
     from moe_rl.routing.hf_routing import transformers_routing
 
+    from moe_rl.commands.export import model_dir_of
+
+    path = str(model_dir_of(path))  # a training checkpoint's model/, verified first
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     vocab = model.config.vocab_size
     arch = architecture_of(model.config)

@@ -27,9 +27,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def model_dir_of(checkpoint: str) -> Path:
     """The HF directory of a checkpoint: a training checkpoint's ``model/`` (the last
-    step's, and every ``train.export_every`` steps'), or a HF directory itself."""
+    step's, and every ``train.export_every`` steps'), verified against the checkpoint's
+    manifest first (:class:`CheckpointMismatch` naming what is damaged), or a HF directory
+    itself."""
+    from moe_rl.checkpoint.store import CheckpointMismatch, model_problem
+
     path = Path(checkpoint)
     if (path / "model" / "config.json").exists():
+        problem = model_problem(path) if (path / "meta.json").exists() or (path / "dist").is_dir() else None
+        if problem:
+            raise CheckpointMismatch(
+                f"checkpoint {path}'s model/ cannot be trusted: {problem} (write it again from the checkpoint's "
+                f"training state: `moe-rl export --checkpoint {path} --out DIR`, and pass DIR)"
+            )
         return path / "model"
     if (path / "config.json").exists():
         return path

@@ -163,6 +163,8 @@ class Trainer:
             self._closing.callback(scorer.close)
         self.tokenizer = _load_tokenizer(self.hf_dir)
         formatter = _make_formatter(cfg, self.tokenizer)
+        # before the rollout side: a run with no intact checkpoint is refused before any server starts
+        resume_from = self._checkpoint_to_resume()  # (before the optimizer too: its kind follows the checkpoint's)
         self._write_config()
         # the rollout side before the trainer's model: colocated servers size their memory on
         # free GPUs, then give all of it back before any rank builds its state
@@ -177,7 +179,6 @@ class Trainer:
         modules = LayerModules(
             experts=cfg.model.experts, attention=cfg.model.attention, transformer_impl=cfg.model.transformer_impl
         )
-        resume_from = self._checkpoint_to_resume()  # before the optimizer: its kind follows the checkpoint's
         self.policy = build_policy(
             self.hf_config,
             self.hf_dir,
