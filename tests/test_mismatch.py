@@ -308,6 +308,26 @@ def test_weight_mode_perturbs_only_the_router_weights(checkpoints) -> None:
         assert all(torch.equal(engine.model.state_dict()[g], want[g]) for g in gates)
 
 
+def test_the_scale_search_meets_its_target_in_few_measurements() -> None:
+    from moe_rl.rollout.scale_search import SCALE_RANGE, solve_scale
+
+    calls = []
+
+    def kl(scale: float) -> float:  # a KL: about quadratic, not exactly
+        calls.append(scale)
+        return 3e-2 * scale**2.3
+
+    found = solve_scale(kl, 7.5e-4, 1.0, tolerance=0.02, exponent=2.0)
+    assert found.reached and abs(found.value / 7.5e-4 - 1) <= 0.02 and found.measurements == len(calls) <= 5
+    # a flip fraction: nothing flips below a threshold, then it grows and saturates
+    flips = lambda scale: min(1.0, max(0.0, scale - 0.02) * 4)  # noqa: E731
+    found = solve_scale(flips, 0.1, 1e-4, tolerance=0.03, exponent=1.0)
+    assert found.reached and abs(found.value - 0.1) <= 0.003
+    assert solve_scale(flips, 0.1, found.scale, tolerance=0.03, exponent=1.0).measurements == 1  # the last scale holds
+    out_of_reach = solve_scale(lambda s: min(s, 0.05), 0.1, 1.0, tolerance=0.03, exponent=1.0)
+    assert not out_of_reach.reached and out_of_reach.scale == pytest.approx(SCALE_RANGE[1])
+
+
 def test_simulate_mismatch_settings_are_checked() -> None:
     cfg = load_config(None, ["rollout.simulate_mismatch.router_flip_frac=0.1"])
     assert cfg.rollout.simulate_mismatch.enabled and cfg.rollout.simulate_mismatch.mode == "selection"

@@ -43,32 +43,46 @@ from moe_rl import tags
 from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.routing.scores import route_with_noisy_choice
+from moe_rl.rollout.scale_search import SCALE_RANGE, solve_scale
 from moe_rl.rollout.settings import SimulatedMismatch
 
 log = logging.getLogger("moe_rl.rollout")
 
-BISECTION_STEPS = 8  # within a bracket of 9x around the last scale: ~1% of the scale
-WIDE_BISECTION_STEPS = 16
-SCALE_RANGE = (1e-4, 16.0)  # router noise (units of the scores' noise, or of W's norm) and logit noise (nats)
-BRACKET = 3.0  # the last scale / 3 .. x 3
 POOL_TOKENS = 2048  # the most recent generated tokens kept to calibrate on
+# a calibrated figure within this (relative) of its target ends the search: the flip fraction
+# is measured on the pool exactly; a KL is heavy-tailed per token, its pool mean noisier
+FLIP_TOLERANCE, KL_TOLERANCE = 0.03, 0.08
 EXTREME_LOG_RATIO = math.log(2.0)  # a token's ratio outside [1/2, 2]
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Generated tokens to calibrate on: ``rows`` ``[b, s]``, the first position that predicts a
-    response token, the sampling temperature, and which positions from there predict one (a
-    row's positions past its end do not)."""
+    """Generated tokens to calibrate on: ``rows`` ``[b, s]``, the sampling temperature, and which
+    positions predict a response token (not a prompt's, nor a row's past its end)."""
 
     rows: Tensor
-    start: int
     temperature: float
-    valid: Tensor  # [b, s - start] bool
+    valid: Tensor  # [b, s] bool
 
     def positions(self, values: Tensor) -> Tensor:
         """``values`` ``[b, s, ...]`` at the positions that predict response tokens: ``[n, ...]``."""
-        return values[:, self.start :][self.valid]
+        return values[self.valid]
+
+
+def merged(batches: Sequence[Batch]) -> list[Batch]:
+    """The batches of one temperature as one, their rows padded at the end (a causal model's
+    outputs at a row's own positions do not depend on what follows them): one forward pass
+    for the whole pool."""
+    by_temperature: dict[float, list[Batch]] = {}
+    for b in batches:
+        by_temperature.setdefault(b.temperature, []).append(b)
+    out = []
+    for temperature, group in by_temperature.items():
+        width = max(b.rows.shape[1] for b in group)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+        rows = torch.cat([pad(b.rows, 0) for b in group])
+        out.append(Batch(rows, temperature, torch.cat([pad(b.valid, False) for b in group])))
+    return out
 
 
 @dataclass
@@ -244,6 +258,7 @@ class MismatchSimulation:
         self.logits = LogitNoise(model, generator) if settings.logit_kl > 0 else None
         self.calibrated = False
         self._pool: list[Batch] = []
+        self._pool_tokens: list[int] = []  # each batch's response-predicting positions
         self._tally = self._empty_tally()
 
     @property
@@ -320,7 +335,7 @@ class MismatchSimulation:
     def calibrate(self, prompts: Sequence[Sequence[int]], temperature: float) -> None:
         """Calibrate the routing, then the logits, on the tokens generated last (the first
         time: ``prompts``, sampled at ``temperature``)."""
-        batches = self._pool or [_prompt_batch(g, temperature, self.model.device) for g in _by_length(prompts)]
+        batches = merged(self._pool or [_prompt_batch(g, temperature, self.model.device) for g in _by_length(prompts)])
         with self.unperturbed():
             clean = [self._forward(b.rows) for b in batches]
         if self.routing is not None and self.settings.router_flip_frac > 0:
@@ -344,30 +359,32 @@ class MismatchSimulation:
             self.routing.apply()
 
     def _calibrate_flips(self, batches: list[Batch], reference: list[Tensor]) -> None:
-        """Each MoE layer's scale bisected (in order, the earlier ones fixed) until that layer
-        flips at ``router_flip_frac``."""
-        target = self.settings.router_flip_frac
+        """Each MoE layer's scale (in order, the earlier ones fixed) until that layer flips at
+        ``router_flip_frac``."""
         for l in list(self.routing.scales):
             inputs = self._router_inputs(batches, l)
-            rate = lambda: self._flip_rate(batches, inputs, reference, l)  # noqa: E731
-            found = self._search(lambda s: self._set_router_scale(l, s), rate, target, self.routing.scales[l])
+
+            def rate(scale: float, l: int = l, inputs: list = inputs) -> float:
+                self._set_router_scale(l, scale)
+                return self._flip_rate(batches, inputs, reference, l)
+
+            found = self._solve(rate, self.settings.router_flip_frac, self.routing.scales[l], FLIP_TOLERANCE, 1.0)
             self._set_router_scale(l, found)
 
     def _calibrate_routing_kl(self, batches: list[Batch], clean: list[Tensor]) -> None:
-        """One scale for every MoE layer, bisected until the flips alone cost ``routing_kl``."""
+        """One scale for every MoE layer, until the flips alone cost ``routing_kl``."""
+
+        def kl(scale: float) -> float:
+            self._set_router_scale(None, scale)
+            return self._routing_kl(batches, clean)
+
         last = next(iter(self.routing.scales.values()))
-        found = self._search(
-            lambda s: self._set_router_scale(None, s),
-            lambda: self._routing_kl(batches, clean),
-            self.settings.routing_kl,
-            last,
-        )
-        self._set_router_scale(None, found)
+        self._set_router_scale(None, self._solve(kl, self.settings.routing_kl, last, KL_TOLERANCE, 2.0))
 
     @torch.no_grad()
     def _calibrate_logits(self, batches: list[Batch]) -> None:
-        """The logit noise's scale bisected until its KL, exact over the vocabulary on the
-        engine's own (perturbed) routing, is ``logit_kl``: no forward pass per trial."""
+        """The logit noise's scale until its KL, exact over the vocabulary on the engine's own
+        (perturbed) routing, is ``logit_kl``: no forward pass per trial."""
         parts = []
         with self.logits.capturing() as captured:
             for b in batches:
@@ -377,51 +394,27 @@ class MismatchSimulation:
         self.routers.clear()
         count = sum(l.shape[0] for l, _, _ in parts)
 
-        def kl() -> float:
-            s = self.logits.scale
-            return sum(float(exact_kl(l + s * z, l, t).sum()) for l, z, t in parts) / max(count, 1)
+        def kl(scale: float) -> float:
+            return sum(float(exact_kl(l + scale * z, l, t).sum()) for l, z, t in parts) / max(count, 1)
 
-        found = self._search(lambda s: setattr(self.logits, "scale", s), kl, self.settings.logit_kl, self.logits.scale)
-        self.logits.scale = found
-
-    def _search(
-        self, set_scale: Callable[[float], None], measure: Callable[[], float], target: float, last: float
-    ) -> float:
-        """The scale at which ``measure()`` (increasing in it) meets ``target``: bisected in log
-        space near the last scale, over the whole range when the target lies outside that
-        bracket (the top of the range when even that does not reach it)."""
-        found = None
-        if last > 0:
-            found = self._bisect(set_scale, measure, target, last / BRACKET, last * BRACKET, BISECTION_STEPS)
-        if found is None:
-            found = self._bisect(set_scale, measure, target, *SCALE_RANGE, WIDE_BISECTION_STEPS)
-        if found is None:
-            set_scale(SCALE_RANGE[1])
-            log.warning(
-                "simulated mismatch: a target of %.3g is out of reach (the largest scale gives %.3g)", target, measure()
-            )
-        return SCALE_RANGE[1] if found is None else found
+        self.logits.scale = self._solve(kl, self.settings.logit_kl, self.logits.scale, KL_TOLERANCE / 4, 2.0)
 
     @staticmethod
-    def _bisect(
-        set_scale: Callable[[float], None],
-        measure: Callable[[], float],
-        target: float,
-        lo: float,
-        hi: float,
-        steps: int,
-    ) -> float | None:
-        """``None`` when the target lies outside [lo, hi] (the bracket never narrowed from one side)."""
-        lo, hi = math.log(lo), math.log(hi)
-        moved_lo = moved_hi = False
-        for _ in range(steps):
-            mid = (lo + hi) / 2
-            set_scale(math.exp(mid))
-            if measure() < target:
-                lo, moved_lo = mid, True
-            else:
-                hi, moved_hi = mid, True
-        return math.exp((lo + hi) / 2) if moved_lo and moved_hi else None
+    def _solve(
+        measure: Callable[[float], float], target: float, last: float, tolerance: float, exponent: float
+    ) -> float:
+        """:func:`~moe_rl.rollout.scale_search.solve_scale` from the last scale, warning when the
+        target is out of reach."""
+        found = solve_scale(measure, target, last, tolerance=tolerance, exponent=exponent)
+        measure(found.scale)  # (left set where it was found)
+        if not found.reached and (found.value < target) == (found.scale >= SCALE_RANGE[1]):
+            log.warning(
+                "simulated mismatch: a target of %.3g is out of reach (%.3g at the scale's limit %.3g)",
+                target,
+                found.value,
+                found.scale,
+            )
+        return found.scale
 
     @torch.no_grad()
     def observe(
@@ -452,9 +445,13 @@ class MismatchSimulation:
         t.routing_kl_sum += float(exact_kl(routing_only, clean, temperature)[valid].sum())
         t.logit_kl_sum += float(exact_kl(engine, routing_only, temperature)[valid].sum())
         t.tokens += changed.shape[0]
-        self._pool.append(Batch(rows, start, temperature, valid.to(rows.device)))
-        while sum(int(b.valid.sum()) for b in self._pool) > POOL_TOKENS and len(self._pool) > 1:
+        response = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+        response[:, start:] = valid.to(rows.device)
+        self._pool.append(Batch(rows, temperature, response))
+        self._pool_tokens.append(changed.shape[0])
+        while sum(self._pool_tokens) > POOL_TOKENS and len(self._pool) > 1:
             self._pool.pop(0)
+            self._pool_tokens.pop(0)
 
     def take_scalars(self) -> dict[str, float]:
         """``rollout/simulated_mismatch/*`` since the last call (the targets, the scales, and
@@ -493,7 +490,7 @@ def changed_sets(a: Tensor, b: Tensor) -> Tensor:
 def _prompt_batch(prompts: list[list[int]], temperature: float, device: torch.device) -> Batch:
     """Prompts of one length as a batch whose every position counts (a first calibration's)."""
     rows = torch.tensor(prompts, device=device)
-    return Batch(rows, 0, temperature, torch.ones(rows.shape, dtype=torch.bool, device=device))
+    return Batch(rows, temperature, torch.ones(rows.shape, dtype=torch.bool, device=device))
 
 
 def _by_length(prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
