@@ -9,6 +9,10 @@ committed (no ``meta.json``, not renamed), so a test can kill the run mid-checkp
 ``--writer-delay-s``: every rank's forked checkpoint writer waits that long before it
 writes (``writer.sleeping`` in the temporary checkpoint says it does), so a test can
 kill the run while its writers are still at work.
+``--full-disk-at-log-step N``: the write of step N's row to ``metrics.jsonl`` fails as
+on a full disk (``ENOSPC``), as does every write of the run after it.
+``--full-disk-at-save-step N``: the checkpoint writers of step N's save and later fail
+with ``ENOSPC`` (a full disk under the checkpoint).
 ``--pretend-transformer-engine``: the model saves and asks for what Transformer Engine's
 layers hold besides the local ones (an ``_extra_state`` entry per core attention), and
 checkpoints record ``transformer_impl=transformer_engine``.
@@ -17,6 +21,7 @@ checkpoints record ``transformer_impl=transformer_engine``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,46 @@ def delay_checkpoint_writers(seconds: float) -> None:
     FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_preloaded_data_multiproc)
 
 
+def _no_space() -> OSError:
+    import errno
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write to an open file: no file named
+
+
+def fill_disk_at_log_step(step: int) -> None:
+    from moe_rl.trainer import metrics
+
+    original, full = metrics._append, []
+
+    def append(log, text):
+        if log.name.endswith("metrics.jsonl") and text.startswith(f'{{"step": {step},'):
+            full.append(True)
+        if full:
+            raise metrics.with_path(_no_space(), log.name)
+        return original(log, text)
+
+    metrics._append = append
+
+
+def fill_disk_at_save_step(step: int) -> None:
+    import functools
+    import re
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async._write_item
+
+    @functools.wraps(original)
+    def write_item(*args, **kwargs):
+        stream = next(a for a in args if hasattr(a, "write"))  # the open .distcp file
+        saving = re.search(r"\.tmp_step_(\d+)\.", str(getattr(stream, "name", "")))
+        if saving and int(saving.group(1)) >= step:
+            raise _no_space()
+        return original(*args, **kwargs)
+
+    filesystem_async._write_item = write_item
+
+
 def pretend_transformer_engine() -> None:
     import dataclasses
 
@@ -90,7 +135,13 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoint-delay-s", type=float, default=0.0)
     parser.add_argument("--writer-delay-s", type=float, default=0.0)
     parser.add_argument("--pretend-transformer-engine", action="store_true")
+    parser.add_argument("--full-disk-at-log-step", type=int, default=0)
+    parser.add_argument("--full-disk-at-save-step", type=int, default=0)
     args, rest = parser.parse_known_args()
+    if args.full_disk_at_log_step:
+        fill_disk_at_log_step(args.full_disk_at_log_step)
+    if args.full_disk_at_save_step:
+        fill_disk_at_save_step(args.full_disk_at_save_step)
     if args.nan_steps:
         inject_nan_losses({int(x) for x in args.nan_steps.split(",")})
     if args.checkpoint_delay_s:

@@ -1,6 +1,7 @@
 """Faults a long run must survive: NaN updates, kill -9 during a step and during a
 checkpoint write, Ctrl-C under the --nproc launcher, a second run on a live run
-directory, a rank that dies, bad data lines, bad layouts (subprocess runs)."""
+directory, a full disk at a checkpoint and at a log write, a rank that dies, bad data
+lines, bad layouts (subprocess runs)."""
 
 from __future__ import annotations
 
@@ -252,6 +253,70 @@ def test_a_live_run_dir_refuses_a_second_run_compare_and_eval_output_and_kill_9_
     assert holder_of(run_dir) is None
     with hold_run_dir(run_dir):
         assert f"pid {os.getpid()} " in holder_of(run_dir)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB filesystem (room for the run's logs and one checkpoint, not two) mounted for
+    the test, and a way to give it room; ``None`` where mounting is not permitted."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _stopped_for_space(out: subprocess.CompletedProcess, where: Path) -> None:
+    """One line, no traceback, non-zero: the lack of space, naming a file under ``where``."""
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"moe-rl: stopped: no space left on device writing {where}"), last
+    assert "the checkpoints before this write are intact" in last
+
+
+def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_resumes_exactly_with_room(
+    base, uninterrupted, small_disk, tmp_path: Path
+) -> None:
+    """The disk fills while step 4's checkpoint is written (a real 4 MiB filesystem where the
+    test may mount one, else the writers' writes fail with ENOSPC): the run stops in one line
+    naming where, step 2's checkpoint stays the intact newest, nothing of step 4 is taken for
+    a checkpoint; with room again the same command resumes as the uninterrupted run."""
+    from moe_rl.checkpoint.store import checkpoint_dirs, select_checkpoint
+
+    run_dir = (small_disk or tmp_path) / "run"
+    args = ("train", *base, f"train.run_dir={run_dir}", "train.steps=5", "train.save_every=2", "train.keep_last=3")
+    out = run(*args, faults=() if small_disk else ("--full-disk-at-save-step", "4"))
+    _stopped_for_space(out, small_disk or run_dir / "checkpoints" / ".tmp_step_000004")
+    assert [p.name for _, p in checkpoint_dirs(run_dir)] == ["step_000002"]
+    assert select_checkpoint(run_dir)[0].name == "step_000002"
+    if small_disk:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    out = run(*args)
+    assert out.returncode == 0 and "step_000002" in out.stderr, out.stderr[-2000:]
+    resumed = rows(run_dir)
+    for step in (3, 4, 5):
+        for key in COMPARED:
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
+
+
+def test_a_full_disk_at_a_log_write_stops_in_one_line_naming_the_file_and_resumes_exactly(
+    base, uninterrupted, tmp_path: Path
+) -> None:
+    args = ("train", *base, f"train.run_dir={tmp_path}", "train.steps=5", "train.save_every=2", "train.keep_last=3")
+    out = run(*args, faults=("--full-disk-at-log-step", "4"))  # (step 2's checkpoint is committed by then)
+    _stopped_for_space(out, tmp_path / "metrics.jsonl")
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    out = run(*args)
+    assert out.returncode == 0 and "step_000002" in out.stderr, out.stderr[-2000:]
+    resumed = rows(tmp_path)
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
+        for key in COMPARED:
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
 
 
 def test_a_dead_rank_stops_the_job_and_is_named() -> None:

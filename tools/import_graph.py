@@ -21,7 +21,7 @@ PACKAGES = ("moe_rl", "parallel")
 # Lowest first. A module belongs to the longest prefix it starts with ("name$": that module only).
 LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
-    ("moe_rl$", "moe_rl.tags", "moe_rl.checks"),  # moe_rl$: the package itself (its version)
+    ("moe_rl$", "moe_rl.tags", "moe_rl.checks", "moe_rl.disk"),  # moe_rl$: the package itself (its version)
     ("moe_rl.data", "moe_rl.rewards", "moe_rl.algorithms"),
     ("moe_rl.models", "moe_rl.routing"),
     ("moe_rl.rollout",),

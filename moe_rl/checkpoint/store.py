@@ -46,12 +46,14 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from moe_rl.checks import ConfigError
+from moe_rl.disk import OutOfSpace, nearly_full, space_error
 from moe_rl.checkpoint.verify import (
     SUMS,
     manifest_of,
@@ -160,6 +162,18 @@ def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
             "deleted; move the damaged ones aside to start over from an older one, or choose another train.run_dir"
         )
     return None
+
+
+@contextlib.contextmanager
+def _space_named(path: Path) -> Iterator[None]:
+    """A failure for lack of space in the block becomes :class:`OutOfSpace` naming the file,
+    or ``path`` (a checkpoint writer's write to an open file names none)."""
+    try:
+        yield
+    except BaseException as e:  # (torch's CheckpointException, which wraps the writers' failures, is one)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or (space_error(e) is None and not nearly_full(path)):
+            raise
+        raise OutOfSpace(path, e) from e
 
 
 def set_aside(path: Path) -> Path:
@@ -312,18 +326,30 @@ class Checkpointer:
         self._writes = AsyncCallsQueue()
         self._strategy = None  # megatron's save strategy, made at the first save (it caches which rank writes what)
         self._pruning: threading.Thread | None = None  # deleting checkpoints beyond keep_last (first rank)
+        self._writing: Path | None = None  # the temporary directory of the last save started
 
     def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: bool = False) -> Path:
         """Stage this rank's state and start writing ``step_<step>``; returns its final
         path (complete once :meth:`wait`, or a :meth:`poll` that finds it written, commits
-        it). ``hf_weights``: also write the weights as a HF directory, ``model/``."""
-        from megatron.core import dist_checkpointing
-
+        it). ``hf_weights``: also write the weights as a HF directory, ``model/``. A lack of
+        space while writing it raises :class:`OutOfSpace` (here or from a later
+        :meth:`poll` / :meth:`wait`); nothing is committed then."""
         self.wait()
         _writer_reports_die_with_this_process()
         # a name of its own: a writer a killed run left behind may still be writing an earlier one
         final = self.root / f"step_{step:06d}"
         tmp = self.root / broadcast_object(f".tmp_step_{step:06d}.{uuid.uuid4().hex[:8]}" if rank() == 0 else None)
+        self._writing = tmp
+        with _space_named(tmp):
+            self._start_save(step, state, extra, hf_weights, tmp, final)
+        return final
+
+    def _start_save(
+        self, step: int, state: TrainingState, extra: dict, hf_weights: bool, tmp: Path, final: Path
+    ) -> None:
+        """:meth:`save`'s work: this rank's files staged in ``tmp``, its writer started."""
+        from megatron.core import dist_checkpointing
+
         if rank() == 0:
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
@@ -371,7 +397,6 @@ class Checkpointer:
         else:
             request.execute_sync()
             barrier()
-        return final
 
     def writing(self) -> bool:
         """Whether this rank's writer is still writing a checkpoint (no collective)."""
@@ -382,11 +407,13 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Commit a checkpoint whose writers have all finished; never waits for them."""
-        self._writes.maybe_finalize_async_calls(blocking=False)
+        with _space_named(self._writing or self.root):
+            self._writes.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Wait for the checkpoint being written and commit it (and for old ones to be gone)."""
-        self._writes.maybe_finalize_async_calls(blocking=True)
+        with _space_named(self._writing or self.root):
+            self._writes.maybe_finalize_async_calls(blocking=True)
         if self._pruning is not None:
             self._pruning.join()
             self._pruning = None

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from moe_rl.disk import space_error
+
 SUMMED = ("dist", "rng", "hf", "model")  # the folders the manifest covers
 TRAINING_STATE = ("dist", "rng", "hf")  # what a resume (and an export) reads of them
 SUMS = "sums"  # the writers' reports in a temporary checkpoint, merged into meta.json at commit
@@ -62,10 +64,17 @@ def summing_writer(write: Callable, tmp: Path, rank: int) -> Callable:
         files = [Path(bucket[0]) for bucket in args[1]]
         report = sum_files(tmp / "dist", [p.name for p in files if p.is_file()])
         part = tmp / SUMS / f".rank_{rank:05d}.json"
-        with open(part, "w") as f:
-            json.dump({f"dist/{name}": s for name, s in report.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(part, "w") as f:
+                json.dump({f"dist/{name}": s for name, s in report.items()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            if space_error(e) is None:
+                raise
+            # a full disk: the trainer, told by the write's own result or by its commit, says so
+            part.unlink(missing_ok=True)
+            return
         part.rename(part.with_name(part.name[1:]))
 
     return write_and_sum

@@ -44,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
         argv = ["-m", "moe_rl.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
         return spawn_local(args.nproc, argv)
     configure_logging()
+    import threading
+
+    from moe_rl.disk import OutOfSpace, out_of_space_line, quiet_about_space
+
+    threading.excepthook = quiet_about_space(threading.excepthook)  # (TensorBoard's writer thread, on a full disk)
     from moe_rl.rollout.types import RolloutError
     from moe_rl.trainer.trainer import TrainingStopped, train
 
@@ -51,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
         train(cfg)
     except (LayoutError, ConfigError) as e:
         return fail(str(e))
-    except (TrainingStopped, RolloutError) as e:
+    except (TrainingStopped, RolloutError, OutOfSpace) as e:
         print(f"moe-rl: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt as e:
         print(f"moe-rl: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
+    except BaseException as e:  # a full disk met elsewhere (TensorBoard's writer, the run's files)
+        line = None if isinstance(e, SystemExit) else out_of_space_line(e, cfg.train.run_dir)
+        if line is None:
+            raise
+        print(f"moe-rl: stopped: {line}", file=sys.stderr)
+        return 3
     finally:
         from parallel.distributed import destroy_distributed
 

@@ -10,13 +10,14 @@ import queue
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from moe_rl import tags
+from moe_rl.disk import OutOfSpace, space_error, with_path
 from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
 from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
 from moe_rl.experience.sample_log import SAMPLES_TAG, SampleRecord, samples_markdown
@@ -206,16 +207,14 @@ class StepLogger:
         if samples:
             records = list(samples)  # the table is built on the writer's thread
             self.writer.add_text_of(SAMPLES_TAG, lambda: samples_markdown(records), step)
-            self.samples.write("".join(json.dumps(r.to_dict()) + "\n" for r in samples))
-            self.samples.flush()
+            _append(self.samples, "".join(json.dumps(r.to_dict()) + "\n" for r in samples))
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         for tag, values in (histograms or {}).items():
             self.writer.add_finite_histogram(tag, values, step)
         written = self._log_routing(step, routing)
         self.writer.flush()
-        self.jsonl.write(json.dumps({"step": step, **scalars, **written}) + "\n")
-        self.jsonl.flush()
+        _append(self.jsonl, json.dumps({"step": step, **scalars, **written}) + "\n")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(
@@ -232,8 +231,7 @@ class StepLogger:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
-        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
-        self.jsonl.flush()
+        _append(self.jsonl, json.dumps({"step": step, **scalars}) + "\n")
         self._print(eval_table(step, scalars))
 
     def summary(self, steps_run: int, scalars: dict[str, float], checkpoint: Path | None, seconds: float) -> None:
@@ -312,6 +310,7 @@ class BackgroundWriter:
         self._bins = np.asarray(writer.default_bins)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._failed = False  # an error of the thread's has been raised
         self._scalars: list[tuple[str, float]] = []  # of step self._scalars_step, not yet queued
         self._scalars_step = 0
         self._thread = threading.Thread(target=self._serve, name="moe-rl-tensorboard", daemon=True)
@@ -361,12 +360,17 @@ class BackgroundWriter:
         self._submit("flush")
 
     def close(self) -> None:
-        """Write everything queued, then close the event file."""
+        """Write everything queued, then close the event file (after a failure already
+        raised, quietly: the event file's writer raises the same error again)."""
         self._queue_scalars()
         if self._thread.is_alive():
             self._calls.put(None)
             self._thread.join()
-        self._writer.close()
+        try:
+            self._writer.close()
+        except Exception:
+            if not self._failed:
+                raise
         self._raise_error()
 
     def _submit(self, method: str, *args: Any, **kwargs: Any) -> None:
@@ -389,7 +393,9 @@ class BackgroundWriter:
 
     def _raise_error(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
+            error, self._error, self._failed = self._error, None, True
+            if space_error(error) is not None:
+                raise OutOfSpace(self._writer.log_dir, error) from error
             raise RuntimeError(f"writing TensorBoard events failed: {error!r}") from error
 
     def _serve(self) -> None:
@@ -400,6 +406,16 @@ class BackgroundWriter:
                     method(*args, **kwargs)
                 except BaseException as e:  # noqa: BLE001 - handed to the training thread
                     self._error = e
+
+
+def _append(log: TextIO, text: str) -> None:
+    """``text`` written and flushed to the open ``log``; a failure names its file (a write to
+    an open file names none: a full disk must say where)."""
+    try:
+        log.write(text)
+        log.flush()
+    except OSError as e:
+        raise with_path(e, log.name) from e
 
 
 def _keep_rows_up_to(path: Path, step: int) -> None:
