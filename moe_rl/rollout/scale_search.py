@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 SCALE_RANGE = (1e-5, 16.0)
 MAX_MEASUREMENTS = 12
+# a bracket this narrow (relative) ends the search: a figure over finitely many tokens jumps
+# where single tokens flip, and no scale between two close ones may hit the target
+NARROWEST_BRACKET = math.log(1.02)
 EMPTY_STEP = math.log(4.0)  # where the figure is 0 (nothing flipped): 4x the scale
 
 
@@ -40,7 +43,8 @@ def solve_scale(
     """The scale in ``scale_range`` at which ``measure(scale)`` (non-decreasing in it) is within
     ``tolerance`` (relative) of ``target``; ``exponent``: the guessed power of the growth (1 for a
     flip fraction, 2 for a KL), for the first step. Ends at the closest measurement after
-    ``max_measurements`` or at the range's end when the target lies beyond it."""
+    ``max_measurements`` or once the bracket is narrower than :data:`NARROWEST_BRACKET`, or at
+    the range's end when the target lies beyond it."""
     if target <= 0:
         raise ValueError(f"target={target} must be > 0")
     lo_end, hi_end = math.log(scale_range[0]), math.log(scale_range[1])
@@ -75,10 +79,12 @@ def solve_scale(
                     gb /= 2
                     below = (xb, gb)
             last_side = side
+            if abs(xa - xb) <= NARROWEST_BRACKET:
+                break
             x = (xa + xb) / 2 if math.isinf(gb) else xb - gb * (xa - xb) / (ga - gb)
         elif math.isinf(gap):
             x += EMPTY_STEP
         else:
             x -= gap / exponent  # the power-law guess
         x = min(max(x, lo_end), hi_end)
-    return Found(math.exp(best[0]), best[2], max_measurements, False)
+    return Found(math.exp(best[0]), best[2], n, False)
