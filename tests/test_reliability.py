@@ -1,7 +1,7 @@
 """Faults a long run must survive: NaN updates, kill -9 during a step and during a
 checkpoint write, Ctrl-C under the --nproc launcher, a second run on a live run
-directory, a full disk at a checkpoint and at a log write, a rank that dies, bad data
-lines, bad layouts (subprocess runs)."""
+directory, a full disk at a checkpoint and at a log write, 30 steps that must not grow
+threads or descriptors, a rank that dies, bad data lines, bad layouts (subprocess runs)."""
 
 from __future__ import annotations
 
@@ -317,6 +317,25 @@ def test_a_full_disk_at_a_log_write_stops_in_one_line_naming_the_file_and_resume
     for step in (3, 4, 5):
         for key in COMPARED:
             assert resumed[step][key] == uninterrupted[step][key], (step, key)
+
+
+def test_thirty_steps_grow_no_threads_descriptors_or_child_processes(base, tmp_path: Path) -> None:
+    """``tools/soak.py``'s short form: 30 steps with a checkpoint every 5 (writers, commits,
+    pruning) and the evaluation; threads, open descriptors and children at the end (least
+    over a checkpoint's cycle) as after step 10."""
+    soak = Path(__file__).resolve().parents[1] / "tools" / "soak.py"
+    report = tmp_path / "soak.json"
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(soak), "--steps", "30", "--from-step", "10", "--save-every", "5",
+         "--json", str(report), *base],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert [r["step"] for r in result["readings"]] == list(range(1, 31))
+    grew = {k: result["growth"][k] for k in ("threads", "native_threads", "open_fds", "children")}
+    assert all(v <= 0 for v in grew.values()), grew
+    assert max(r["children"] for r in result["readings"]) >= 1  # the checkpoint writers did run
 
 
 def test_a_dead_rank_stops_the_job_and_is_named() -> None:
