@@ -244,3 +244,23 @@ def test_scorer_config_errors(specs, conditionals, message) -> None:
 
 def test_resolve_user_function_by_import_path() -> None:
     assert resolve_reward_fn("moe_rl.rewards.rules:length_reward") is length_reward
+
+
+def test_rewards_score_the_response_with_special_tokens_skipped_unless_kept() -> None:
+    """As TRL, verl and SGLang's own ``text``: a special token inside a response (here the
+    demo tokenizer's ``<pad>``) is not in the text the rewards score; with
+    ``reward.keep_special_tokens`` it is, and only a final EOS is cut."""
+    from moe_rl.data.tokenizer import demo_tokenizer
+    from moe_rl.experience.collector import _response_texts
+    from moe_rl.rollout.types import Sample
+
+    tok = demo_tokenizer()
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    ids = [*tok.encode("1"), pad, *tok.encode("2"), eos]
+
+    def sample(output_ids: list[int]) -> Sample:
+        return Sample([], output_ids, [0.0] * len(output_ids), "stop", "0", 0)
+
+    assert _response_texts([sample(ids)], tok) == ["12"]
+    assert _response_texts([sample(ids)], tok, keep_special_tokens=True) == ["1<pad>2"]
+    assert _response_texts([sample([*ids, *tok.encode("3")])], tok, keep_special_tokens=True) == ["1<pad>2<eos>3"]

@@ -115,6 +115,7 @@ def build_scorer(cfg: Config) -> RewardScorer:
         [ConditionalSpec(c.target, c.condition, c.threshold) for c in cfg.reward.conditionals],
         timeout_s=cfg.reward.timeout_s,
         workers=cfg.reward.workers,
+        keep_special_tokens=cfg.reward.keep_special_tokens,
     )
 
 

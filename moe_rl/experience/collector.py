@@ -53,7 +53,7 @@ def generate_and_score(
         problems, [ids for ids, _ in encoded], group_size, sampling, seed=seed, routed=return_routing
     )
     samples = [s for g in groups for s in g]
-    texts = _response_texts(samples, formatter.tokenizer)
+    texts = _response_texts(samples, formatter.tokenizer, scorer.keep_special_tokens)
     inputs = [
         RewardInput(
             problems[i // group_size].prompt,
@@ -72,12 +72,13 @@ def generate_and_score(
     return SampledRound(problems, samples, rewards, sum(t for _, t in encoded))
 
 
-def _response_texts(samples: list[Sample], tokenizer) -> list[str]:
-    """What the rewards score: a transcript's ``response_text``, else the decoded output
-    (without a final EOS)."""
+def _response_texts(samples: list[Sample], tokenizer, keep_special_tokens: bool = False) -> list[str]:
+    """What the rewards score: a transcript's ``response_text``, else the decoded output,
+    its special tokens skipped (``keep_special_tokens``: kept, but for a final EOS)."""
     eos = tokenizer.eos_token_id
     decoded = tokenizer.batch_decode(
-        [s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples]
+        [s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples],
+        skip_special_tokens=not keep_special_tokens,
     )
     return [
         s.meta[RESPONSE_TEXT] if s.meta.get(RESPONSE_TEXT) is not None else text for s, text in zip(samples, decoded)

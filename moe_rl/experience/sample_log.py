@@ -38,9 +38,12 @@ class SampleRecord:
         return {k: v for k, v in self.__dict__.items() if v is not None or k not in ("turns", "failed")}
 
 
-def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size: int) -> list[SampleRecord]:
-    """The first sample of each of the first ``count`` groups (different prompts), decoded
-    with special tokens kept (what the model saw and wrote)."""
+def sample_records(
+    exp: Experience, tokenizer, step: int, count: int, group_size: int, keep_special_tokens: bool = False
+) -> list[SampleRecord]:
+    """The first sample of each of the first ``count`` groups (different prompts): its
+    prompt decoded with special tokens kept (what the model saw), its response as the
+    rewards scored it (special tokens skipped unless ``keep_special_tokens``)."""
     indices = list(range(0, len(exp.samples), group_size))[:count]
     records = []
     for i in indices:
@@ -50,7 +53,7 @@ def sample_records(exp: Experience, tokenizer, step: int, count: int, group_size
                 step=step,
                 index=i,
                 prompt=tokenizer.decode(s.prompt_ids),
-                response=tokenizer.decode(s.output_ids),
+                response=tokenizer.decode(s.output_ids, skip_special_tokens=not keep_special_tokens),
                 rewards={name: round(float(v), 6) for name, v in zip(exp.reward_names, exp.rewards[i].tolist())},
                 advantage=round(float(exp.advantages[i]), 6),
                 finish_reason=s.finish_reason,

@@ -44,7 +44,9 @@ class RewardScorer:
         conditionals: Sequence[ConditionalSpec] = (),
         timeout_s: float = 10.0,
         workers: int = 0,
+        keep_special_tokens: bool = False,
     ) -> None:
+        self.keep_special_tokens = keep_special_tokens  # the text it scores keeps special tokens
         if not specs:
             raise ValueError("at least one reward is needed")
         names = [s.name for s in specs]

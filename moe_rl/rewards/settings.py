@@ -39,6 +39,10 @@ class RewardConfig:
     # 0: each call in a thread of the first rank, one at a time; N: N worker processes in
     # parallel, a call past timeout_s has its worker killed (nothing left running)
     workers: int = 0
+    # the response text rewards score (and samples.jsonl shows) keeps the tokenizer's special
+    # tokens (chat and tool markers, EOS excepted); default: decoded with them skipped, as
+    # TRL, verl and SGLang's own text give it
+    keep_special_tokens: bool = False
 
     def validate(self) -> None:
         from moe_rl.rewards import check_reward_function

@@ -408,7 +408,12 @@ class Trainer:
             if self.background and step + 1 < self.cfg.train.steps:
                 self.background.start(step + 1)
             shown = sample_records(
-                exp, self.tokenizer, step + 1, self.cfg.train.log_samples, self.cfg.rollout.group_size
+                exp,
+                self.tokenizer,
+                step + 1,
+                self.cfg.train.log_samples,
+                self.cfg.rollout.group_size,
+                self.cfg.reward.keep_special_tokens,
             )
             self.flat_rewards.observe(step + 1, exp.rewards.tolist(), self.cfg.rollout.max_new_tokens)
         return (*share_experience(exp, scalars, self.planner), shown)
