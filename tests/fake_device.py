@@ -145,6 +145,10 @@ class OnDevice(torch.Tensor):
     def __reduce_ex__(self, protocol: int):  # pickling (e.g. torch.save of a device tensor) sees the CPU copy
         return self.inner.__reduce_ex__(protocol)
 
+    def tolist(self) -> Any:  # a method, so that it works where no mode is (an autograd device thread)
+        HOST_READS["tolist"] += 1
+        return self.inner.tolist()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
