@@ -61,7 +61,7 @@ def gather_objects(obj: T, dst: int = 0) -> list[T] | None:
     """Every rank's ``obj`` on rank ``dst`` (in rank order); ``None`` elsewhere."""
     if not _distributed():
         return [obj]
-    out = [None] * world_size() if rank() == dst else None
+    out: list[Any] | None = [None] * world_size() if rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
     return out
 
@@ -69,7 +69,7 @@ def gather_objects(obj: T, dst: int = 0) -> list[T] | None:
 def all_gather_objects(obj: T) -> list[T]:
     if not _distributed():
         return [obj]
-    out = [None] * world_size()
+    out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
 

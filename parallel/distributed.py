@@ -31,7 +31,7 @@ def launch_env() -> LaunchEnv:
     """Read the launcher's variables; a plain ``python`` start is a world of one."""
     try:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        port = os.environ.get("MASTER_PORT")
+        port: str | int | None = os.environ.get("MASTER_PORT")
         if port is None:
             # a plain one-process start: any free port, so that concurrent runs never collide
             from parallel.launch import free_port

@@ -125,12 +125,12 @@ class ParallelLayout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel.sequence_parallel=True needs tp > 1")
-        for name, value in (
+        for name, layers in (
             ("first_stage_layers", self.first_stage_layers),
             ("last_stage_layers", self.last_stage_layers),
         ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise LayoutError(f"parallel.{name}={value!r} must be a positive integer (or null)")
+            if layers is not None and (not isinstance(layers, int) or layers < 1):
+                raise LayoutError(f"parallel.{name}={layers!r} must be a positive integer (or null)")
         if model is None:
             return
         if model.num_experts and self.tp > 1 and not self.use_sequence_parallel:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -202,7 +202,7 @@ class LRSchedule:
     continues the schedule exactly): ``set_step(s)`` before step ``s``'s updates (0-based)
     sets every parameter group's rate for it."""
 
-    scheduler: object  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
 
     def set_step(self, step: int) -> float:
         """Sets the learning rate of step ``step``; returns it as the optimizer holds it."""

@@ -34,7 +34,7 @@ def join_weight_update_group(
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+        world_size, rank, [], backend, store, group_name=c10d.GroupName(group_name), timeout=timeout
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
