@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 
 class Registry(Generic[F]):
-    """Maps names to functions; unknown names fail with the list of valid ones."""
+    """Maps names to functions (or any value: the model architectures); unknown names fail
+    with the list of valid ones."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind

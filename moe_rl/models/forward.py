@@ -21,6 +21,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from moe_rl.models.layers import causal_mask
@@ -86,7 +87,7 @@ def run_microbatches(
         return []
     shapes = [tuple(mb.input_ids.shape) for mb in micro_batches]
     chunks = model if isinstance(model, list) else [model]
-    config = _unwrap(chunks[0]).config
+    config = megatron_module(chunks[0]).config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = None  # the caller finalizes (no token-count scaling)
     config.variable_seq_lengths = len(set(shapes)) > 1  # pipeline stages then exchange each tensor's shape first
@@ -146,7 +147,9 @@ def _loss_wrapper(loss_fn: LossFn | None, mb: MicroBatch, output: Tensor):
     return loss, torch.tensor(1, dtype=torch.int, device=output.device), report
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+def megatron_module(module: torch.nn.Module) -> MegatronModule:
+    """The megatron module inside its wrappers (DDP, Float16Module)."""
+    inner: Any = module
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner

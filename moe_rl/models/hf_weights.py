@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -156,8 +156,7 @@ class ParamMapper:
                 return Recipe((keys.gate.format(l=l),))
         if rest.startswith("self_attention.linear_qkv."):
             suffix = rest.rsplit(".", 1)[1]  # weight | bias
-            keys = tuple(f"{p}self_attn.{x}_proj.{suffix}" for x in "qkv")
-            return Recipe(keys, "qkv", 0)
+            return Recipe(tuple(f"{p}self_attn.{x}_proj.{suffix}" for x in "qkv"), "qkv", 0)
         e = self._EXPERT.fullmatch(rest)
         if e:
             return self._expert_recipe(l, self.expert_offset + int(e.group(1)), e.group(2))
@@ -166,8 +165,8 @@ class ParamMapper:
             experts = [
                 self._expert_recipe(l, self.expert_offset + i, stacked.group(1)) for i in range(self.local_experts)
             ]
-            keys = tuple(key for recipe in experts for key in recipe.hf_keys)
-            return replace(experts[0], hf_keys=keys, stacked=self.local_experts)
+            every_key = tuple(key for recipe in experts for key in recipe.hf_keys)
+            return replace(experts[0], hf_keys=every_key, stacked=self.local_experts)
         raise KeyError(name)
 
     def _expert_recipe(self, layer: int, expert: int, linear: str) -> Recipe:
@@ -261,7 +260,7 @@ class SafetensorsDir:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.path}")
         self.weight_map: dict[str, str] = weight_map
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # safetensors' open files
 
     def keys(self) -> set[str]:
         return set(self.weight_map)
@@ -334,7 +333,7 @@ def gather_hf_tensors(
     hf_config: PretrainedConfig,
     *,
     dtype: torch.dtype | None = None,
-    source: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None,
+    source: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of the parameters this rank writes (others get ``{}``).
 
@@ -373,7 +372,7 @@ def export_hf_weights(
     if problem:
         raise ValueError(problem)
     out = export_destination(out_dir)
-    tmp = Path(broadcast_object(_fresh_temporary(out) if rank == 0 else None))
+    tmp = Path(cast(str, broadcast_object(_fresh_temporary(out) if rank == 0 else None)))  # the first rank's
     try:
         _write_export(model, hf_config, tmp, dtype, copy_files_from, rank)
         barrier()

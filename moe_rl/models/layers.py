@@ -77,7 +77,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=init_device(config)))
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron's mark
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

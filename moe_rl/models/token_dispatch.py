@@ -13,6 +13,8 @@ be found on the device: :class:`OneRankTokenDispatcher`, given to such layers at
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -38,9 +40,12 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
     with the per-expert counts left on the device (:class:`GroupedExperts` takes them there).
     The gather and the combine are megatron's (no communication at this group size)."""
 
+    routing_map: Tensor | None  # [tokens, experts], set by megatron's dispatch_preprocess
+
     def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         self.hidden_shape_before_permute = hidden_states.shape
-        routing_map = self.routing_map  # [tokens, experts]: every expert is local
+        routing_map = self.routing_map  # every expert is local
+        assert routing_map is not None
         tokens = routing_map.shape[0]
         expert_major = routing_map.T.reshape(-1).to(torch.int8)
         # the routed (expert, token) pairs first, each expert's in token order: masked_select's order
@@ -60,7 +65,7 @@ def use_one_rank_dispatchers(model: torch.nn.Module) -> int:
     build: nothing branches on the dispatcher later). How many layers got one."""
     swapped = 0
     for layer in model.modules():
-        old = getattr(layer, "token_dispatcher", None)
+        old: Any = getattr(layer, "token_dispatcher", None)
         if (
             isinstance(layer, MoELayer)
             and type(old) is MoEAllGatherTokenDispatcher

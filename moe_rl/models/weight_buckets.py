@@ -169,7 +169,7 @@ class WeightStreamer:
             if self.writer_of[name] == me
         ]
         every = all_gather_objects((stage, mine))
-        senders = {}
+        senders: dict[int, int] = {}
         for r, (s, _) in enumerate(every):
             senders.setdefault(s, r)
         return [entry for _, rank_entries in every for entry in rank_entries], [senders[s] for s in sorted(senders)]

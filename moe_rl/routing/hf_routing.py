@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.scores import router_distribution
@@ -24,7 +25,7 @@ class RouterCapture:
     """Forward hooks on a transformers MoE model's routers (``layers[l].mlp.gate``);
     :meth:`take` returns and clears what the forward passes since the last call routed."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
         arch = architecture_of(cfg)
         self.num_layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
@@ -90,13 +91,16 @@ class RouterCapture:
 
 @torch.no_grad()
 def transformers_routing(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
+    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Top-k ``[b, s, num_layers, k]`` and router distributions ``[b, s, num_layers, E]``
     of ``model`` on ``input_ids`` ``[b, s]`` (one forward pass)."""
     capture = RouterCapture(model)
     try:
         model(input_ids, attention_mask=attention_mask)
-        return capture.take(*input_ids.shape, with_probs=True)
+        batch, positions = input_ids.shape
+        indices, probs = capture.take(batch, positions, with_probs=True)
+        assert probs is not None  # (asked for)
+        return indices, probs
     finally:
         capture.remove()

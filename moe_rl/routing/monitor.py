@@ -36,13 +36,13 @@ estimate all tokens. Replay always covers every token.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
 from torch import Tensor
 
-from moe_rl.models.forward import MicroBatch
+from moe_rl.models.forward import MicroBatch, megatron_module
 from moe_rl.routing.probe import Consumer, ProbedRouting, RouterProbe
 from moe_rl.routing.replay import to_local_tokens
 from moe_rl.routing.stats import RoutingStats
@@ -89,7 +89,7 @@ class RoutingMonitor:
         self._environment_masks: list[Tensor] = []
         self._engine: list[list[Tensor]] | None = None
         self._stats: dict[str, RoutingStats] = {}
-        self._config = model.config if hasattr(model, "config") else model.module.config
+        self._config = megatron_module(model).config
 
     # ------------------------------------------------------------ step phases
 
@@ -127,7 +127,7 @@ class RoutingMonitor:
             old, layers = self._old[i], self.probe.layer_numbers
             with_kl = old.probs is not None and new.probs is not None
             # kept off the accelerator between the passes
-            old_probs = old.probs.to(new.probs.device) if with_kl else None
+            old_probs = old.probs.to(new.probs.device) if old.probs is not None and new.probs is not None else None
             self._stats["old_vs_new"].add_drift(layers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
             if (
                 bias_before is not None
@@ -139,7 +139,7 @@ class RoutingMonitor:
             yield self._start_probe(compare, reference_bias=bias_before, with_probs=self.router_kl)
         self._stop_probe(compare)
 
-    def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[MicroBatch]) -> None:
+    def add_rollout_logp_mismatch(self, logprobs: Sequence[Tensor] | None, batches: Sequence[ResponseBatch]) -> None:
         """The old pass's log-probs ``[b, s-1]`` per micro-batch (``None`` off the last
         pipeline stage; every rank calls this) against each batch's ``rollout_logp`` on its
         response ``mask``: ``|difference|`` and the k3 estimate of KL(rollout || trainer)
@@ -155,7 +155,7 @@ class RoutingMonitor:
         self._add_token_values("train_vs_rollout", ("logp_mismatch", "offpolicy_kl_k3"), values)
 
     def add_update_log_ratios(
-        self, outputs: Sequence[dict] | None, batches: Sequence[MicroBatch], *, counted: bool
+        self, outputs: Sequence[dict] | None, batches: Sequence[ResponseBatch], *, counted: bool
     ) -> None:
         """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
         ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
@@ -289,6 +289,16 @@ def sampled_tokens(mask: Tensor, frac: float, seed: int) -> Tensor:
     keep = min(valid.numel(), max(1, round(frac * valid.numel())))
     order = torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(seed))[:keep]
     return valid[order.to(valid.device)].sort().values
+
+
+class ResponseBatch(Protocol):
+    """What the drift metrics read of a training micro-batch (the trainer's, a
+    :class:`MicroBatch` with its response mask and the engine's log-probs)."""
+
+    input_ids: Tensor
+    lengths: Tensor | None
+    mask: Tensor  # [b, s-1]: 1 on the response tokens
+    rollout_logp: Tensor  # [b, s-1]
 
 
 def _environment_mask(mb: MicroBatch) -> Tensor:

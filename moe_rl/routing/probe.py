@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -60,7 +61,7 @@ class RouterProbe:
         self._layer_of = {id(router): n for n, router in layers}
         self._handles = [router.register_forward_hook(self._hook) for _, router in layers]
 
-    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
+    def _hook(self, router: TopKRouter, args: tuple, output: tuple) -> None:
         if not self.enabled or not self._in_forward:  # e.g. activation recompute in a backward
             return
         with torch.no_grad():

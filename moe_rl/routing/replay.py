@@ -20,9 +20,11 @@ from enum import Enum
 from typing import Sequence
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
+from moe_rl.models.forward import megatron_module
 from moe_rl.routing.encoding import expert_index_dtype
 from moe_rl.routing.modes import REPLAY_MODES
 
@@ -38,13 +40,10 @@ def replay_config_overrides(mode: str) -> dict:
     return {"moe_enable_routing_replay": mode != "none"}
 
 
-def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, TopKRouter]]:
     """``(global 0-based layer number, router)`` of this rank's MoE layers, in order."""
-    module = model
-    while hasattr(module, "module"):
-        module = module.module
     out = []
-    for layer in module.decoder.layers:
+    for layer in megatron_module(model).decoder.layers:
         router = getattr(layer.mlp, "router", None)
         if router is not None:
             out.append((layer.layer_number - 1, router))

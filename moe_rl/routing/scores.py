@@ -79,4 +79,6 @@ def route_with_noisy_choice(
         expert_bias=expert_bias.float() if expert_bias is not None else None,
         router_replay=choice,
     )
-    return probs.gather(1, choice.experts), choice.experts
+    experts = choice.experts
+    assert experts is not None  # (set by the routing call above)
+    return probs.gather(1, experts), experts

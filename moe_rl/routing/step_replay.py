@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state as ps
 from torch import Tensor
 
-from moe_rl.models.forward import MicroBatch
+from moe_rl.models.forward import MicroBatch, megatron_module
 from moe_rl.routing.replay import RoutingReplay, engine_routing_to_replay, moe_layers
 
 REPLAYING_MODES = ("r2", "r3")  # the old policy's routing | the inference engine's
@@ -78,7 +78,7 @@ def engine_indices(
     sequence-parallel slice): what R3 replays and what the drift metrics compare with."""
     layers = moe_layers(model)
     numbers, top_k = [n for n, _ in layers], (layers[0][1].topk if layers else 0)
-    config = model.config if hasattr(model, "config") else model.module.config
+    config = megatron_module(model).config
     return [
         engine_routing_to_replay(
             routed_mb,

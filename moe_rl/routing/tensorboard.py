@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -68,18 +70,21 @@ def log_routing(
     for tag, value in written.items():
         writer.add_scalar(tag, value, step)
     if "expert_disagreement" in metrics and images and float(metrics["expert_disagreement"].sum()) > 0:
-        layers = metrics["drift_layers"].tolist()
+        drift_layers = metrics["drift_layers"].tolist()
         fig = heatmap_figure(
-            metrics["expert_disagreement"], layers, "tokens routed to the expert by one side only", normalize=False
+            metrics["expert_disagreement"],
+            drift_layers,
+            "tokens routed to the expert by one side only",
+            normalize=False,
         )
         writer.add_figure(tags.routing_disagreement_heatmap(group), fig, step, close=True)
     if "expert_load" in metrics:
         load = metrics["expert_load"]
-        layers = metrics.get("load_layers", torch.arange(load.shape[0])).tolist()
-        for layer, row in zip(layers, load):
+        load_layers = metrics.get("load_layers", torch.arange(load.shape[0])).tolist()
+        for layer, row in zip(load_layers, load):
             _load_histogram(writer, tags.routing_load_histogram(layer), row, step)
         if images:
-            fig = heatmap_figure(load, layers)
+            fig = heatmap_figure(load, load_layers)
             writer.add_figure(tags.ROUTING_HEATMAP, fig, step, close=True)
     return written
 
@@ -102,7 +107,7 @@ def _load_histogram(writer, tag: str, load: Tensor, step: int) -> None:
 
 def heatmap_figure(
     load: Tensor,
-    layers: list[int],
+    layers: Sequence[int],
     title: str = "expert load (share of layer's tokens)",
     panels: dict[str, Tensor] | None = None,
     normalize: bool = True,
