@@ -224,7 +224,25 @@ FIGURES = [  # file, tag, title, y-axis label, smoothed, evaluation points
         False,
     ),
     ("clip_frac", TAGS["clip_frac"], "clip fraction", "share of response tokens clipped", False, False),
+    (
+        "kl",
+        tags.train("offpolicy/kl_k3"),
+        "train-inference KL (k3, old pass)",
+        "KL per token (log scale)",
+        False,
+        False,
+    ),
+    (
+        "extreme_tokens",
+        tags.train("offpolicy/extreme_token_frac"),
+        "tokens with a train-inference ratio outside [1/2, 2]",
+        "share of response tokens",
+        False,
+        False,
+    ),
+    ("grad_norm", tags.TRAIN_GRAD_NORM, "gradient norm", "norm before clipping", False, False),
 ]
+LOG_SCALE = {"kl"}  # figures plotted on a log y axis (heavy-tailed per step)
 
 
 def plot_curves(plots: Path, by_run: dict[str, list[dict]]) -> None:
@@ -241,6 +259,8 @@ def plot_curves(plots: Path, by_run: dict[str, list[dict]]) -> None:
             series = [s[tag] for s in seeds if s.get(tag)]
             if series:
                 _banded(ax, name, series, smooth, STYLES[i % len(STYLES)], points)
+        if key in LOG_SCALE:
+            ax.set_yscale("log")
         notes = ", ".join(n for n, on in (("EMA 0.3", smooth), ("band: seeds min..max", several)) if on)
         _finish(fig, ax, f"{title} ({tag})" + (f"; {notes}" if notes else ""), "step", ylabel, plots / f"{key}.png")
 
@@ -501,59 +521,105 @@ def write_report(
 
 
 REGIME_TOLERANCE = 0.2  # the flip fraction reached counts as the setting's within ±20%
+# the R3 paper's figures (Qwen3-30B-A3B, SGLang vs Megatron; arXiv 2510.11370), beside ours
+PAPER_KL, PAPER_KL_R3, PAPER_FLIP_FRAC, PAPER_ANY_LAYER = 1.535e-3, 7.5e-4, 0.1, 0.94
 
 
-def _run_mean(data: dict[str, dict[str, dict[int, float]]], name: str, where=lambda v: True) -> float | None:
-    """The mean over runs (and their steps) of tag ``name``, over the runs whose own mean
-    passes ``where``."""
-    means = [sum(s[name].values()) / len(s[name]) for s in data.values() if s.get(name)]
-    means = [m for m in means if where(m)]
-    return sum(means) / len(means) if means else None
+def _run_figure(
+    data: dict[str, dict[str, dict[int, float]]], name: str, where=lambda s: True, per_run=None
+) -> float | None:
+    """The mean over the runs that pass ``where`` of each run's figure for tag ``name``: its
+    mean over steps, or ``per_run`` of its steps' values (e.g. the median)."""
+    import statistics
+
+    per_run = per_run or statistics.fmean
+    figures = [per_run(list(s[name].values())) for s in data.values() if s.get(name) and where(s)]
+    return sum(figures) / len(figures) if figures else None
+
+
+def _replays_engine(s: dict[str, dict[int, float]]) -> bool:
+    """A run that trains on the engine's routing (R3): its trainer never disagreed with it."""
+    changed = s.get(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED)
+    return bool(changed) and max(changed.values()) == 0
+
+
+def _moves_routing(s: dict[str, dict[int, float]]) -> bool:
+    """A run whose updates changed routing (no R2 / R3 replay in them)."""
+    changed = s.get(tags.ROUTING_REPLAYED_CHANGED)
+    return bool(changed) and max(changed.values()) > 0
+
+
+SIMULATED_TARGETS = (tags.SIMULATED_TARGET_FLIP_FRAC, tags.SIMULATED_TARGET_LOGIT_KL)
 
 
 def regime_section(data: dict[str, dict[str, dict[int, float]]], seeds: list[int] | None = None) -> str:
-    """The simulated train-inference mismatch the runs met (``rollout.simulate_mismatch``):
-    per MoE layer the target flip fraction, what the engine measured against its unperturbed
-    self, and what the trainer measured against the engine (runs without R3); the tokens
-    flipped in any layer, the KL, and the update-side routing change; over the runs that
-    simulate it (a control run without it is left out). Empty without one."""
-    data = {name: scalars for name, scalars in data.items() if tags.SIMULATED_TARGET_FLIP_FRAC in scalars}
-    target = _run_mean(data, tags.SIMULATED_TARGET_FLIP_FRAC)
-    if target is None:
+    """The simulated train-inference mismatch the runs met (``rollout.simulate_mismatch``), over
+    the runs that simulate it (a control without it is left out, but for its KL): per MoE layer the
+    flips the engine measured against its clean self and the trainer against the engine (runs
+    without R3); then the KL and extreme-token share as the trainer measured them, without and with
+    R3, beside the R3 paper's figures; the engine's split of the KL; the update-side change. Empty
+    without a simulation."""
+    import statistics
+
+    simulated = {n: s for n, s in data.items() if any(t in s for t in SIMULATED_TARGETS)}
+    if not simulated:
         return ""
+    median = statistics.median
     prefix = tags.simulated_mismatch("flip_frac", 0).rsplit("_", 1)[0] + "_"
-    layers = sorted({int(t[len(prefix) :]) for s in data.values() for t in s if t.startswith(prefix)})
-    unreplayed = lambda m: m > 0  # noqa: E731  (R3 runs replay the engine's routing: exactly 0)
+    layers = sorted({int(t[len(prefix) :]) for s in simulated.values() for t in s if t.startswith(prefix)})
+    target = _run_figure(simulated, tags.SIMULATED_TARGET_FLIP_FRAC)
+    routing_kl = _run_figure(simulated, tags.SIMULATED_TARGET_ROUTING_KL)
+    logit_kl = _run_figure(simulated, tags.SIMULATED_TARGET_LOGIT_KL)
+    plain = lambda s: not _replays_engine(s)  # noqa: E731
+    how = (
+        f"calibrated by the engine so that the flips alone cost a KL of {_sig(routing_kl)} per token (the flip "
+        "fraction per layer is what that takes, in the table)"
+        if routing_kl
+        else f"calibrated by the engine to {_sig(target)} of tokens flipped per MoE layer"
+    )
     lines = [
         "## The simulated mismatch regime",
         "",
-        "**A simulation**: the local engine's routers were perturbed on the inference side only "
-        f"(`rollout.simulate_mismatch.router_flip_frac={sig(target)}`), calibrated by the engine so that this share of "
-        "tokens gets another top-k set per MoE layer; the trainer's forward is the model's own. R3 paper (Qwen3-30B-A3B, "
-        "SGLang vs Megatron): ~10% of router choices differ per layer, ~94% of tokens in at least one of 48 layers.",
+        f"**A simulation** (`rollout.simulate_mismatch`): the local engine's routing was perturbed on the inference "
+        f"side only, {how}"
+        + (f"; its final logits were perturbed to a KL of {_sig(logit_kl)} per token" if logit_kl else "")
+        + ". The trainer's forward is the model's own. Evaluation ran the engine's clean model.",
         "",
-        "| MoE layer | target | engine vs unperturbed (all runs) | trainer vs engine (runs without R3) | within ±20% |",
-        "|---|---|---|---|---|",
+        "| MoE layer | flip target | engine vs its clean self (all runs) | trainer vs engine (runs without R3) |",
+        "|---|---|---|---|",
     ]
     for l in layers:
-        engine = _run_mean(data, tags.simulated_mismatch("flip_frac", l))
-        trainer = _run_mean(data, tags.routing("changed_frac", "train_vs_rollout", l), unreplayed)
-        reached = trainer if trainer is not None else engine
-        ok = reached is not None and abs(reached - target) <= REGIME_TOLERANCE * target
-        lines.append(f"| {l} | {sig(target)} | {_sig(engine)} | {_sig(trainer)} | {'yes' if ok else 'no'} |")
-    any_engine = _run_mean(data, tags.SIMULATED_ANY_LAYER_FLIPPED_FRAC)
-    any_trainer = _run_mean(data, tags.ROUTING_TRAIN_VS_ROLLOUT_ANY_LAYER, unreplayed)
-    kl_engine = _run_mean(data, tags.SIMULATED_KL_K3)
-    kl_trainer = _run_mean(data, tags.train("offpolicy/kl_k3"))
-    update = _run_mean(data, tags.ROUTING_REPLAYED_CHANGED, unreplayed)
-    expert_change = _run_mean(data, tags.ROUTING_EXPERT_CHANGE)
+        engine = _run_figure(simulated, tags.simulated_mismatch("flip_frac", l))
+        trainer = _run_figure(simulated, tags.routing("changed_frac", "train_vs_rollout", l), plain)
+        lines.append(f"| {l} | {_sig(target)} | {_sig(engine)} | {_sig(trainer)} |")
+    kl, extreme = tags.train("offpolicy/kl_k3"), tags.train("offpolicy/extreme_token_frac")
+    r3 = lambda s: _replays_engine(s)  # noqa: E731
+    control = {n: s for n, s in data.items() if n not in simulated}
+    row = lambda label, name, per_run, paper, paper_r3: (  # noqa: E731
+        f"| {label} | {_sig(_run_figure(simulated, name, plain, per_run))} | "
+        f"{_sig(_run_figure(simulated, name, r3, per_run))} | {_sig(_run_figure(control, name, per_run=per_run))} "
+        f"| {paper} | {paper_r3} |"
+    )
     lines += [
         "",
-        f"Tokens with a flip in at least one of the {len(layers)} MoE layers: {_sig(any_engine)} (engine), "
-        f"{_sig(any_trainer)} (trainer, runs without R3). KL(engine || unperturbed model), k3 per response token: "
-        f"{_sig(kl_engine)}; train-inference KL the trainer measured (`train/offpolicy/kl_k3`, all runs): {_sig(kl_trainer)}.",
-        f"Update side: {_sig(update)} of tokens changed their top-k set between the old pass and the update passes "
-        f"(`{tags.ROUTING_REPLAYED_CHANGED}`, runs without replay); {_sig(expert_change)} of activated experts changed "
-        f"per step (`{tags.ROUTING_EXPERT_CHANGE}`; GSPO paper: ~10% per update at 48 layers).",
+        "| figure | runs without R3 | runs with R3 | control (no simulation) | R3 paper, no replay | R3 paper, R3 |",
+        "|---|---|---|---|---|---|",
+        row(f"train-inference KL, k3 (`{kl}`), median over steps", kl, median, f"{PAPER_KL:g}", f"{PAPER_KL_R3:g}"),
+        row("the same, mean over steps", kl, None, "", ""),
+        row(f"extreme-ratio tokens (`{extreme}`), mean over steps", extreme, None, "", "~10x fewer"),
+        row(
+            "tokens flipped in >= 1 MoE layer (engine)",
+            tags.SIMULATED_ANY_LAYER_FLIPPED_FRAC,
+            None,
+            "0.94 of 48 layers",
+            "",
+        ),
+        row("engine: KL of the routing flips alone (exact), median", tags.SIMULATED_ROUTING_KL, median, "", ""),
+        row("engine: KL of the logit perturbation (exact), median", tags.SIMULATED_LOGIT_KL, median, "", ""),
+        "",
+        f"Update side: {_sig(_run_figure(data, tags.ROUTING_REPLAYED_CHANGED, _moves_routing))} of tokens changed "
+        f"their top-k set between the old pass and the update passes (`{tags.ROUTING_REPLAYED_CHANGED}`, runs without "
+        f"replay); {_sig(_run_figure(data, tags.ROUTING_EXPERT_CHANGE))} of activated experts changed per step "
+        f"(`{tags.ROUTING_EXPERT_CHANGE}`; GSPO paper: ~10% per update at 48 layers).",
     ]
     return "\n".join(lines)

@@ -362,9 +362,17 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     # ... but pairing by seed removes it; a difference inside the paired noise does not agree
     noisy = runs({"a": [[1.0], [2.0], [3.0]], "b": [[0.5], [2.4], [2.9]]})
     assert not compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), noisy).agrees
-    # "as well as" (at_least): not worse beyond the noise agrees; clearly worse does not
-    assert compare(Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), at_least=True), noisy).agrees
-    assert not compare(Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), at_least=True), clear).agrees
+    # 3.5 standard errors with 3 seeds: beyond 2, but not beyond Student's t(2) = 4.30
+    three = runs({"a": [[1.1], [2.2], [3.3]], "b": [[1.0], [2.0], [3.0]]})
+    out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), three)
+    assert 2 < out.effect / out.stderr < 4.3 and out.threshold == pytest.approx(4.303, abs=1e-3) and not out.agrees
+    # "as well as" (at_least): within the margin at the low end agrees; noise alone, or clearly worse, does not
+    as_well = lambda margin: Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), True, margin)  # noqa: E731
+    assert not compare(as_well(0.05), noisy).agrees and not compare(as_well(0.05), clear).agrees
+    close = runs({"a": [[1.0], [2.0], [3.0]], "b": [[0.99], [2.0], [2.995]]})
+    assert compare(as_well(0.05), close).agrees and not compare(as_well(0.0), close).agrees
+    with pytest.raises(ValueError, match="needs a margin"):
+        Comparison(Side("b", tag("m"), "m"), Side("a", tag("m"), "m"), at_least=True)
     # equal figures are no effect in the claimed direction
     same = runs({"a": [[1.0], [2.0]], "b": [[1.0], [2.0]]})
     assert not compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), same).agrees
@@ -378,6 +386,24 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(
         0.15
     )
+
+
+@pytest.mark.parametrize("dof", [1, 2, 4, 9, 40])
+def test_the_t_threshold_is_students_quantile(dof: int) -> None:
+    """The threshold's upper tail, integrated from the t density (Simpson's rule over a
+    substitution that makes the tail finite), is 2.5%."""
+    from moe_rl.claims import t_critical
+
+    t = t_critical(dof)
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    density = lambda x: math.exp(log_norm - (dof + 1) / 2 * math.log1p(x * x / dof))  # noqa: E731
+    # x = t / u, u in (0, 1]: the tail is the integral of density(t / u) t / u^2 du
+    n, total = 20000, 0.0
+    for i in range(n + 1):
+        u = max(i / n, 1e-9)
+        weight = 1 if i in (0, n) else (4 if i % 2 else 2)
+        total += weight * density(t / u) * t / (u * u)
+    assert total / (3 * n) == pytest.approx(0.025, rel=1e-4)
 
 
 def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_claims() -> None:

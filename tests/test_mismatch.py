@@ -354,25 +354,43 @@ def test_simulate_mismatch_settings_are_checked() -> None:
         )
 
 
-def test_the_report_states_the_regime_reached_per_layer() -> None:
+def test_the_report_states_the_regime_reached_beside_the_papers_figures() -> None:
     from moe_rl.report import regime_section
 
-    def run(engine: tuple[float, float], trainer: tuple[float, float]) -> dict:
-        steps = lambda v: {1: v, 2: v}  # noqa: E731
-        out = {tags.SIMULATED_TARGET_FLIP_FRAC: steps(0.1)}
-        for layer, (e, t) in enumerate(zip(engine, trainer)):
+    kl = tags.train("offpolicy/kl_k3")
+
+    def run(flips: tuple[float, float], trainer: tuple[float, float], kls: list[float]) -> dict:
+        steps = lambda v: {1: v, 2: v, 3: v}  # noqa: E731
+        out = {
+            tags.SIMULATED_TARGET_FLIP_FRAC: {1: 0.1, 2: 0.2, 3: 0.3},  # floating: routing_kl set
+            tags.SIMULATED_TARGET_ROUTING_KL: steps(8e-4),
+            tags.SIMULATED_TARGET_LOGIT_KL: steps(7.5e-4),
+            kl: dict(enumerate(kls, 1)),
+            tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED: steps(sum(trainer) / 2),
+        }
+        for layer, (e, t) in enumerate(zip(flips, trainer)):
             out[tags.simulated_mismatch("flip_frac", layer)] = steps(e)
             out[tags.routing("changed_frac", "train_vs_rollout", layer)] = steps(t)
         return out
 
-    # R3's run (trainer 0: it replays the engine) is left out of the trainer's column, and a
-    # control run without the simulation (no target logged) out of every column
-    control = {tags.routing("changed_frac", "train_vs_rollout", layer): {1: 0.004} for layer in (0, 1)}
+    # R3's run (trainer 0: it replays the engine) is left out of the trainer's column and is the "with R3"
+    # column; a control run without the simulation (no target logged) only has its own KL column
+    control = {kl: {1: 1e-5, 2: 3e-5, 3: 2e-5}, tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED: {1: 0.004}}
     section = regime_section(
-        {"grpo": run((0.09, 0.13), (0.11, 0.15)), "grpo_r3": run((0.11, 0.13), (0.0, 0.0)), "control": control}
+        {
+            "grpo": run((0.09, 0.13), (0.11, 0.15), [1e-3, 2e-3, 9e-3]),
+            "grpo_r3": run((0.11, 0.13), (0.0, 0.0), [7e-4, 8e-4, 7.5e-4]),
+            "control": control,
+        }
     )
-    assert "| 0 | 0.100 | 0.100 | 0.110 | yes |" in section and "| 1 | 0.100 | 0.130 | 0.150 | no |" in section
-    assert "A simulation" in section
+    assert "| 0 | 0.200 | 0.100 | 0.110 |" in section and "| 1 | 0.200 | 0.130 | 0.150 |" in section
+    # the KL: each run's median over steps (mean over steps on the next row), the paper's beside them
+    assert (
+        f"| train-inference KL, k3 (`{kl}`), median over steps | 0.00200 | 0.000750 | 2.00e-05 | 0.001535 | 0.00075 |"
+        in section
+    )
+    assert "| the same, mean over steps | 0.00400 | 0.000750 | 2.00e-05 |" in section
+    assert "A simulation" in section and "a KL of 0.000800 per token" in section
     assert regime_section({"grpo": {tags.TRAIN_LOSS: {1: 0.0}}}) == ""
 
 

@@ -43,16 +43,17 @@ from moe_rl import tags
 from moe_rl.models.architectures import architecture_of
 from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.routing.scores import route_with_noisy_choice
-from moe_rl.rollout.scale_search import SCALE_RANGE, solve_scale
+from moe_rl.rollout.scale_search import MAX_MEASUREMENTS, SCALE_RANGE, solve_scale
 from moe_rl.rollout.settings import SimulatedMismatch
 
 log = logging.getLogger("moe_rl.rollout")
 
-POOL_TOKENS = 2048  # the most recent generated tokens kept to calibrate on
+POOL_TOKENS = 1024  # the most recent generated tokens kept to calibrate on
 # a calibrated figure within this (relative) of its target ends the search. The routing's KL is
 # heavy-tailed per token: over a pool a few tokens make much of it and it jumps where one of them
 # flips, and from one batch to the next it varies by more than this anyway; the logits' is smooth
 FLIP_TOLERANCE, ROUTING_KL_TOLERANCE, LOGIT_KL_TOLERANCE = 0.03, 0.25, 0.03
+ROUTING_KL_MEASUREMENTS = 5  # (each a forward pass over the pool) then the closest
 EXTREME_LOG_RATIO = math.log(2.0)  # a token's ratio outside [1/2, 2]
 
 
@@ -380,7 +381,8 @@ class MismatchSimulation:
             return self._routing_kl(batches, clean)
 
         last = next(iter(self.routing.scales.values()))
-        self._set_router_scale(None, self._solve(kl, self.settings.routing_kl, last, ROUTING_KL_TOLERANCE, 2.0))
+        found = self._solve(kl, self.settings.routing_kl, last, ROUTING_KL_TOLERANCE, 2.0, ROUTING_KL_MEASUREMENTS)
+        self._set_router_scale(None, found)
 
     @torch.no_grad()
     def _calibrate_logits(self, batches: list[Batch]) -> None:
@@ -402,12 +404,18 @@ class MismatchSimulation:
 
     @staticmethod
     def _solve(
-        measure: Callable[[float], float], target: float, last: float, tolerance: float, exponent: float
+        measure: Callable[[float], float],
+        target: float,
+        last: float,
+        tolerance: float,
+        exponent: float,
+        measurements: int = MAX_MEASUREMENTS,
     ) -> float:
-        """:func:`~moe_rl.rollout.scale_search.solve_scale` from the last scale, warning when the
-        target is out of reach."""
-        found = solve_scale(measure, target, last, tolerance=tolerance, exponent=exponent)
-        measure(found.scale)  # (left set where it was found)
+        """:func:`~moe_rl.rollout.scale_search.solve_scale` from the last scale (the caller sets the
+        scale found), warning when the target is out of reach."""
+        found = solve_scale(
+            measure, target, last, tolerance=tolerance, exponent=exponent, max_measurements=measurements
+        )
         if not found.reached and (found.value < target) == (found.scale >= SCALE_RANGE[1]):
             log.warning(
                 "simulated mismatch: a target of %.3g is out of reach (%.3g at the scale's limit %.3g)",
