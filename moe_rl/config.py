@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -162,7 +162,7 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
 # ------------------------------------------------------------------ loading
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """YAML file (optional) + ``key.sub=value`` overrides -> validated :class:`Config`."""
     raw: dict = {}
     if path is not None:

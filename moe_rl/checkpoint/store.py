@@ -47,10 +47,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from moe_rl.checks import ConfigError
 from moe_rl.disk import OutOfSpace, nearly_full, space_error
@@ -145,20 +146,20 @@ def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
         if meta is not None and format_problem(path, meta):
             raise CheckpointMismatch(format_problem(path, meta))
         problem = checkpoint_problem(path, meta)
-        if problem is None:
+        if problem is None and meta is not None:
             if rank() == 0:
                 for damaged, why in skipped:
                     log.warning("skipping checkpoint %s: %s; set aside as %s", damaged, why, set_aside(damaged).name)
             barrier()  # every rank sees the run directory as the first rank left it
             return path, meta
-        skipped.append((path, problem))
+        skipped.append((path, problem or "meta.json is empty or unreadable"))
     if skipped:
         if rank() == 0:
             for damaged, why in skipped:
                 log.warning("skipping checkpoint %s: %s", damaged, why)
-        skipped = [f"{path.name}: {why}" for path, why in skipped]
+        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
         raise CheckpointMismatch(
-            f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} ({'; '.join(skipped)}): nothing was loaded or "
+            f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} ({reasons}): nothing was loaded or "
             "deleted; move the damaged ones aside to start over from an older one, or choose another train.run_dir"
         )
     return None
@@ -206,7 +207,7 @@ def checkpoint_problem(path: Path, meta: dict | None) -> str | None:
     reason, or another's), or ``None``; each rank sums its share of the files. A
     checkpoint without a manifest is accepted with a warning when its files are there."""
     problem = _unusable(path, meta)
-    if problem is None:
+    if problem is None and meta is not None:
         try:
             problem = verification_problem(path, meta, (rank(), world_size()))
         except OSError as e:
@@ -214,7 +215,7 @@ def checkpoint_problem(path: Path, meta: dict | None) -> str | None:
     problems = [p for p in all_gather_objects(problem) if p]
     if problems:
         return problems[0]
-    if "seal" not in meta and rank() == 0:
+    if meta is not None and "seal" not in meta and rank() == 0:
         log.warning(
             "checkpoint %s has no manifest (written before moe-rl recorded checksums): its files are checked for "
             "presence and size only",
@@ -238,7 +239,10 @@ def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dic
     resumes from (megatron-core's two optimizers store their state in different forms),
     where ``optim.use_distributed_optimizer`` leaves the choice open; set otherwise, it
     must agree."""
-    saved = resume_from[1].get("distributed_optimizer") if resume_from else None
+    if resume_from is None:
+        return settings
+    path, meta = resume_from
+    saved = meta.get("distributed_optimizer")
     if saved is None or settings.use_distributed_optimizer == saved:
         return settings
     if settings.use_distributed_optimizer is None:
@@ -247,11 +251,11 @@ def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dic
                 "resuming %s with the plain optimizer it was saved with, although this layout's data-parallel ranks "
                 "would shard its state (the distributed optimizer): each rank holds the whole optimizer state of its "
                 "model shard",
-                resume_from[0],
+                path,
             )
         return dataclasses.replace(settings, use_distributed_optimizer=saved)
     raise CheckpointMismatch(
-        f"checkpoint {resume_from[0]} holds the {'distributed' if saved else 'plain'} optimizer's state and "
+        f"checkpoint {path} holds the {'distributed' if saved else 'plain'} optimizer's state and "
         f"optim.use_distributed_optimizer={settings.use_distributed_optimizer}: leave it unset (null) to resume"
     )
 
@@ -260,7 +264,7 @@ def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dic
 class TrainingState:
     """What a checkpoint holds of this rank: its model stage and the optimizer over it."""
 
-    model: torch.nn.Module
+    model: MegatronModule
     optimizer: Any  # megatron-core MegatronOptimizer (chained over dense and expert parameters)
     settings: OptimSettings  # what built the optimizer
     optimizer_sharding: str = RESHARDABLE  # megatron's distrib_optim_sharding_type (RESHARDABLE / DP_RESHARDABLE)
@@ -338,7 +342,9 @@ class Checkpointer:
         _writer_reports_die_with_this_process()
         # a name of its own: a writer a killed run left behind may still be writing an earlier one
         final = self.root / f"step_{step:06d}"
-        tmp = self.root / broadcast_object(f".tmp_step_{step:06d}.{uuid.uuid4().hex[:8]}" if rank() == 0 else None)
+        tmp = self.root / cast(
+            str, broadcast_object(f".tmp_step_{step:06d}.{uuid.uuid4().hex[:8]}" if rank() == 0 else None)
+        )
         self._writing = tmp
         with _space_named(tmp):
             self._start_save(step, state, extra, hf_weights, tmp, final)
@@ -440,7 +446,8 @@ class Checkpointer:
         aside = [path.rename(path.with_name(f".old_{path.name}")) for path in old]
         if aside:
             self._pruning = threading.Thread(
-                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in aside],
+                target=_remove_all,
+                args=(aside,),
                 name="checkpoint-prune",
                 daemon=True,
             )
@@ -563,7 +570,12 @@ class _WriterReports:
         return getattr(self._queue, name)
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_weights(path: Path, model: MegatronModule) -> None:
     """Collective: the weights of checkpoint ``path`` (written under any layout) into this
     rank's ``model``; the optimizer state is not read."""
     # (each rank reads its own: export loads the weights once; resumes share the reads)
@@ -685,7 +697,9 @@ def _rng_rank(meta: dict) -> int:
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = np.random.get_state()
+    assert isinstance(state, tuple)  # (the legacy form, the default)
+    name, keys, pos, has_gauss, gauss = state
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -180,6 +180,8 @@ def _routing_of(path: str, prompts: list[list[int]] | None) -> dict:
 
     from moe_rl.commands.export import model_dir_of
 
+    if prompts is None:
+        raise ValueError(f"--prompts is needed to route {path} (a model, not a routing file)")
     path = str(model_dir_of(path))  # a training checkpoint's model/, verified first
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     vocab = model.config.vocab_size

@@ -35,7 +35,9 @@ def run_rank(args: argparse.Namespace) -> int:
     init_distributed(layout, model_dims(hf_config), seed=args.seed)
     try:
         outcome = _generate_on_first_rank(args, hf_dir, hf_config) if is_first_rank() else None
-        status, samples, version = broadcast_object(outcome)  # every rank stops on the first rank's error
+        shared = broadcast_object(outcome)  # every rank stops on the first rank's error
+        assert shared is not None  # (the first rank's)
+        status, samples, version = shared
         if status == "error":
             if is_first_rank():
                 raise ValueError(samples)

@@ -73,7 +73,7 @@ def evaluate(expression: str, *, deadline: float = math.inf) -> int | float:
 def _value(node: ast.AST, deadline: float) -> int | float:
     if time.perf_counter() > deadline:
         raise ToolError("timed out")
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return _bounded(node.value, "number too large")
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         v = _value(node.operand, deadline)

@@ -161,7 +161,7 @@ class ExperienceCollector:
 
     def _scalars(self, exp: Experience, rounds: list[SampledRound], kept_groups: int) -> dict[str, float]:
         """Rewards over every sample generated this step; the rest over the trained batch."""
-        samples, advantages = exp.samples, exp.advantages
+        samples, advantages = exp.all_samples, exp.advantages
         grouped = advantages.view(-1, self.cfg.rollout.group_size)
         everything = RewardBatch.concat([rd.rewards for rd in rounds])
         trained = RewardBatch(exp.rewards, everything.names, everything.weights)
@@ -201,9 +201,9 @@ def policy_lag(exp: Experience, step: int, max_lag: int) -> float:
     that generated ``exp`` were; :class:`StaleWeightsError` beyond ``max_lag`` (or for a
     version the trainer never synced)."""
     try:
-        lags = {step - int(s.weight_version) for s in exp.samples}
+        lags = {step - int(s.weight_version) for s in exp.all_samples}
     except ValueError:
-        versions = sorted({s.weight_version for s in exp.samples})
+        versions = sorted({s.weight_version for s in exp.all_samples})
         raise StaleWeightsError(
             f"step {step + 1}: samples of weight versions {versions}, which the trainer never synced"
         ) from None

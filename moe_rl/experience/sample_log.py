@@ -47,7 +47,7 @@ def sample_records(
     indices = list(range(0, len(exp.samples), group_size))[:count]
     records = []
     for i in indices:
-        s = exp.samples[i]
+        s = exp.sample(i)
         records.append(
             SampleRecord(
                 step=step,

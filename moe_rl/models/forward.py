@@ -68,8 +68,8 @@ class ForwardHooks(Protocol):
 
 
 def run_microbatches(
-    model: torch.nn.Module,
-    micro_batches: list[MicroBatch],
+    model: torch.nn.Module | list[torch.nn.Module],
+    micro_batches: Sequence[MicroBatch],
     *,
     loss_fn: LossFn | None = None,
     forward_only: bool = True,

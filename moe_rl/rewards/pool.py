@@ -36,13 +36,13 @@ class RewardPool:
         self.functions = list(functions)
         self.restarts = 0  # workers killed (timeout) or lost (died) and replaced
         self._ctx = multiprocessing.get_context("spawn")
-        self._workers: list[tuple[multiprocessing.Process, Connection]] = []
+        self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
         for _ in range(workers):
             self._workers.append(self._spawn())
         for i in range(workers):
             self._await_ready(i)
 
-    def _spawn(self) -> tuple[multiprocessing.Process, Connection]:
+    def _spawn(self) -> tuple[multiprocessing.process.BaseProcess, Connection]:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_serve, args=(child, self.functions), daemon=True, name="moe-rl-reward")
         process.start()

@@ -42,7 +42,7 @@ def _warm_up_math_verify() -> None:
         _math_equal(response, "13")
 
 
-math_correct.warm_up = _warm_up_math_verify
+math_correct.warm_up = _warm_up_math_verify  # type: ignore[attr-defined]  # the scorer's warm-up hook
 
 
 @lru_cache(maxsize=4096)

@@ -79,7 +79,7 @@ class RewardScorer:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
         a hung call's worker killed at the timeout), or one call at a time in a thread."""
         columns: list[list[float]] = []
-        failures = {n: Counter() for n in self.names}
+        failures: dict[str, Counter] = {n: Counter() for n in self.names}
         if self._pool is not None:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
             outcomes = iter(self._pool.score(tasks))
@@ -202,7 +202,7 @@ class _RewardThread:
             self._running = None
             batch.done.set()
 
-    def submit(self, calls: list[tuple[RewardFn, RewardInput, dict]], timeout_s: float) -> _Batch:
+    def submit(self, calls: list[tuple[Callable, Any, dict]], timeout_s: float) -> _Batch:
         """Queue ``calls`` (run in order, after any batch queued before)."""
         batch = _Batch([_PendingCall(fn, sample, kwargs) for fn, sample, kwargs in calls], timeout_s)
         self._batches.put(batch)

@@ -7,7 +7,7 @@ engine against the capability its sync or placement needs once, when the run sta
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -89,8 +89,14 @@ class MemoryReleaser(Protocol):
     def resume_memory_occupation(self, tags: Sequence[str]) -> None: ...
 
 
-def require_capability(engine: object, capability: type, what: str) -> None:
-    """``engine`` implements ``capability`` (``None``, off the first rank, always passes), else
-    a ``TypeError`` naming what needed it."""
-    if engine is not None and not isinstance(engine, capability):
+C = TypeVar("C")
+
+
+def require_capability(engine: object, capability: type[C], what: str) -> C | None:
+    """``engine``, which must implement ``capability`` (``None``, off the first rank, always
+    passes), as one; else a ``TypeError`` naming what needed it."""
+    if engine is None:
+        return None
+    if not isinstance(engine, capability):
         raise TypeError(f"{what} needs an engine that is a {capability.__name__}; {type(engine).__name__} is not")
+    return engine

@@ -24,9 +24,9 @@ class PolicyMicroBatch(MicroBatch):
     mask: Tensor  # [b, s-1] float, 1 on the policy's response tokens (0 on tokens an environment inserted)
     advantages: Tensor  # [b]
     rollout_logp: Tensor  # [b, s-1] the engine's log-probs (0 off the response)
-    routed_experts: (
-        list[Tensor] | None
-    )  # per sequence [len-1, layers, k] from the engine (its compact index type), if asked for
+    # per sequence [len-1, layers, k] from the engine (its compact index type; None: a sample
+    # it returned none for), if asked for
+    routed_experts: list[Tensor | None] | None
     sample_indices: list[int]  # positions in the step's Experience (-1: an empty row)
     old_logp: Tensor | None = None  # [b, s-1] set by the old-policy pass (or the rollout's)
     ref_logp: Tensor | None = None  # [b, s-1] set by the reference pass (kl_coef > 0)
@@ -47,7 +47,7 @@ class TrainBatch:
     @property
     def padding(self) -> tuple[float, float]:
         """(real tokens, padded tokens) of this rank's micro-batches."""
-        real = sum(float(mb.lengths.sum()) for mb in self.micro_batches)
+        real = sum(float(mb.lengths.sum()) for mb in self.micro_batches if mb.lengths is not None)
         return real, float(sum(mb.input_ids.numel() for mb in self.micro_batches))
 
 
@@ -79,9 +79,10 @@ def build_train_batch(
 
 def _routing_shape(exp: Experience) -> tuple[int, int]:
     """(layers, k) of the engine's routing, for the empty rows' (empty) routing."""
-    if exp.totals.routing_shape is None:
+    shape = exp.step_totals.routing_shape
+    if shape is None:
         raise ValueError("routing was asked for, but the rollout engine returned no routed experts")
-    return exp.totals.routing_shape
+    return shape
 
 
 def _micro_batch(
@@ -90,7 +91,7 @@ def _micro_batch(
     """Rows of ``chunk`` (``None``: an empty row), each tensor made at once from padded rows
     (a tensor write per row and field cost more than the rest of the step's bookkeeping)."""
     ids, mask, rollout_logp, lengths, advantages, environment = [], [], [], [], [], []
-    routed = [] if routing_shape is not None else None
+    routed: list[Tensor | None] | None = [] if routing_shape is not None else None
     step_advantages = exp.advantages.tolist()
     for i in chunk:
         if i is None:
@@ -103,7 +104,7 @@ def _micro_batch(
             if routed is not None:
                 routed.append(torch.zeros((0, *routing_shape), dtype=torch.int32))
             continue
-        smp = exp.samples[i]
+        smp = exp.sample(i)
         p, o = len(smp.prompt_ids), len(smp.output_ids)
         after = seq_len - p - o  # padding past the sequence
         ids.append(smp.prompt_ids + smp.output_ids + [pad_id] * after)
@@ -130,6 +131,7 @@ def _micro_batch(
 
 def _on_device(mb: PolicyMicroBatch, device: torch.device) -> PolicyMicroBatch:
     """The one place batch tensors move to the rank's device."""
+    assert mb.lengths is not None  # (every row's length is known here)
     mb.input_ids, mb.lengths, mb.mask = mb.input_ids.to(device), mb.lengths.to(device), mb.mask.to(device)
     mb.advantages, mb.rollout_logp = mb.advantages.to(device), mb.rollout_logp.to(device)
     if mb.environment_tokens is not None:

@@ -30,15 +30,20 @@ def share_experience(
 ) -> tuple[Experience, dict]:
     """Collective. On the first rank ``exp`` is the whole step (returned as is); every
     other rank gets an :class:`Experience` holding its share, and every rank the scalars."""
-    totals, names, scalars = broadcast_object((exp.totals, exp.reward_names, scalars) if exp is not None else None)
+    shared = broadcast_object((exp.step_totals, exp.reward_names, scalars) if exp is not None else None)
+    assert shared is not None  # (the first rank's)
+    totals, names, scalars = shared
+    assert scalars is not None
     if world_size() == 1:
+        assert exp is not None
         return exp, scalars
     needed = sorted({i for rows in planner.plan(totals.lengths) for i in rows if i is not None})
     wanted = gather_objects(needed)  # small: sample indices
     if rank() == 0:
+        assert exp is not None and wanted is not None
         for dst, indices in enumerate(wanted):
             if dst != 0 and indices:
-                _send_samples([exp.samples[i] for i in indices], exp.advantages[indices], dst)
+                _send_samples([exp.sample(i) for i in indices], exp.advantages[indices], dst)
         return exp, scalars
     samples: list[Sample | None] = [None] * len(totals.lengths)
     advantages = torch.zeros(len(totals.lengths))

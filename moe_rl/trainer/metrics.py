@@ -10,7 +10,7 @@ import queue
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 import numpy as np
 import torch
@@ -98,9 +98,9 @@ def reduce_offpolicy(outputs: list[dict]) -> dict[str, float]:
         table = torch.tensor(_host_values(parts, tuple(keys)), dtype=torch.float64)
         sums = table[:, : len(MISMATCH_SUMS)].sum(0)
         extremes = torch.stack([table[:, -2].min(), -table[:, -1].max()])
-    sums, extremes = all_reduce(sums).tolist(), all_reduce(extremes, "min").tolist()
-    totals = dict(zip(MISMATCH_SUMS, sums))
-    totals.update(weight_min=extremes[0], weight_max=-extremes[1])
+    summed, lowest = all_reduce(sums).tolist(), all_reduce(extremes, "min").tolist()
+    totals = dict(zip(MISMATCH_SUMS, summed))
+    totals.update(weight_min=lowest[0], weight_max=-lowest[1])
     return {OFFPOLICY + k: v for k, v in mismatch_metrics(totals).items()}
 
 
@@ -167,13 +167,17 @@ class StepLogger:
     attempt logged past that step (the steps it did not checkpoint) is dropped, in
     ``metrics.jsonl`` and TensorBoard alike, so every step appears once."""
 
+    writer: BackgroundWriter
+    jsonl: TextIO
+    samples: TextIO
+
     def __init__(
         self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True
     ) -> None:
         self.enabled = enabled
         self.run_dir, self.total_steps = run_dir, total_steps
-        self.writer = self.bar = self.jsonl = self.samples = None
-        if not enabled:
+        self.bar: Any = None  # tqdm's, with train.progress
+        if not enabled:  # (writer, jsonl and samples exist only where enabled: every method returns first)
             return
         from torch.utils.tensorboard import SummaryWriter
 
@@ -197,7 +201,7 @@ class StepLogger:
         scalars: dict[str, float],
         routing: dict[str, dict[str, Tensor]],
         histograms: dict[str, Tensor] | None = None,
-        samples: list[SampleRecord] = (),
+        samples: Sequence[SampleRecord] = (),
     ) -> None:
         """``routing``: :meth:`moe_rl.routing.monitor.RoutingMonitor.reduce`'s groups;
         ``histograms`` (e.g. per-token log-ratios) come from this rank's share of the batch;

@@ -89,13 +89,16 @@ class PolicyObjective:
         loss, metrics = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
         metrics = {k: v for k, v in metrics.items() if k != "dual_clip_frac"}
         metrics["pg_loss"] = loss.detach()
-        common = dict(agg=a.loss_params.get("agg") or "token-mean", num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        agg = a.loss_params.get("agg") or "token-mean"
+        common = dict(num_tokens=self.num_tokens, num_seqs=self.num_seqs)
         if a.kl_coef > 0:
-            kl = kl_penalty(logp, mb.ref_logp, mask, a.kl_estimator, **common)
+            if mb.ref_logp is None:
+                raise ValueError("a KL term needs the reference log-probs (compute_reference_logprobs)")
+            kl = kl_penalty(logp, mb.ref_logp, mask, a.kl_estimator, agg, **common)
             loss = loss + a.kl_coef * kl
             metrics["kl_ref"] = kl.detach() * self.num_tokens / mask.sum().clamp(min=1.0)  # no host sync
         if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, **common)
+            loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, agg, **common)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         # with token_clipped: split by routing change; with log_ratio_mask: log_ratio_metrics
         metrics["token_log_ratio"] = logp.detach() - old

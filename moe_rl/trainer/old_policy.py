@@ -17,11 +17,11 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from moe_rl.models.forward import MicroBatch
+from moe_rl.trainer.batch import PolicyMicroBatch
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.routing.step_replay import StepReplay, engine_indices
 
-Forward = Callable[[Sequence[MicroBatch], list], list[dict]]  # (micro-batches, hooks) -> per micro-batch outputs
+Forward = Callable[[Sequence[PolicyMicroBatch], list], list[dict]]  # (micro-batches, hooks) -> per micro-batch outputs
 
 
 @dataclass
@@ -34,13 +34,11 @@ class StepRouting:
     monitor: RoutingMonitor | None = None  # observes it (drift metrics)
 
     @contextlib.contextmanager
-    def old_pass(self, batches: Sequence[MicroBatch], engine_routing: bool) -> Iterator[list]:
+    def old_pass(self, batches: Sequence[PolicyMicroBatch], engine_routing: bool) -> Iterator[list]:
         """``engine_routing``: the batches carry the engine's routed experts (R3 replays them,
         the monitor compares with them)."""
         indices = (
-            engine_indices(self.model, batches, [mb.routed_experts for mb in batches], self.num_experts)
-            if engine_routing
-            else None
+            engine_indices(self.model, batches, _engine_routing(batches), self.num_experts) if engine_routing else None
         )
         with contextlib.ExitStack() as passes:
             hooks = passes.enter_context(self.monitor.old_pass(batches, indices)) if self.monitor else []
@@ -60,18 +58,34 @@ class StepRouting:
     @contextlib.contextmanager
     def after_update_pass(self, bias_before: dict[int, Tensor] | None = None) -> Iterator[list]:
         """The monitor's forward-only pass after the optimizer step (no replay)."""
-        with self.monitor.after_update_pass(bias_before) if self.monitor else contextlib.nullcontext([]) as hooks:
+        watched: contextlib.AbstractContextManager[list] = (
+            self.monitor.after_update_pass(bias_before) if self.monitor else contextlib.nullcontext([])
+        )
+        with watched as hooks:
             yield hooks
 
 
+def _engine_routing(batches: Sequence[PolicyMicroBatch]) -> list[list[Tensor]]:
+    """Each micro-batch's sequences' routed experts from the engine, which every one must have."""
+    routed = []
+    for mb in batches:
+        if mb.routed_experts is None or any(r is None for r in mb.routed_experts):
+            raise ValueError("the rollout engine returned no routed experts for some of the step's samples")
+        routed.append([r for r in mb.routed_experts if r is not None])
+    return routed
+
+
 def old_policy_pass(
-    forward: Forward, batches: Sequence[MicroBatch], routing: StepRouting | None, *, engine_routing: bool
+    forward: Forward, batches: Sequence[PolicyMicroBatch], routing: StepRouting | None, *, engine_routing: bool
 ) -> list[dict]:
     """Collective: ``forward(batches, hooks)`` inside the routing's old pass (``engine_routing``:
     the batches carry the engine's routed experts, for R3 and the train-vs-rollout drift);
     the rollout log-prob mismatch is added to the monitor (the last stage's log-probs).
     Returns the outputs (empty off the last pipeline stage)."""
-    with routing.old_pass(batches, engine_routing) if routing else contextlib.nullcontext([]) as hooks:
+    old_pass: contextlib.AbstractContextManager[list] = (
+        routing.old_pass(batches, engine_routing) if routing else contextlib.nullcontext([])
+    )
+    with old_pass as hooks:
         outputs = forward(batches, hooks)
     if routing and routing.monitor:
         routing.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, batches)

@@ -43,7 +43,8 @@ def fixed_plan(indices: Sequence[int], rows_per_rank: int, micro_batch_size: int
 def balance_by_tokens(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     """Sample indices per rank: longest first, each to the rank with the fewest tokens so
     far (ties: the lower rank); each rank's list in sample order."""
-    loads, shares = [0] * ranks, [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    shares: list[list[int]] = [[] for _ in range(ranks)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(ranks), key=lambda r: (loads[r], r))
         loads[r] += lengths[i]

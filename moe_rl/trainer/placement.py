@@ -59,18 +59,18 @@ class Colocation:
     :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere.
     Made after :meth:`free_engine_memory`, which runs before the trainer builds its state."""
 
-    def __init__(self, engine: MemoryReleaser | None, offloader: DeviceOffloader) -> None:
-        require_capability(engine, MemoryReleaser, "rollout.colocate=true")
-        self.engine = engine
+    def __init__(self, engine: RolloutEngine | None, offloader: DeviceOffloader) -> None:
+        self.engine = require_capability(engine, MemoryReleaser, "rollout.colocate=true")
         self.offloader = offloader
         self.released: set[str] = set(ENGINE_MEMORY)  # the engine memory kinds released now (first rank)
 
     @staticmethod
-    def free_engine_memory(engine: MemoryReleaser | None) -> None:
+    def free_engine_memory(engine: RolloutEngine | None) -> None:
         """Collective, at start-up: the servers (started, and sized, on free GPUs) release
         all their memory before any rank builds its model, DDP buffers and masters."""
-        if engine is not None:
-            engine.release_memory_occupation(ENGINE_MEMORY)
+        releaser = require_capability(engine, MemoryReleaser, "rollout.colocate=true")
+        if releaser is not None:
+            releaser.release_memory_occupation(ENGINE_MEMORY)
         barrier()
 
     def for_training(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Any
 
 from parallel.collectives import any_rank
 
@@ -16,7 +17,7 @@ class StopRequests:
 
     def __init__(self) -> None:
         self._flag = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal.signal's previous handlers
 
     def __enter__(self) -> StopRequests:
         for sig in (signal.SIGINT, signal.SIGTERM):
