@@ -344,10 +344,6 @@ CLAIMS = (
 _TVR = tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED
 
 
-def _median(run: str, name: str) -> Side:
-    return Side(run, tag(name), f"{name}, median over steps", per_run=statistics.median)
-
-
 SCALE_REGIME_CLAIMS = (
     Claim(
         "R3 removes the engine's routing disagreement",
@@ -361,7 +357,8 @@ SCALE_REGIME_CLAIMS = (
         "order of magnitude fewer tokens with a ratio outside [1/2, 2]",
         (
             Comparison(robust("grpo", OFFPOLICY_KL), robust("grpo_r3", OFFPOLICY_KL)),
-            Comparison(_median("grpo", EXTREME), _median("grpo_r3", EXTREME)),
+            # (a rare event: most steps have none, so a median over steps is 0 either way)
+            Comparison(Side("grpo", tag(EXTREME), EXTREME), Side("grpo_r3", tag(EXTREME), EXTREME)),
         ),
         caveat="KL(rollout || trainer) by k3 on the old pass; a token is extreme when its ratio leaves [1/2, 2]",
     ),
@@ -506,7 +503,11 @@ def _runs_of(claim: Claim) -> set[str]:
 
 def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -> str:
     """The report's claims table: each comparison's figures, effect ± SE and verdict."""
-    paired_by = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds and len(seeds) > 1 else "steps (one seed)"
+    paired_by = (
+        f"seed ({', '.join(map(str, seeds))}, and any further seeds both runs have: n in t(n − 1))"
+        if seeds and len(seeds) > 1
+        else "steps (one seed)"
+    )
     lines = [
         "## The papers' claims at small scale",
         "",

@@ -406,3 +406,10 @@ def test_a_compare_config_names_its_claim_set() -> None:
 
     spec = yaml.safe_load((Path(__file__).parents[1] / "configs/compare/scale_regime.yaml").read_text())
     assert spec["claims"] == "scale_regime" and runs <= set(spec["runs"])  # every claim has its runs
+    assert _shape_problem(spec) is None and set(spec["more_seeds"]) <= runs
+    # more_seeds: the runs named get those seeds as well
+    from moe_rl.commands.compare import seeded_runs
+
+    seeded = seeded_runs({"a": {}, "b": {"x": 1}}, [1, 2], {"b": [2, 3]})
+    assert list(seeded) == ["a_s1", "a_s2", "b_s1", "b_s2", "b_s3"] and seeded["b_s3"] == {"x": 1, "train": {"seed": 3}}
+    assert "more_seeds must map run names" in _shape_problem({"runs": {"a": {}}, "more_seeds": {"c": [1]}})

@@ -64,11 +64,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--only names unknown runs {sorted(missing)}; runs: {', '.join(runs)}")
         runs = {k: v for k, v in runs.items() if k in only}
     if seeds:
-        runs = {
-            f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}})
-            for name, extra in runs.items()
-            for seed in seeds
-        }
+        runs = seeded_runs(runs, seeds, spec.get("more_seeds") or {})
     busy = runs_in_use(out_dir, list(runs))
     if busy:
         return fail(f"{busy}: another compare or train is running there (nothing was started or deleted)")
@@ -149,6 +145,17 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def seeded_runs(runs: dict, seeds: list[int], more: dict[str, list[int]]) -> dict:
+    """Every run once per seed (``<name>_s<seed>``, ``train.seed`` set), and the runs named in
+    ``more`` (a compare config's ``more_seeds``) with those seeds as well: more pairs for the
+    claims that hinge on them."""
+    return {
+        f"{name}_s{seed}": _merge(extra or {}, {"train": {"seed": seed}})
+        for name, extra in runs.items()
+        for seed in seeds + [s for s in more.get(name, []) if s not in seeds]
+    }
+
+
 def start_line(run_dir: Path, steps: int) -> str:
     """How a run starts: afresh, or continuing the checkpoints an earlier compare left
     (said out loud: a finished run is reused as it is, results of older code included)."""
@@ -222,9 +229,12 @@ def _shape_problem(spec) -> str | None:
     """What is wrong with the compare config's shape, in one line (``None``: nothing)."""
     if not isinstance(spec, dict):
         return "must hold a mapping with base, runs, out_dir, parallel_runs, fixed_steps"
-    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs", "claims"}
+    unknown = set(spec) - {"out_dir", "parallel_runs", "fixed_steps", "base", "runs", "claims", "more_seeds"}
     if unknown:
-        return f"unknown key {sorted(unknown)[0]!r}; valid: base, runs, out_dir, parallel_runs, fixed_steps, claims"
+        return (
+            f"unknown key {sorted(unknown)[0]!r}; valid: base, runs, out_dir, parallel_runs, fixed_steps, claims, "
+            "more_seeds"
+        )
     from moe_rl.claims import CLAIM_SETS
 
     if spec.get("claims", "papers") not in CLAIM_SETS:
@@ -234,6 +244,14 @@ def _shape_problem(spec) -> str | None:
     runs = spec.get("runs") or {}
     if not isinstance(runs, dict) or any(not isinstance(v or {}, dict) for v in runs.values()):
         return "runs must map each run name to a mapping of overrides (or nothing)"
+    more = spec.get("more_seeds") or {}
+    if not isinstance(more, dict) or any(
+        name not in runs
+        or not isinstance(s, list)
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+        for name, s in more.items()
+    ):
+        return "more_seeds must map run names (of runs) to lists of integer seeds"
     parallel = spec.get("parallel_runs", 1)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         return f"parallel_runs={parallel!r} must be an integer >= 1"
