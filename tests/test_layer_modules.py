@@ -221,3 +221,25 @@ def test_grouped_matmul_runs_on_the_cpu_and_on_hopper_and_later_gpus_in_bf16(
     from moe_rl.models.grouped_experts import grouped_mm_runs
 
     assert grouped_mm_runs(device, dtype, capability) is runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_the_hf_formula_to_the_bit_forward_and_backward(dtype: torch.dtype) -> None:
+    """torch's rms_norm (fused on CUDA) computes, on a CPU, exactly what the HF formula does:
+    weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)."""
+    from moe_rl.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    config = SimpleNamespace(params_dtype=dtype, sequence_parallel=False, use_cpu_initialization=True)
+    norm = RMSNorm(config, 64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(5, 3, 64, generator=gen).to(dtype).requires_grad_()
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    upstream = torch.randn(expected.shape, generator=gen).to(dtype)
+    want = torch.autograd.grad(expected, (x, norm.weight), upstream)
+    got_out = norm(x)
+    got = torch.autograd.grad(got_out, (x, norm.weight), upstream)
+    assert torch.equal(got_out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -5,7 +5,8 @@ shapes (hidden 2048, 32 query / 4 KV heads of 128, 128 experts x 768 ffn, top-8;
 - ``slice``: an 8K-token micro-batch step (2 micro-batches, then the optimizer): forward +
   backward TFLOP/s and MFU against the bf16 matmul rate measured in the same stage, the
   optimizer's time apart, for each token dispatcher at EP 1 (moe-rl's one-rank one, megatron's
-  allgather and alltoall); a ``torch.profiler`` summary of the default (GPU-busy share,
+  allgather and alltoall), and moe-rl's with its RMSNorm written out op by op (what torch's
+  fused rms_norm saves); a ``torch.profiler`` summary of the default (GPU-busy share,
   device-to-host syncs per step, the top kernels);
 - ``long_context``: one 32K-token sequence with R3 (the model's own recorded routing replayed)
   and full activation recompute: peak memory, time against the plain recomputed step, the
@@ -22,10 +23,12 @@ shapes (hidden 2048, 32 query / 4 KV heads of 128, 128 experts x 768 ffn, top-8;
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpu_check_common import Checks, cuda, device, matmul_tflops, moe_step_flops, one_rank, peak_mb, sync
@@ -125,6 +128,27 @@ def use_dispatcher(model, kind: str) -> None:
         layer.token_dispatcher = cls(layer.num_local_experts, layer.local_expert_indices, layer.config, groups)
 
 
+@contextlib.contextmanager
+def norms_written_out() -> Iterator[None]:
+    """moe-rl's RMSNorm computed op by op (x32 * rsqrt(mean(x32^2) + eps)) instead of with
+    torch's rms_norm (one fused kernel on CUDA), within the block: what the fusion saves."""
+    import torch
+
+    from moe_rl.models.layers import RMSNorm
+
+    fused = RMSNorm.forward
+
+    def written_out(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    RMSNorm.forward = written_out
+    try:
+        yield
+    finally:
+        RMSNorm.forward = fused
+
+
 def timed_step(ddp, optimizer, batches, loss_fn) -> dict:
     """One optimizer step: seconds of the forward + backward, of the rest (gradient
     finalize, norm, finite check, Adam), and the loss."""
@@ -186,13 +210,13 @@ def stage_slice(mode: str, checks: Checks, work: Path) -> dict:
             logp[kind] = forward_logprobs(ddp, probe)
         use_dispatcher(model, "allgather")
         logp["allgather_again"] = forward_logprobs(ddp, probe)
-        for kind in DISPATCHERS:
-            use_dispatcher(model, kind)
+
+        def measured(name: str) -> None:
             timed_step(ddp, optimizer, batches, loss_fn)  # warm-up
             peak_mb(reset=True)
             runs = [timed_step(ddp, optimizer, batches, loss_fn) for _ in range(steps)]
             fb = statistics.median(r["forward_backward_s"] for r in runs)
-            figures[kind] = {
+            figures[name] = {
                 "forward_backward_s": fb,
                 "optimizer_s": statistics.median(r["optimizer_s"] for r in runs),
                 "forward_backward_tflops": flops["flops"] / fb / 1e12,
@@ -200,7 +224,14 @@ def stage_slice(mode: str, checks: Checks, work: Path) -> dict:
                 "losses": [r["loss"] for r in runs],
                 "peak_mb": peak_mb(),
             }
-            print(f"    slice {kind}: {figures[kind]}", flush=True)
+            print(f"    slice {name}: {figures[name]}", flush=True)
+
+        for kind in DISPATCHERS:
+            use_dispatcher(model, kind)
+            measured(kind)
+        use_dispatcher(model, "one_rank")
+        with norms_written_out():  # the RMSNorm before torch's fused rms_norm, for its share
+            measured("one_rank_norms_written_out")
         profiles = {}
         for kind in ("allgather", "one_rank"):
             use_dispatcher(model, kind)
