@@ -116,24 +116,30 @@ def test_stacked_linear_is_one_matmul_per_expert(grouped: bool) -> None:
     assert layer.weight.grad[1].abs().sum() == 0
 
 
-def test_the_shared_causal_mask_is_recognised_and_only_the_newest_are_kept() -> None:
+def test_causal_masks_of_every_length_share_a_few_allocations_and_stay_recognised() -> None:
+    from moe_rl.models import layers
     from moe_rl.models.layers import causal_mask, is_shared_causal_mask
 
-    cpu = torch.device("cpu")
-    mask = causal_mask(5, cpu)
-    assert torch.equal(mask[0, 0], torch.ones(5, 5, dtype=torch.bool).triu(1))
-    assert causal_mask(5, "cpu") is mask and is_shared_causal_mask(mask)
-    assert not is_shared_causal_mask(mask.clone())
+    device = torch.device("cpu")
+    layers._CAUSAL_MASKS.pop(device, None)
+    mask = causal_mask(5, device)
+    assert mask.shape == (1, 1, 5, 5) and torch.equal(mask[0, 0], torch.ones(5, 5, dtype=torch.bool).triu(1))
+    assert is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(3, "cpu"))
+    assert causal_mask(3, device).data_ptr() == mask.data_ptr()  # a view of the same memory
+    assert not is_shared_causal_mask(mask.clone()) and not is_shared_causal_mask(mask.transpose(-1, -2))
+    assert not is_shared_causal_mask(mask[..., :4, :3])  # not square
     # megatron's recompute (tensor_parallel.random.CheckpointFunction.backward) re-enters the
     # layer with torch.utils.checkpoint.detach_variable(saved inputs): still the shared mask
     from torch.utils.checkpoint import detach_variable
 
     (recomputed,) = detach_variable((mask,))
     assert recomputed is not mask and is_shared_causal_mask(recomputed)
-    assert not is_shared_causal_mask(mask[..., :4, :4]) and not is_shared_causal_mask(mask.transpose(-1, -2))
-    for length in range(100, 108):  # eight newer lengths push it out
-        causal_mask(length, cpu)
-    assert not is_shared_causal_mask(mask) and is_shared_causal_mask(causal_mask(107, cpu))
+    longer = causal_mask(7, device)  # grows to twice the length; the earlier mask stays recognised
+    assert torch.equal(longer[0, 0], torch.ones(7, 7, dtype=torch.bool).triu(1)) and is_shared_causal_mask(mask)
+    assert [m.shape[-1] for m in layers._CAUSAL_MASKS[device]] == [5, 10]
+    for length in range(2, 11):
+        assert causal_mask(length, device).data_ptr() in {m.data_ptr() for m in layers._CAUSAL_MASKS[device]}
+    assert [m.shape[-1] for m in layers._CAUSAL_MASKS[device]] == [5, 10]
 
 
 @pytest.mark.distributed

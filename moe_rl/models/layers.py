@@ -113,32 +113,36 @@ class FullWidthQKNorm(torch.nn.Module):
         return self.weight.view(x.shape[-2:]) * normed.to(x.dtype)
 
 
-_CAUSAL_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}  # the 8 newest, oldest first
+# per device, square causal masks of growing lengths (each at least twice the one before),
+# kept: a pass's mask stays recognisable while its backward recomputes, whatever came after
+_CAUSAL_MASKS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+def causal_mask(length: int, device: torch.device | str) -> torch.Tensor:
     """``[1, 1, length, length]``, True above the diagonal (masked): the mask the forward
-    passes give megatron's attention, one object per length and device while it is among
-    the 8 newest (so that :class:`SdpaAttention` recognises it and attends causally
-    without reading it)."""
-    key = (length, torch.device(device))
-    mask = _CAUSAL_MASKS.get(key)
-    if mask is None:
-        mask = _CAUSAL_MASKS[key] = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
-        if len(_CAUSAL_MASKS) > 8:
-            del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
-    return mask
+    passes give megatron's attention, a view of the top-left block of one square mask kept
+    per device (so passes of every length share a few allocations: at 32K tokens one mask is
+    1 GiB; and :class:`SdpaAttention` recognises it and attends causally without reading it)."""
+    device = torch.device(device)
+    kept = _CAUSAL_MASKS.setdefault(device, [])
+    if not kept or kept[-1].shape[-1] < length:
+        size = max(length, 2 * kept[-1].shape[-1]) if kept else length
+        positions = torch.arange(size, device=device)
+        kept.append(positions[None, :] > positions[:, None])
+    full = next(m for m in kept if m.shape[-1] >= length)
+    return full[:length, :length][None, None]
 
 
 def is_shared_causal_mask(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` is :func:`causal_mask`'s or an alias of it (never builds one).
-    megatron's activation recompute re-runs a layer on ``detach()``ed copies of its inputs:
-    another object over the same memory, which must take the same (causal) kernel path."""
-    shared = _CAUSAL_MASKS.get((mask.shape[-1], mask.device))
-    if shared is None:
+    """Whether ``mask`` is one of :func:`causal_mask`'s (never builds one): a square
+    top-left view of a kept mask. megatron's activation recompute re-runs a layer on
+    ``detach()``ed copies of its inputs, other objects over the same memory, which must take
+    the same (causal) kernel path."""
+    if mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.shape[-1] != mask.shape[-2]:
         return False
-    return mask is shared or (
-        mask.data_ptr() == shared.data_ptr() and mask.shape == shared.shape and mask.stride() == shared.stride()
+    return any(
+        mask.data_ptr() == full.data_ptr() and mask.stride()[-2:] == full.stride() and mask.shape[-1] <= len(full)
+        for full in _CAUSAL_MASKS.get(mask.device, [])
     )
 
 
