@@ -424,14 +424,8 @@ def checkpoint_checks(hf_dir: str, hf_config, root: Path, out: Path) -> None:
     under EP 2 (the message)."""
     from megatron.core import parallel_state as ps
 
-    from moe_rl.checkpoint.store import (
-        CheckpointMismatch,
-        Checkpointer,
-        TrainingState,
-        load_checkpoint,
-        read_meta,
-        select_checkpoint,
-    )
+    from moe_rl.checkpoint.catalog import CheckpointMismatch, read_meta, select_checkpoint
+    from moe_rl.checkpoint.store import Checkpointer, TrainingState, load_checkpoint
 
     batch = fixed_batch(hf_config.vocab_size)
 

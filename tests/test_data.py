@@ -484,7 +484,7 @@ def test_compare_says_when_it_continues_an_earlier_run_and_fresh_deletes_only_it
 
 
 def test_compare_reuses_a_finished_run_only_of_the_same_config(tmp_path: Path) -> None:
-    from moe_rl.checkpoint.store import FORMAT
+    from moe_rl.checkpoint.catalog import FORMAT
     from moe_rl.checkpoint.verify import sealed
     from moe_rl.commands.compare import finished_earlier
 

@@ -285,7 +285,7 @@ def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_resumes_exactly_w
     test may mount one, else the writers' writes fail with ENOSPC): the run stops in one line
     naming where, step 2's checkpoint stays the intact newest, nothing of step 4 is taken for
     a checkpoint; with room again the same command resumes as the uninterrupted run."""
-    from moe_rl.checkpoint.store import checkpoint_dirs, select_checkpoint
+    from moe_rl.checkpoint.catalog import checkpoint_dirs, select_checkpoint
 
     run_dir = (small_disk or tmp_path) / "run"
     args = ("train", *base, f"train.run_dir={run_dir}", "train.steps=5", "train.save_every=2", "train.keep_last=3")
@@ -430,7 +430,7 @@ def run_copy(straight_run, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_why(run_copy: Path, damage, caplog) -> None:
-    from moe_rl.checkpoint.store import checkpoint_dirs, select_checkpoint
+    from moe_rl.checkpoint.catalog import checkpoint_dirs, select_checkpoint
 
     newest = run_copy / "checkpoints" / "step_000005"
     do, reason = DAMAGE[damage]
@@ -447,7 +447,7 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_why(run_copy: Pat
 
 
 def test_a_second_damaged_checkpoint_of_a_step_is_set_aside_beside_the_first(run_copy: Path) -> None:
-    from moe_rl.checkpoint.store import set_aside
+    from moe_rl.checkpoint.catalog import set_aside
 
     checkpoints = run_copy / "checkpoints"
     first = set_aside(checkpoints / "step_000005")
@@ -459,7 +459,7 @@ def test_a_second_damaged_checkpoint_of_a_step_is_set_aside_beside_the_first(run
 
 def test_no_intact_checkpoint_is_refused_in_one_line(run_copy: Path, tmp_path: Path) -> None:
     from moe_rl.checkpoint.run_dir import check_run_dir
-    from moe_rl.checkpoint.store import CheckpointMismatch, select_checkpoint
+    from moe_rl.checkpoint.catalog import CheckpointMismatch, select_checkpoint
     from moe_rl.config import ConfigError, load_config
 
     steps = sorted((run_copy / "checkpoints").iterdir())
@@ -494,7 +494,7 @@ def test_no_intact_checkpoint_is_refused_before_any_rollout_server_is_reached(ba
 def test_damaged_model_weights_are_refused_by_eval_and_drift(run_copy: Path) -> None:
     """A checkpoint's model/ (the HF weights eval and drift load) is in the manifest and
     verified before it is read: one flipped chunk is refused in one line naming the file."""
-    from moe_rl.checkpoint.store import CheckpointMismatch
+    from moe_rl.checkpoint.catalog import CheckpointMismatch
     from moe_rl.commands.export import model_dir_of
 
     newest = run_copy / "checkpoints" / "step_000005"
@@ -518,7 +518,7 @@ def test_damaged_model_weights_are_refused_by_eval_and_drift(run_copy: Path) -> 
 
 def test_a_checkpoint_without_a_manifest_is_accepted_with_a_warning(run_copy: Path, caplog) -> None:
     """Written before moe-rl recorded checksums: presence and the sizes dist/.metadata implies."""
-    from moe_rl.checkpoint.store import select_checkpoint
+    from moe_rl.checkpoint.catalog import select_checkpoint
 
     for step in (run_copy / "checkpoints").iterdir():
         meta = json.loads((step / "meta.json").read_text())

@@ -461,7 +461,7 @@ def test_export_never_writes_over_a_directory_that_is_not_an_export(tmp_path: Pa
 def test_a_run_dir_belongs_to_one_run(tmp_path: Path) -> None:
     import json
 
-    from moe_rl.checkpoint.store import FORMAT
+    from moe_rl.checkpoint.catalog import FORMAT
     from moe_rl.checkpoint.run_dir import check_run_dir
 
     def cfg(*overrides: str):
@@ -497,11 +497,11 @@ def test_dp_reshardable_checkpoints_resume_only_where_data_parallel_changes(tmp_
     """train.checkpoint_reshardable=false (megatron's dp_reshardable): a layout whose TP / PP /
     EP / ETP / stage split differs from the recorded one is refused in one line; DP (the
     world size) may change; a fully_reshardable (or unrecorded) checkpoint resumes anywhere."""
-    from moe_rl.checkpoint.store import DP_RESHARDABLE, RESHARDABLE, _layout_meta, layout_problem
+    from moe_rl.checkpoint.catalog import DP_RESHARDABLE, RESHARDABLE, layout_meta, layout_problem
     from parallel.layout import ParallelLayout
 
     saved = ParallelLayout(tp=2, pp=2, ep=4)
-    meta = {"layout": _layout_meta(saved), "world_size": 16, "optimizer_sharding": DP_RESHARDABLE}
+    meta = {"layout": layout_meta(saved), "world_size": 16, "optimizer_sharding": DP_RESHARDABLE}
     assert layout_problem(tmp_path, meta, saved) is None  # any world size: only DP differs then
     for other in (
         ParallelLayout(tp=1, pp=2, ep=4),
@@ -525,7 +525,7 @@ def test_dp_reshardable_checkpoints_resume_only_where_data_parallel_changes(tmp_
 def test_resume_skips_checkpoints_that_cannot_load(tmp_path: Path, caplog) -> None:
     import json
 
-    from moe_rl.checkpoint.store import FORMAT, CheckpointMismatch, select_checkpoint
+    from moe_rl.checkpoint.catalog import FORMAT, CheckpointMismatch, select_checkpoint
 
     def make(
         step: int,

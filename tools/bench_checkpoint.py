@@ -78,7 +78,7 @@ def new_format(policy, root: Path, step: int, background: bool) -> tuple[float, 
 
 def verify(path: Path) -> float:
     """Seconds a one-process resume spends verifying the checkpoint at ``path``."""
-    from moe_rl.checkpoint.store import read_meta
+    from moe_rl.checkpoint.catalog import read_meta
     from moe_rl.checkpoint.verify import verification_problem
 
     start = time.perf_counter()

@@ -81,7 +81,8 @@ def stage_train(mode: str, checks: Checks, work: Path) -> dict:
     progress: bf16 kernels with atomics are not bit-reproducible, a lost optimizer state is 10%+)."""
     import torch
 
-    from moe_rl.checkpoint.store import Checkpointer, TrainingState, load_checkpoint, select_checkpoint
+    from moe_rl.checkpoint.catalog import select_checkpoint
+    from moe_rl.checkpoint.store import Checkpointer, TrainingState, load_checkpoint
     from moe_rl.models.tiny import save_tiny_checkpoint, tiny_config
 
     hf_dir = save_tiny_checkpoint(work / "hf", "qwen3_moe", seed=1, vocab_size=97)

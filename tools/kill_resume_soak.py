@@ -101,7 +101,7 @@ def kill_once(
 def compare(a: Path, b: Path) -> list[str]:
     """Differences between two runs' final weights and logs (empty: identical)."""
     from moe_rl.models.hf_weights import SafetensorsDir
-    from moe_rl.checkpoint.store import latest_checkpoint
+    from moe_rl.checkpoint.catalog import latest_checkpoint
 
     (step_a, ckpt_a), (step_b, ckpt_b) = latest_checkpoint(a), latest_checkpoint(b)
     problems = [] if step_a == step_b else [f"final steps differ: {step_a} vs {step_b}"]

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moe_rl.config import Config, ConfigError, fingerprint_differences
-from moe_rl.checkpoint.store import checkpoint_dirs, format_problem, newest_readable
+from moe_rl.checkpoint.catalog import checkpoint_dirs, format_problem, newest_readable
 
 
 def check_run_dir(cfg: Config) -> None:

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import sys
 import threading
@@ -53,116 +52,26 @@ import numpy as np
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from moe_rl.checks import ConfigError
-from moe_rl.disk import OutOfSpace, nearly_full, space_error
-from moe_rl.checkpoint.verify import (
-    SUMS,
-    manifest_of,
-    model_files_problem,
-    seal_problem,
-    sealed,
-    summing_writer,
-    verification_problem,
+from moe_rl.checkpoint.catalog import (
+    DP_RESHARDABLE,
+    FORMAT,
+    RESHARDABLE,
+    CheckpointMismatch,
+    checkpoint_dirs,
+    layout_meta,
+    layout_problem,
+    read_meta,
+    rng_file,
+    rng_rank,
 )
+from moe_rl.checkpoint.verify import SUMS, manifest_of, sealed, summing_writer
+from moe_rl.disk import OutOfSpace, nearly_full, space_error
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, rank, world_size
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings, choose_adam_kernel, shards_optimizer_state
 
 log = logging.getLogger("moe_rl.train")
-_STEP = re.compile(r"step_(\d+)$")
-DAMAGED_SUFFIX = ".damaged"  # a checkpoint a resume skipped, set aside (never matched by _STEP)
-FORMAT = 2  # meta.json "format": megatron dist_checkpointing (format 1: HF weights + per-rank optimizer files)
-# megatron's distrib_optim_sharding_type for the distributed optimizer's state.
-# fully_reshardable: in model space (each parameter's fp32 copy and Adam moments shaped as the
-# parameter, gathered over the data-parallel ranks at save), so it reshards over TP / PP / EP / DP
-# like the weights. dp_reshardable: each rank's own shard of its gradient buckets, no gather; only
-# the data-parallel size may change on resume (train.checkpoint_reshardable=false)
-RESHARDABLE, DP_RESHARDABLE = "fully_reshardable", "dp_reshardable"
-
-
-class CheckpointMismatch(ConfigError):
-    """A checkpoint this run cannot continue from."""
-
-
-def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints ``(step, path)``, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    if root.is_dir():
-        for p in root.iterdir():
-            m = _STEP.match(p.name)
-            if m and (p / "meta.json").is_file():
-                found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
-    found = checkpoint_dirs(run_dir)
-    return found[-1] if found else None
-
-
-def read_meta(path: Path) -> dict | None:
-    """A checkpoint's ``meta.json``, or ``None`` when it is unreadable or incomplete."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (
-        meta
-        if isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("world_size"), int)
-        else None
-    )
-
-
-def newest_readable(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """The newest checkpoint whose ``meta.json`` is readable and matches its seal, and that meta."""
-    for _, path in reversed(checkpoint_dirs(run_dir)):
-        meta = read_meta(path)
-        if meta is not None and seal_problem(meta) is None:
-            return path, meta
-    return None
-
-
-def format_problem(path: Path, meta: dict) -> str | None:
-    """Why this version cannot resume from a checkpoint of another format, with the way out."""
-    if meta.get("format") == FORMAT:
-        return None
-    return (
-        f"checkpoint {path} was written by an earlier moe-rl (per-rank optimizer files, one parallel layout) and cannot be "
-        f"resumed by this version: start a new run from its weights (model.hf_dir={path / 'model'}, or "
-        f"`moe-rl export --checkpoint {path} --out DIR` and model.hf_dir=DIR) in another train.run_dir"
-    )
-
-
-def select_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """Collective. The newest checkpoint that passes verification on every rank; newer ones
-    that do not are warned about and, once an intact one is found, set aside
-    (:func:`set_aside`); ``None`` when the run directory holds none. A checkpoint of an
-    earlier format, or checkpoints none of which is intact (all left in place), raise."""
-    skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(checkpoint_dirs(run_dir)):
-        meta = read_meta(path)
-        if meta is not None and format_problem(path, meta):
-            raise CheckpointMismatch(format_problem(path, meta))
-        problem = checkpoint_problem(path, meta)
-        if problem is None and meta is not None:
-            if rank() == 0:
-                for damaged, why in skipped:
-                    log.warning("skipping checkpoint %s: %s; set aside as %s", damaged, why, set_aside(damaged).name)
-            barrier()  # every rank sees the run directory as the first rank left it
-            return path, meta
-        skipped.append((path, problem or "meta.json is empty or unreadable"))
-    if skipped:
-        if rank() == 0:
-            for damaged, why in skipped:
-                log.warning("skipping checkpoint %s: %s", damaged, why)
-        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
-        raise CheckpointMismatch(
-            f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} ({reasons}): nothing was loaded or "
-            "deleted; move the damaged ones aside to start over from an older one, or choose another train.run_dir"
-        )
-    return None
 
 
 @contextlib.contextmanager
@@ -175,63 +84,6 @@ def _space_named(path: Path) -> Iterator[None]:
         if isinstance(e, (KeyboardInterrupt, SystemExit)) or (space_error(e) is None and not nearly_full(path)):
             raise
         raise OutOfSpace(path, e) from e
-
-
-def set_aside(path: Path) -> Path:
-    """Rename the damaged checkpoint ``path`` out of the run's way, to ``step_N.damaged``
-    (``.damaged.2``, ... if taken): kept for a look, never counted by ``keep_last``, never
-    overwritten by the next save of its step. Its new path."""
-    target, n = path.with_name(path.name + DAMAGED_SUFFIX), 2
-    while target.exists():
-        target, n = path.with_name(f"{path.name}{DAMAGED_SUFFIX}.{n}"), n + 1
-    path.rename(target)
-    return target
-
-
-def model_problem(path: Path) -> str | None:
-    """Why a training checkpoint's ``model/`` (its HF weights) cannot be trusted: an unreadable
-    or unsealed ``meta.json``, a file of it missing, of another size or with another CRC-32
-    than the manifest recorded at commit. One process reads every file once. A checkpoint
-    committed before ``model/`` was in the manifest passes with a warning."""
-    meta = read_meta(path)
-    if meta is None:
-        return "meta.json is empty or unreadable"
-    problem = seal_problem(meta) or model_files_problem(path, meta)
-    if problem is None and "model/config.json" not in meta.get("manifest", {}):
-        log.warning("checkpoint %s: its model/ was written before moe-rl recorded its checksums (not verified)", path)
-    return problem
-
-
-def checkpoint_problem(path: Path, meta: dict | None) -> str | None:
-    """Collective. Why the checkpoint at ``path`` cannot be trusted (the first rank's
-    reason, or another's), or ``None``; each rank sums its share of the files. A
-    checkpoint without a manifest is accepted with a warning when its files are there."""
-    problem = _unusable(path, meta)
-    if problem is None and meta is not None:
-        try:
-            problem = verification_problem(path, meta, (rank(), world_size()))
-        except OSError as e:
-            problem = f"a file cannot be read ({e.strerror or e})"
-    problems = [p for p in all_gather_objects(problem) if p]
-    if problems:
-        return problems[0]
-    if meta is not None and "seal" not in meta and rank() == 0:
-        log.warning(
-            "checkpoint %s has no manifest (written before moe-rl recorded checksums): its files are checked for "
-            "presence and size only",
-            path,
-        )
-    return None
-
-
-def _unusable(path: Path, meta: dict | None) -> str | None:
-    if meta is None:
-        return "meta.json is empty or unreadable"
-    for needed in ("dist/metadata.json", "dist/.metadata", "dist/common.pt", _rng_file(_rng_rank(meta))):
-        file = path / needed
-        if not file.is_file() or file.stat().st_size == 0:
-            return f"{needed} is missing or empty"
-    return None
 
 
 def optimizer_settings_for(settings: OptimSettings, resume_from: tuple[Path, dict] | None) -> OptimSettings:
@@ -371,7 +223,7 @@ class Checkpointer:
                 dtype=next(state.model.parameters()).dtype,
                 copy_files_from=self.tokenizer_dir,
             )
-        torch.save(_rng_state(), tmp / _rng_file(rank()))
+        torch.save(_rng_state(), tmp / rng_file(rank()))
         # (the plain optimizer's state is in model space either way)
         sharding = RESHARDABLE if self.reshardable or not state.distributed_optimizer else DP_RESHARDABLE
         state = dataclasses.replace(state, optimizer_sharding=sharding)
@@ -379,7 +231,7 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "world_size": world_size(),
-            "layout": _layout_meta(self.layout),
+            "layout": layout_meta(self.layout),
             "distributed_optimizer": state.distributed_optimizer,
             "hf_weights": hf_weights,
             "weights_dtype": str(next(state.model.parameters()).dtype).removeprefix("torch."),
@@ -482,32 +334,17 @@ def load_checkpoint(
         state.sharded_state_dict(loading=True), path, transformer_impl_of(state.model), parallel=parallel
     )
     state.load(loaded, extra_state_absent=absent)
-    same_layout = meta.get("layout") == _layout_meta(layout) and meta["world_size"] == world_size()
+    same_layout = meta.get("layout") == layout_meta(layout) and meta["world_size"] == world_size()
     if not same_layout and rank() == 0:
         log.info(
             "checkpoint %s was written under %s on %d processes: resharded to %s on %d",
             path,
             meta.get("layout"),
             meta["world_size"],
-            _layout_meta(layout),
+            layout_meta(layout),
             world_size(),
         )
-    _set_rng_state(torch.load(path / _rng_file(_rng_rank(meta)), weights_only=True), tracker=same_layout)
-
-
-def layout_problem(path: Path, meta: dict, layout: ParallelLayout) -> str | None:
-    """Why a run under ``layout`` cannot resume from the checkpoint at ``path`` (``meta``):
-    a ``dp_reshardable`` optimizer state (``train.checkpoint_reshardable=false``) is laid out
-    by its writer's model-parallel layout, so only the data-parallel size may differ."""
-    saved = meta.get("layout")
-    if meta.get("optimizer_sharding") != DP_RESHARDABLE or saved == _layout_meta(layout):
-        return None
-    name = lambda lay: " ".join(f"{k}={v}" for k, v in lay.items())  # noqa: E731
-    return (
-        f"checkpoint {path} was saved with train.checkpoint_reshardable=false under {name(saved)}: its optimizer "
-        f"state resumes only under that layout (any data-parallel size), not {name(_layout_meta(layout))}; resume "
-        "under it and save once with train.checkpoint_reshardable=true to change the layout"
-    )
+    _set_rng_state(torch.load(path / rng_file(rng_rank(meta)), weights_only=True), tracker=same_layout)
 
 
 def optimizer_buckets(optimizer: Any) -> dict[str, list[list[int]]]:
@@ -622,15 +459,6 @@ def _load_sharded(request: dict, path: Path, impl: str, *, parallel: bool) -> tu
     return loaded, bool(keys)
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Collective: raise :class:`CheckpointMismatch` (one line) unless the checkpoint at
-    ``path`` passes the checks a resume makes."""
-    meta = read_meta(path)
-    problem = checkpoint_problem(path, meta)
-    if problem:
-        raise CheckpointMismatch(f"checkpoint {path} cannot be trusted: {problem}")
-
-
 def sharded_weights_dtype(path: Path) -> torch.dtype:
     """The precision checkpoint ``path`` holds its weights in (the training precision)."""
     meta = read_meta(path)
@@ -652,14 +480,6 @@ def commit_checkpoint(tmp: Path, final: Path, meta: dict) -> None:
     _fsync_dir(final.parent)
 
 
-def remove_stale_temporaries(run_dir: str | os.PathLike) -> None:
-    """Temporary checkpoint directories a killed run left behind (first rank)."""
-    root = Path(run_dir) / "checkpoints"
-    if rank() == 0 and root.is_dir():
-        for tmp in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:  # (and old ones a prune left half deleted)
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _save_strategy():
     """torch_dist, each replicated tensor written by one data-parallel rank (fully parallel)."""
     from megatron.core import parallel_state
@@ -670,28 +490,6 @@ def _save_strategy():
     return FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy("torch_dist"), group, do_cache_distribution=True
     )
-
-
-def _layout_meta(layout: ParallelLayout) -> dict:
-    """The model-parallel layout (the stage split only where set, as meta.json recorded it before)."""
-    stages = {"first_stage_layers": layout.first_stage_layers, "last_stage_layers": layout.last_stage_layers}
-    return {
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "ep": layout.ep,
-        "etp": layout.expert_tp,
-        **{k: v for k, v in stages.items() if v is not None},
-    }
-
-
-def _rng_file(r: int) -> str:
-    return f"rng/rank_{r:05d}.pt"
-
-
-def _rng_rank(meta: dict) -> int:
-    """The rank whose RNG file a resume reads: this one under the checkpoint's own world
-    size, else the first."""
-    return rank() if meta.get("world_size") == world_size() else 0
 
 
 def _rng_state() -> dict:

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[compare] {name}: {status} in {time.monotonic() - t0:.0f}s", flush=True)
                 if proc.returncode != 0:
                     failed.append(name)
-    from moe_rl.claims import CLAIM_SETS, claims_lead, claims_section, evaluate_claims, summary_line
+    from moe_rl.claims import CLAIM_SETS, claims_lead, claims_section, evaluate_claims, replay_answer, summary_line
     from moe_rl.report import read_scalars, regime_section, write_report
 
     done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         list(spec.get("fixed_steps", [])),
         extra_sections="\n\n".join(x for x in (regime_section(done, seeds), claims_section(claims, seeds)) if x),
         seeds=seeds,
-        lead=claims_lead(claims),
+        lead=replay_answer(done, seeds) + claims_lead(claims),
     )
     print(
         f"[compare] {len(done)}/{len(configs)} runs in {time.monotonic() - start:.0f}s; {summary_line(claims)}; report: {report}"
@@ -159,7 +159,7 @@ def seeded_runs(runs: dict, seeds: list[int], more: dict[str, list[int]]) -> dic
 def start_line(run_dir: Path, steps: int) -> str:
     """How a run starts: afresh, or continuing the checkpoints an earlier compare left
     (said out loud: a finished run is reused as it is, results of older code included)."""
-    from moe_rl.checkpoint.store import latest_checkpoint
+    from moe_rl.checkpoint.catalog import latest_checkpoint
 
     newest = latest_checkpoint(run_dir)
     if newest is None:
@@ -173,7 +173,7 @@ def finished_earlier(cfg) -> bool:
     fingerprint), whose results are then reused without starting it; a run of another
     config is left to ``moe-rl train`` to refuse."""
     from moe_rl.checkpoint.run_dir import check_run_dir
-    from moe_rl.checkpoint.store import latest_checkpoint
+    from moe_rl.checkpoint.catalog import latest_checkpoint
     from moe_rl.config import ConfigError
 
     newest = latest_checkpoint(cfg.train.run_dir)

@@ -30,7 +30,7 @@ def model_dir_of(checkpoint: str) -> Path:
     step's, and every ``train.export_every`` steps'), verified against the checkpoint's
     manifest first (:class:`CheckpointMismatch` naming what is damaged), or a HF directory
     itself."""
-    from moe_rl.checkpoint.store import CheckpointMismatch, model_problem
+    from moe_rl.checkpoint.catalog import CheckpointMismatch, model_problem
 
     path = Path(checkpoint)
     if (path / "model" / "config.json").exists():
@@ -86,7 +86,8 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.hf_weights import SafetensorsDir, export_hf_weights, load_hf_weights
-    from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype, verify_checkpoint
+    from moe_rl.checkpoint.catalog import verify_checkpoint
+    from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype
     from parallel.distributed import destroy_distributed, init_distributed
 
     src, sharded = _source(args.checkpoint)

@@ -24,16 +24,8 @@ import yaml
 from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.checkpoint.run_dir import check_run_dir, hold_run_dir
-from moe_rl.checkpoint.store import (
-    CheckpointMismatch,
-    Checkpointer,
-    TrainingState,
-    layout_problem,
-    load_checkpoint,
-    optimizer_settings_for,
-    remove_stale_temporaries,
-    select_checkpoint,
-)
+from moe_rl.checkpoint.catalog import CheckpointMismatch, layout_problem, remove_stale_temporaries, select_checkpoint
+from moe_rl.checkpoint.store import Checkpointer, TrainingState, load_checkpoint, optimizer_settings_for
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import CHAT_TEXT_HINT, PromptFormatter
 from moe_rl.data.tasks import Task, make_task
