@@ -146,7 +146,7 @@ class Side:
 
 def robust(run: str, name: str) -> Side:
     """A heavy-tailed per-step figure (a KL): a run's figure is the log of its median over steps."""
-    return Side(run, logged(tag(name)), f"{name}, median over steps", per_run=statistics.median, log=True)
+    return Side(run, logged(tag(name)), name, per_run=statistics.median, log=True)
 
 
 @dataclass(frozen=True)
@@ -517,8 +517,9 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
         'agrees when the effect exceeds t·SE; a "≥" row ("as well as") when A − B − t·SE exceeds −margin, the '
         "margin stated in the row: A is at most that much below B, noise included. The test column says what the "
         "effect had to exceed. Rows marked (log) compare the log of each run's median over steps (a heavy-tailed "
-        "figure such as a per-step KL): A and B are shown as exp of their mean log, with the std of the logs; the "
-        "effect is a log ratio (+0.69: A is twice B). A claim agrees when all its rows do.",
+        "figure such as a per-step KL; with one seed: each step's log, paired by step): A and B are shown as exp of "
+        "their mean log, with the std of the logs; the effect is a log ratio (+0.69: A is twice B). A claim agrees "
+        "when all its rows do.",
         "",
         "| claim | figure (tag) | A | B | A − B ± SE | test | verdict |",
         "|---|---|---|---|---|---|---|",
@@ -546,6 +547,43 @@ def claims_lead(results: list[ClaimResult]) -> list[str]:
                 f"Claim {i} does not agree here ({r.claim.statement})"
                 + (f": {r.claim.caveat}." if r.claim.caveat else ".")
             )
+    return lines
+
+
+def replay_answer(runs: dict[str, Scalars], seeds: list[int] | None = None) -> list[str]:
+    """ "Do you need routing replay here?" in words, from the runs themselves: what R3 did to the
+    train-inference KL (beside the R3 paper's figures) and to held-out pass@1, against GRPO
+    without replay and without the mismatch; empty unless the runs simulate a mismatch and hold
+    ``grpo`` and ``grpo_r3``."""
+    from moe_rl.report import PAPER_KL, PAPER_KL_R3, SIMULATED_TARGETS
+
+    data = group_by_run(runs, seeds)
+    if not {"grpo", "grpo_r3"} <= set(data) or not any(
+        t in s for s in data["grpo"].values() for t in SIMULATED_TARGETS
+    ):
+        return []
+    kl = compare(Comparison(robust("grpo", OFFPOLICY_KL), robust("grpo_r3", OFFPOLICY_KL)), data)
+    won = compare(Comparison(Side("grpo_r3", HELD_OUT, "p"), Side("grpo", HELD_OUT, "p")), data)
+    if kl is None or won is None:
+        return []
+    held = lambda o: f"{o.effect:+.3f} ± {sig(o.stderr, 2)}, {o.pairs} pairs, needed > {sig(o.threshold * o.stderr, 2)}"  # noqa: E731
+    typical = "median over steps" if seeds and len(seeds) > 1 else "geometric mean over steps"
+    lines = [
+        f"Do you need routing replay here? R3 took the train-inference KL ({typical}) from "
+        f"{sig(math.exp(kl.mean_a), 2)} to {sig(math.exp(kl.mean_b), 2)} per token (R3 paper: {PAPER_KL:g} to "
+        f"{PAPER_KL_R3:g}) and held-out pass@1 from {won.mean_b:.3f} (GRPO) to {won.mean_a:.3f} ({held(won)})."
+    ]
+    cost = compare(Comparison(Side("grpo_no_mismatch", HELD_OUT, "p"), Side("grpo", HELD_OUT, "p")), data)
+    hurt = cost is not None and cost.agrees
+    if cost is not None:
+        lines.append(f"Without the mismatch GRPO reached {cost.mean_a:.3f} ({held(cost)} over GRPO with it).")
+    lines.append(
+        "Replay won back held-out accuracy the mismatch cost: here, yes."
+        if won.agrees
+        else "The mismatch cost held-out accuracy that replay did not win back."
+        if hurt
+        else "The mismatch cost no measurable held-out accuracy and replay won none back: here, no."
+    )
     return lines
 
 

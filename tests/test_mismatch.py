@@ -394,6 +394,33 @@ def test_the_report_states_the_regime_reached_beside_the_papers_figures() -> Non
     assert regime_section({"grpo": {tags.TRAIN_LOSS: {1: 0.0}}}) == ""
 
 
+def test_the_report_answers_whether_replay_is_needed_from_the_runs() -> None:
+    from moe_rl.claims import replay_answer
+
+    kl, held_out = tags.train("offpolicy/kl_k3"), tags.eval_pass_at(1)
+
+    def run(kls: list[float], pass1: float, simulated: bool = True) -> dict:
+        out = {kl: dict(enumerate(kls, 1)), held_out: {0: 0.5, 5: pass1, 10: pass1}}
+        return {**out, tags.SIMULATED_TARGET_LOGIT_KL: {1: 7.5e-4}} if simulated else out
+
+    def runs(r3_gain: float) -> dict:
+        out = {}
+        for seed, noise in zip((1, 2, 3), (0.0, 0.01, -0.01)):
+            out[f"grpo_s{seed}"] = run([1e-3, 2e-3, 9e-3], 0.60 + noise)
+            out[f"grpo_r3_s{seed}"] = run([7e-4, 8e-4, 7.5e-4], 0.60 + noise + r3_gain + 0.001 * seed)
+            out[f"grpo_no_mismatch_s{seed}"] = run([1e-5, 1e-5, 1e-5], 0.60 + noise + r3_gain, simulated=False)
+        return out
+
+    same = " ".join(replay_answer(runs(0.0), [1, 2, 3]))
+    # each seed's median KL: 2e-3 (GRPO) and 7.5e-4 (R3); held-out: the mean of the evaluations after step 0
+    assert "from 0.0020 to 0.00075 per token (R3 paper: 0.001535 to 0.00075)" in same
+    assert "from 0.600 (GRPO) to 0.602" in same and same.endswith("won none back: here, no.")
+    assert " ".join(replay_answer(runs(0.1), [1, 2, 3])).endswith(
+        "won back held-out accuracy the mismatch cost: here, yes."
+    )
+    assert replay_answer({"grpo": run([1e-3], 0.6, simulated=False), "grpo_r3": run([1e-3], 0.6)}) == []
+
+
 def test_a_compare_config_names_its_claim_set() -> None:
     from moe_rl.claims import CLAIM_SETS
     from moe_rl.commands.compare import _shape_problem

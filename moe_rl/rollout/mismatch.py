@@ -18,11 +18,13 @@ tiny model in fp32 on one machine shows neither, so the engine simulates both, o
   of the last hidden state (unit variance per logit), where it samples and where it reports
   log-probs alike: a mismatch of the policy itself, which no replay removes.
 
-The engine calibrates the scales itself whenever its weights change (every step), on the tokens
-it generated last (its first time: on a trial generation, discarded): the routing by bisection
-per layer in order to a flip fraction (``router_flip_frac``), or one scale for all layers to the
-KL the flips cause (``routing_kl``), then the logits' scale to their own KL (``logit_kl``, exact
-over the vocabulary on the routing the engine uses). What it measured on what it then generated,
+The engine calibrates the scales itself whenever its weights change (every step), on the last
+:data:`POOL_TOKENS` response tokens it generated (its first time: on a trial generation,
+discarded), by :func:`~moe_rl.rollout.scale_search.solve_scale`: the routing per layer in order to
+a flip fraction (``router_flip_frac``), or one scale for all layers to the KL the flips alone
+cause (``routing_kl``, exact over the vocabulary; heavy-tailed per token, so the pool's mean meets
+it within 25% and single batches scatter around it), then the logits' scale to their own KL
+(``logit_kl``, exact, on the routing the engine uses). What it measured on what it then generated,
 against its unperturbed self teacher-forced on the same tokens, is reported as
 ``rollout/simulated_mismatch/*``: a simulation, labelled as one. Generation for evaluation
 (:meth:`MismatchSimulation.unperturbed`) uses the clean model and is neither tallied nor pooled.
