@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default="configs/compare/demo.yaml")
     demo.add_argument("overrides", nargs="*")
     demo.set_defaults(func=_demo)
-    from moe_rl.commands import compare, drift, evaluate, export, parity, prepare, train
+    from moe_rl.commands import budget, compare, drift, evaluate, export, parity, prepare, train
 
     train.add_parser(sub)
     compare.add_parser(sub)
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_parser(sub)
     drift.add_parser(sub)
     evaluate.add_parser(sub)
+    budget.add_parser(sub)
     return parser
 
 

@@ -299,15 +299,10 @@ def test_example_configs_validate(example: Path) -> None:
 
 
 def test_the_readme_config_reference_is_the_codes() -> None:
-    """README.md's config tables (tools/config_reference.py) list every key with the code's
+    """README.md's config tables (tools/dev/config_reference.py) list every key with the code's
     default and the comment beside it."""
-    import importlib.util
+    from tools.dev import config_reference as tool
 
-    spec = importlib.util.spec_from_file_location(
-        "config_reference", Path(__file__).resolve().parents[1] / "tools" / "config_reference.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     tables = tool.reference()
     assert (
         "| `rollout.max_new_tokens` | `6` | response length limit" in tables
@@ -316,5 +311,5 @@ def test_the_readme_config_reference_is_the_codes() -> None:
     assert "|  |\n" not in tables  # every key is explained
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert tool.readme_copy(readme) == tables, (
-        "README.md's config reference is stale: python tools/config_reference.py --write"
+        "README.md's config reference is stale: python -m tools.dev.config_reference --write"
     )

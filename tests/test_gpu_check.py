@@ -1,4 +1,4 @@
-"""tools/gpu_check.sh: what it installs on the lent H200 (planned against that machine's package
+"""tools/gpu_check/run.sh: what it installs on the lent H200 (planned against that machine's package
 list), its time budget, its verdicts, and a smoke run of its stages on this machine."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tools.gpu_check import check as gpu_check
+from tools.gpu_check import install
+from tools.gpu_check.common import FAILED, OK, SKIPPED, Checks
+from tools.gpu_check.training import resume_differences
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import gpu_check  # noqa: E402
-import gpu_check_install as install  # noqa: E402
-from gpu_check_common import FAILED, OK, SKIPPED, Checks  # noqa: E402
-from gpu_check_training import resume_differences  # noqa: E402
 
 MISSING_ON_H200 = {"megatron-core", "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime"}
 
@@ -51,14 +51,16 @@ def test_a_refused_preinstalled_version_is_reported_not_replaced() -> None:
     assert any("megatron-core needs torch>=2.6.0, the machine has 2.5.1" in c for c in plan.conflicts)
     assert any("moe-rl needs torch>=2.6" in c for c in plan.conflicts)
     assert any("packaging>=24.2, the machine has 23.0" in c for c in plan.conflicts)
-    assert plan.unmet == ["latex2sympy2_extended needs sympy: neither on the machine nor in gpu_check_wheels.json"]
+    assert plan.unmet == [
+        "latex2sympy2_extended needs sympy: neither on the machine nor in tools/gpu_check/wheels.json"
+    ]
 
 
 def test_dry_run_prints_the_plan_for_a_package_list(tmp_path: Path) -> None:
     listed = tmp_path / "machine.txt"
     listed.write_text("# pip list\nPackage Version\ntorch 2.11.0\nnumpy==2.5.2\ntransformers\nmegatron_core 0.16.1\n")
     out = subprocess.run(
-        ["bash", "tools/gpu_check.sh", "--dry-run", "--packages", str(listed)],
+        ["bash", "tools/gpu_check/run.sh", "--dry-run", "--packages", str(listed)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -110,7 +112,7 @@ def test_smoke_run_of_the_stages(tmp_path: Path) -> None:
 
     stages = "env,kernels,logprob,parity,train,offload,fusions,perf"
     out = subprocess.run(
-        ["bash", "tools/gpu_check.sh", "--smoke", "--in-process", "--only", stages],
+        ["bash", "tools/gpu_check/run.sh", "--smoke", "--in-process", "--only", stages],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -155,7 +157,7 @@ def test_smoke_run_of_the_scale_stages(tmp_path: Path) -> None:
     import torch
 
     out = subprocess.run(
-        ["bash", "tools/gpu_check.sh", "--smoke", "--scale", "--in-process"],
+        ["bash", "tools/gpu_check/run.sh", "--smoke", "--scale", "--in-process"],
         cwd=ROOT,
         capture_output=True,
         text=True,

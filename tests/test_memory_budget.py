@@ -1,17 +1,16 @@
-"""tools/memory_budget.py against hand arithmetic (a tiny Qwen3-MoE counted by hand) and the
+"""moe_rl.models.memory_budget (``moe-rl budget``) against hand arithmetic (a tiny Qwen3-MoE counted by hand) and the
 Qwen3-30B-A3B figures the example configs quote."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from memory_budget import (  # noqa: E402
+from moe_rl.models.memory_budget import (
     GB,
     Layout,
     ParamCounts,
@@ -23,6 +22,7 @@ from memory_budget import (  # noqa: E402
     stage_budget,
 )
 
+ROOT = Path(__file__).parents[1]
 TINY = {
     "model_type": "qwen3_moe",
     "vocab_size": 10,
@@ -107,3 +107,19 @@ def test_the_example_configs_quote_the_tools_figures() -> None:
         layout, _ = layout_from_config(str(path), world)
         total = budget(counts, layout)["total_GB"]
         assert f"= {total:.1f} GB" in path.read_text(), (name, round(total, 1))
+
+
+def test_the_budget_command_prints_each_stage_and_refuses_a_bad_world_in_one_line() -> None:
+    config = ROOT / "configs/examples/qwen3_30b_a3b_2x8.yaml"
+    hf = ROOT / "configs/examples/qwen3_30b_a3b.config.json"
+    run = [sys.executable, "-m", "moe_rl.cli", "budget", "--config", str(config), "--hf-config", str(hf)]
+    out = subprocess.run([*run, "--world", "16"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    layout, _ = layout_from_config(str(config), 16)
+    hf_config = json.loads(hf.read_text())
+    stage0 = stage_budget(count_params(hf_config), layout, 0, layer_params(hf_config))
+    assert "30.53B parameters" in out.stdout and f"= {stage0['total_GB']:.1f} GB static per GPU" in out.stdout
+    assert out.stdout.count("  stage ") == layout.pp
+    bad = subprocess.run([*run, "--world", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--world 3 is not divisible" in bad.stderr.strip().splitlines()[-1]

@@ -320,15 +320,15 @@ def test_a_full_disk_at_a_log_write_stops_in_one_line_naming_the_file_and_resume
 
 
 def test_thirty_steps_grow_no_threads_descriptors_or_child_processes(base, tmp_path: Path) -> None:
-    """``tools/soak.py``'s short form: 30 steps with a checkpoint every 5 (writers, commits,
+    """``tools/reliability/soak.py``'s short form: 30 steps with a checkpoint every 5 (writers, commits,
     pruning) and the evaluation; threads, open descriptors and children at the end (least
     over a checkpoint's cycle) as after step 10."""
-    soak = Path(__file__).resolve().parents[1] / "tools" / "soak.py"
     report = tmp_path / "soak.json"
     out = subprocess.run(
-        [sys.executable, "-W", "ignore", str(soak), "--steps", "30", "--from-step", "10", "--save-every", "5",
+        [sys.executable, "-W", "ignore", "-m", "tools.reliability.soak", "--steps", "30", "--from-step", "10", "--save-every", "5",
          "--json", str(report), *base],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(report.read_text())

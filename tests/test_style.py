@@ -19,8 +19,8 @@ def test_ruff(args: list[str]) -> None:
 
 
 def test_imports_run_downward_without_circles() -> None:
-    """tools/import_graph.py: no import runs upward through the layers, no file or folder circle."""
-    result = subprocess.run([sys.executable, "tools/import_graph.py"], cwd=ROOT, capture_output=True, text=True)
+    """tools/dev/import_graph.py: no import runs upward through the layers, no file or folder circle."""
+    result = subprocess.run([sys.executable, "-m", "tools.dev.import_graph"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

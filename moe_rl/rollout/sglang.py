@@ -296,7 +296,7 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         """SGLang's routed experts in the smallest integer type for ``num_experts`` (int32
         when it is not known), checked: one row per position, ``top_k`` distinct expert ids
         per layer, each below ``num_experts`` (when known). Vectorised, ~25 ms for 8k
-        tokens x 48 layers x top-8 (``tools/bench_routing.py``): cheap enough for the event loop."""
+        tokens x 48 layers x top-8 (``tools/bench/routing.py``): cheap enough for the event loop."""
         experts = decode_routed_experts(encoded, self.num_layers, self.top_k, self.num_experts)
         if experts.shape[0] != positions:
             raise ValueError(

@@ -1,0 +1,1 @@
+"""Long runs and kills that a run must survive (``python -m tools.reliability.soak``, ``.kill_resume``)."""
