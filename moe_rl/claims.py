@@ -7,8 +7,8 @@ values' mean, or for heavy-tailed figures the median of their logs), else by ste
 effect is the mean paired difference, its noise the standard error of that mean, and the
 threshold Student's t for n - 1 degrees of freedom at one-sided 97.5% (n pairs: 4.30 for
 3 seeds, not 2). A strict comparison agrees when the effect exceeds t standard errors in
-the claimed direction; an "as well as" comparison when A is below B by less than its stated
-margin even at the low end (effect - t SE > -margin): noise alone never passes it.
+the claimed direction; an "as well as" comparison when A is below B by no more than its stated
+margin even at the low end (effect - t SE >= -margin): noise alone never passes it.
 Nothing is written by hand per run: everything is computed from the logs.
 """
 
@@ -27,6 +27,7 @@ Series = Callable[[Scalars], dict[int, float]]  # a per-step figure of one run
 CONFIDENCE = 0.975  # one-sided: an effect must exceed Student's t at this quantile, in standard errors
 PASS_AT_1_MARGIN = 0.05  # "as well as" on held-out pass@1: not more than 5 points lower
 ROUTING_MARGIN = 0.001  # "the same routing change": within 0.1 points of the router choices
+IS_WEIGHT_MARGIN = 0.01  # "no larger importance weight": within 0.01 of a ratio
 LOG_FLOOR = 1e-12  # a figure logged is floored here first (a KL of 0 under exact replay)
 OFFPOLICY_KL = tags.train("offpolicy/kl_k3")
 # learning is judged on held-out problems (a reward can be gamed): pass@1 after training
@@ -308,7 +309,7 @@ CLAIMS = (
                 Side("grpo", tag(IS_WEIGHT_MAX), f"{IS_WEIGHT_MAX} (uncorrected ratio)"),
                 Side("grpo_tis", tag(IS_WEIGHT_MAX), IS_WEIGHT_MAX),
                 at_least=True,
-                margin=0.0,
+                margin=IS_WEIGHT_MARGIN,
             ),
             Comparison(
                 Side("grpo_icepop", tag(DROPPED), DROPPED),
@@ -455,7 +456,7 @@ def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | Non
     effect = statistics.fmean(diffs)
     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
     t = t_critical(len(diffs) - 1)
-    agrees = effect - t * stderr > -c.margin if c.at_least else effect > t * stderr and effect > 0
+    agrees = effect - t * stderr >= -c.margin if c.at_least else effect > t * stderr and effect > 0
     return Outcome(statistics.fmean(a), statistics.fmean(b), _sd(a), _sd(b), effect, stderr, len(diffs), agrees, t)
 
 
@@ -514,7 +515,7 @@ def claims_section(results: list[ClaimResult], seeds: list[int] | None = None) -
         f"Each row compares a figure of run A with run B, paired by {paired_by}: A and B as mean ± std over the "
         f"{'seeds' if seeds and len(seeds) > 1 else 'steps'}, the effect as the mean paired difference A − B ± its "
         'standard error (SE). t is Student\'s t for n − 1 degrees of freedom at one-sided 97.5% (n pairs). A ">" row '
-        'agrees when the effect exceeds t·SE; a "≥" row ("as well as") when A − B − t·SE exceeds −margin, the '
+        'agrees when the effect exceeds t·SE; a "≥" row ("as well as") when A − B − t·SE is at least −margin, the '
         "margin stated in the row: A is at most that much below B, noise included. The test column says what the "
         "effect had to exceed. Rows marked (log) compare the log of each run's median over steps (a heavy-tailed "
         "figure such as a per-step KL; with one seed: each step's log, paired by step): A and B are shown as exp of "
@@ -622,8 +623,5 @@ def _test(c: Comparison, o: Outcome) -> str:
     if math.isinf(o.threshold) or math.isinf(o.stderr):
         return "n/a (one pair)"
     bar = o.threshold * o.stderr - (c.margin if c.at_least else 0.0)
-    return (
-        f"t({o.pairs - 1}) = {o.threshold:.2f}"
-        + (f", margin {c.margin:g}" if c.at_least else "")
-        + f": > {sig(bar, 2)}"
-    )
+    margin = f", margin {c.margin:g}" if c.at_least else ""
+    return f"t({o.pairs - 1}) = {o.threshold:.2f}{margin}: {'≥' if c.at_least else '>'} {sig(bar, 2)}"
