@@ -65,7 +65,9 @@ class DataConfig:
         if not self.held_out:
             return
         if self.task not in BUILT_IN_TASKS:
-            raise ConfigError(f"data.held_out={self.held_out} applies to the built-in tasks, not data.task={self.task!r}")
+            raise ConfigError(
+                f"data.held_out={self.held_out} applies to the built-in tasks, not data.task={self.task!r}"
+            )
         if self.eval_max_prompts > self.held_out:
             raise ConfigError(
                 f"data.eval_max_prompts={self.eval_max_prompts} exceeds data.held_out={self.held_out} (the problems set aside)"
