@@ -299,7 +299,7 @@ def test_example_configs_validate(example: Path) -> None:
 
 
 def test_the_readme_config_reference_is_the_codes() -> None:
-    """README.md's config tables (tools/dev/config_reference.py) list every key with the code's
+    """docs/config-reference.md's tables (tools/dev/config_reference.py) list every key with the code's
     default and the comment beside it."""
     from tools.dev import config_reference as tool
 
@@ -309,7 +309,7 @@ def test_the_readme_config_reference_is_the_codes() -> None:
         and "| `train.log_samples` | `4` |" in tables
     )
     assert "|  |\n" not in tables  # every key is explained
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert tool.readme_copy(readme) == tables, (
-        "README.md's config reference is stale: python -m tools.dev.config_reference --write"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    assert tool.page_copy(page) == tables, (
+        "docs/config-reference.md is stale: python -m tools.dev.config_reference --write"
     )

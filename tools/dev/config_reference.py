@@ -2,10 +2,10 @@
 written beside it in ``moe_rl/config.py`` (or its section's dataclass), as Markdown tables.
 
     python -m tools.dev.config_reference            # print the tables
-    python -m tools.dev.config_reference --check    # exit 1 if README.md's copy differs
-    python -m tools.dev.config_reference --write    # replace README.md's copy
+    python -m tools.dev.config_reference --check    # exit 1 if docs/config-reference.md's copy differs
+    python -m tools.dev.config_reference --write    # replace docs/config-reference.md's copy
 
-README.md holds the tables between ``<!-- config-reference -->`` markers; a test keeps
+docs/config-reference.md holds the tables between ``<!-- config-reference -->`` markers; a test keeps
 them equal to this script's output, so the documented defaults are the code's.
 """
 
@@ -98,31 +98,34 @@ def reference() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def readme_copy(readme: str) -> str:
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    return readme[start:end].strip("\n") + "\n"
+def page_copy(page: str) -> str:
+    """The tables between the markers of ``page`` (the text of docs/config-reference.md)."""
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[start:end].strip("\n") + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's tables differ from the code's")
-    mode.add_argument("--write", action="store_true", help="replace README.md's tables")
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/config-reference.md's tables differ from the code's"
+    )
+    mode.add_argument("--write", action="store_true", help="replace docs/config-reference.md's tables")
     args = p.parse_args(argv)
     tables = reference()
-    readme_path = ROOT / "README.md"
+    page_path = ROOT / "docs" / "config-reference.md"
     if args.check:
-        if readme_copy(readme_path.read_text()) != tables:
+        if page_copy(page_path.read_text()) != tables:
             print(
-                "README.md's config reference differs from moe_rl/config.py: run python -m tools.dev.config_reference --write",
+                "docs/config-reference.md differs from moe_rl/config.py: run python -m tools.dev.config_reference --write",
                 file=sys.stderr,
             )
             return 1
         return 0
     if args.write:
-        text = readme_path.read_text()
+        text = page_path.read_text()
         start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme_path.write_text(text[:start] + "\n" + tables + text[end:])
+        page_path.write_text(text[:start] + "\n" + tables + text[end:])
         return 0
     print(tables, end="")
     return 0
