@@ -456,7 +456,7 @@ def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | Non
     effect = statistics.fmean(diffs)
     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
     t = t_critical(len(diffs) - 1)
-    agrees = effect - t * stderr >= -c.margin if c.at_least else effect > t * stderr and effect > 0
+    agrees = effect - t * stderr >= -(c.margin or 0.0) if c.at_least else effect > t * stderr and effect > 0
     return Outcome(statistics.fmean(a), statistics.fmean(b), _sd(a), _sd(b), effect, stderr, len(diffs), agrees, t)
 
 
@@ -475,7 +475,7 @@ class ClaimResult:
 
     @property
     def agrees(self) -> bool:
-        return self.checkable and all(o.agrees for o in self.outcomes)
+        return all(o is not None and o.agrees for o in self.outcomes)
 
 
 def evaluate_claims(
@@ -622,6 +622,6 @@ def _test(c: Comparison, o: Outcome) -> str:
     """What the effect had to exceed: t·SE (minus the margin for "as well as")."""
     if math.isinf(o.threshold) or math.isinf(o.stderr):
         return "n/a (one pair)"
-    bar = o.threshold * o.stderr - (c.margin if c.at_least else 0.0)
+    bar = o.threshold * o.stderr - (c.margin or 0.0 if c.at_least else 0.0)
     margin = f", margin {c.margin:g}" if c.at_least else ""
     return f"t({o.pairs - 1}) = {o.threshold:.2f}{margin}: {'≥' if c.at_least else '>'} {sig(bar, 2)}"

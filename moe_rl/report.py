@@ -4,6 +4,7 @@ only (every figure names the tag it comes from)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -49,7 +50,7 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def summarize_run(scalars: dict[str, dict[int, float]], window: int = 5) -> dict:
     reward = scalars.get(TAGS["reward"], {})
     steps = sorted(reward)
-    out = {"steps": len(steps)}
+    out: dict[str, float | None] = {"steps": len(steps)}
     if steps:
         out["first"] = _mean(reward, steps[:window])
         out["final"] = _mean(reward, steps[-window:])
@@ -92,8 +93,8 @@ def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
     for base in base_names:
         cells = []
         for key, _ in keys:
-            values = [summary[f"{base}_s{sd}"].get(key) for sd in seeds if f"{base}_s{sd}" in summary]
-            values = [v for v in values if v is not None]
+            logged = [summary[f"{base}_s{sd}"].get(key) for sd in seeds if f"{base}_s{sd}" in summary]
+            values = [v for v in logged if v is not None]
             if not values:
                 cells.append("—")
                 continue
@@ -321,7 +322,7 @@ def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[st
     """Step time, train time and peak memory per run (means over steps and seeds), and
     their ratio to ``baseline``: what routing replay (R2, R3) costs."""
     keys = [(tags.PERF_STEP_TIME, "step s"), (tags.PERF_TRAIN_TIME, "train s"), (tags.PERF_PEAK_MEMORY_MB, "peak MB")]
-    means = {}
+    means: dict[str, dict[str, float | None]] = {}
     for name, seeds in by_run.items():
         means[name] = {}
         for tag, _ in keys:
@@ -339,8 +340,9 @@ def cost_table(by_run: dict[str, list[dict]], baseline: str = "grpo") -> list[st
     for name, m in means.items():
         cells = []
         for tag, _ in keys:
-            ratio = f" ({m[tag] / base[tag]:.2f}x)" if m[tag] is not None and base.get(tag) else ""
-            cells.append(_fmt(m[tag], 2) + ratio)
+            value, reference = m[tag], base.get(tag)
+            ratio = f" ({value / reference:.2f}x)" if value is not None and reference else ""
+            cells.append(_fmt(value, 2) + ratio)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -441,7 +443,7 @@ def conclusions(data: dict[str, dict[str, dict[int, float]]], window: int) -> li
             + "."
         )
         finals = {n: s["final"] for n, s in summary.items() if s.get("final") is not None}
-        best = max(finals, key=finals.get) if finals else None
+        best = max(finals, key=lambda n: finals[n]) if finals else None
         if best in held and held[best][1] <= held[best][0]:
             out.append(
                 f"{best} has the highest final training reward ({_f3(finals[best])}) but its held-out pass@1 did not rise: "
@@ -495,7 +497,7 @@ def write_report(
     window: int = 5,
     extra_sections: str = "",
     seeds: list[int] | None = None,
-    lead: list[str] = (),
+    lead: Sequence[str] = (),
 ) -> Path:
     """``out_dir/report.md`` and ``out_dir/plots/*.png`` from the runs' scalars
     (:func:`read_scalars`); ``lead``: more conclusions (the claims' verdict) for the top."""
@@ -540,13 +542,13 @@ def _run_figure(
 def _replays_engine(s: dict[str, dict[int, float]]) -> bool:
     """A run that trains on the engine's routing (R3): its trainer never disagreed with it."""
     changed = s.get(tags.ROUTING_TRAIN_VS_ROLLOUT_CHANGED)
-    return bool(changed) and max(changed.values()) == 0
+    return changed is not None and bool(changed) and max(changed.values()) == 0
 
 
 def _moves_routing(s: dict[str, dict[int, float]]) -> bool:
     """A run whose updates changed routing (no R2 / R3 replay in them)."""
     changed = s.get(tags.ROUTING_REPLAYED_CHANGED)
-    return bool(changed) and max(changed.values()) > 0
+    return changed is not None and bool(changed) and max(changed.values()) > 0
 
 
 SIMULATED_TARGETS = (tags.SIMULATED_TARGET_FLIP_FRAC, tags.SIMULATED_TARGET_LOGIT_KL)

@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+MYPY = shutil.which("mypy", path=str(Path(sys.executable).parent))
 
 
 @pytest.mark.skipif(RUFF is None, reason="ruff is not installed (bash tools/setup.sh --dev)")
@@ -16,6 +17,18 @@ RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.whi
 def test_ruff(args: list[str]) -> None:
     result = subprocess.run([RUFF, *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+@pytest.mark.skipif(MYPY is None, reason="mypy is not installed (bash tools/setup.sh --dev)")
+def test_mypy(tmp_path: Path) -> None:
+    """moe_rl/ and parallel/ type-check as pyproject.toml's [tool.mypy] says (a cold cache: ~25 s)."""
+    result = subprocess.run(
+        [MYPY, "--python-executable", sys.executable, "--cache-dir", str(tmp_path / "cache")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_imports_run_downward_without_circles() -> None:

@@ -17,7 +17,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ class Task(Protocol):
     """A prompt source: the same ``count`` problems for the same (seed, step)."""
 
     holds_messages: bool  # some problems are chats (they need a chat template)
-    skipped: list[str] | tuple[str, ...]  # rows left out, with where and why
+
+    @property
+    def skipped(self) -> Sequence[str]:
+        """The rows left out, each with where and why."""
+        ...
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]: ...
 
@@ -83,7 +87,7 @@ class ArithmeticTask:
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         rng = random.Random(seed * 1_000_003 + step)
-        out = []
+        out: list[Problem] = []
         while len(out) < count:
             operands = tuple(rng.randint(0, self.max_operand) for _ in range(self.OPERANDS))
             if operands not in self._held_out_set:  # (a held-out one is drawn again)

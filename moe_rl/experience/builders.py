@@ -127,14 +127,14 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         from moe_rl.rollout.local import LocalEngine
 
         precision = PRECISIONS[r.precision]
-        engine = LocalEngine(
+        local = LocalEngine(
             hf_dir,
             weight_precision=getattr(torch, precision) if precision else None,
             mismatch=r.simulate_mismatch,
             mismatch_seed=cfg.train.seed * 1_000_003 + r.simulate_mismatch.seed,
         )
-        closing.callback(engine.close)
-        return engine
+        closing.callback(local.close)
+        return local
     from moe_rl.rollout.sglang import SGLangEngine
 
     launched = [_start_server(cfg, hf_dir, closing)] if r.launch_server else []

@@ -33,14 +33,19 @@ class WeightUpdateSession(Protocol):
         """Every server takes a bucket as one flat byte buffer (else one tensor at a time)."""
         ...
 
+    def server_ranks(self) -> list[int]:
+        """The ranks each server has (its TP size): in a weight-update group, or the payloads
+        a tensor update hands it."""
+        ...
+
+    def server_urls(self) -> list[str]:
+        """Its servers, in the order of :meth:`server_ranks` (for log lines and errors)."""
+        ...
+
 
 @runtime_checkable
 class DistributedWeightReceiver(WeightUpdateSession, Protocol):
     """Receives broadcasts over a weight-update group its server ranks join."""
-
-    def server_ranks(self) -> list[int]:
-        """The ranks each server has in a weight-update group (its TP size)."""
-        ...
 
     def server_nccl_versions(self) -> list[str | None]:
         """Each server's NCCL version (``"2.27.7"``), ``None`` where it cannot be known (a

@@ -54,7 +54,10 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             raise ValueError("give LocalEngine exactly one of model_path or model")
         self.dtype = dtype
         self.weight_precision = weight_precision
-        self.model = model if model is not None else self._load(model_path)
+        if model is None:
+            assert model_path is not None
+            model = self._load(model_path)
+        self.model = model
         self.model.eval()
         self.mismatch: MismatchSimulation | None = None  # made once the routers are found
         self._round_weights()
@@ -202,8 +205,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         (no padding: the numerics of a batch of one)."""
         params.validate()
         start = time.perf_counter()
-        if self._simulating() and not self.mismatch.calibrated:
-            self._calibrate_mismatch(prompts, seeds, params)
+        mismatch = self._active_mismatch()
+        if mismatch is not None and not mismatch.calibrated:
+            self._calibrate_mismatch(mismatch, prompts, seeds, params)
         out: list[Sample | None] = [None] * len(prompts)
         for indices in _by_length(prompts, seeds):
             samples = self.generate_rows(
@@ -212,25 +216,31 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             for i, sample in zip(indices, samples):
                 out[i] = sample
         self.seconds_generating += time.perf_counter() - start
-        self.tokens_generated += sum(len(s.output_ids) for s in out)
-        return out
+        done = [sample for sample in out if sample is not None]
+        assert len(done) == len(out)  # every prompt is in one length's batch
+        self.tokens_generated += sum(len(s.output_ids) for s in done)
+        return done
 
     def _calibrate_mismatch(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams
+        self,
+        mismatch: MismatchSimulation,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        params: SamplingParams,
     ) -> None:
         """Calibrate the simulated mismatch for the weights held now, on the last samples; the
         first time on a trial generation of these prompts (calibrated on the prompts alone,
         whose tokens route unlike responses'), which is then discarded."""
-        if not self.mismatch.has_samples:
-            self.mismatch.calibrate(prompts, params.temperature)
+        if not mismatch.has_samples:
+            mismatch.calibrate(prompts, params.temperature)
             for rows in _by_length(prompts, seeds):
                 self.generate_rows([list(prompts[i]) for i in rows], [seeds[i] for i in rows], params, False)
-            self.mismatch.take_scalars()  # the trial's figures are not the run's
-        self.mismatch.calibrate(prompts, params.temperature)
+            mismatch.take_scalars()  # the trial's figures are not the run's
+        mismatch.calibrate(prompts, params.temperature)
 
-    def _simulating(self) -> bool:
-        """Whether this generation simulates the mismatch (not during :meth:`evaluation`)."""
-        return self.mismatch is not None and not self._evaluating
+    def _active_mismatch(self) -> MismatchSimulation | None:
+        """The mismatch this generation simulates (none during :meth:`evaluation`)."""
+        return None if self._evaluating else self.mismatch
 
     @contextlib.asynccontextmanager
     async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
@@ -249,7 +259,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         vocab = self.model.config.vocab_size
         if max(max(p) for p in prompts) >= vocab or min(min(p) for p in prompts) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        simulating = self._simulating()
+        mismatch = self._active_mismatch()
+        simulating = mismatch is not None
         tracked = routed or simulating
         with self._routers.attached() if tracked else contextlib.nullcontext():
             d = self._decode(prompts, seeds, params, tracked, simulating)
@@ -257,8 +268,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         # returned) are ordinary ones
         samples = []
         full_routing = torch.cat(d.routing, dim=1) if tracked else None  # [n, positions, L, k]
-        if simulating:
-            self.mismatch.observe(
+        if mismatch is not None:
+            assert full_routing is not None  # a simulated mismatch tracks routing
+            mismatch.observe(
                 torch.cat(d.fed, 1),
                 full_routing,
                 prompt_len,
@@ -269,6 +281,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         for j in range(n):
             routed_j = None
             if routed:
+                assert full_routing is not None
                 # its own storage, not the batch's
                 routed_j = full_routing[j, : prompt_len + len(d.outputs[j]) - 1].to(self._index_dtype, copy=True)
             samples.append(

@@ -37,9 +37,11 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from moe_rl import tags
 from moe_rl.models.architectures import architecture_of
@@ -140,12 +142,29 @@ class _Switched:
             self.on = was
 
 
+class RoutingNoise(Protocol):
+    """A perturbation of each MoE layer's router (``gates``) by ``scales[l]``."""
+
+    gates: dict[int, torch.nn.Module]
+    scales: dict[int, float]
+
+    def apply(self) -> None:
+        """Make the routers route as ``scales`` says now."""
+
+    def refresh(self) -> None:
+        """Take the routers as they are now as the clean ones (after a weight load)."""
+
+    def off(self) -> contextlib.AbstractContextManager[None]:
+        """The clean routers for a block."""
+        ...
+
+
 class SelectionNoise(_Switched):
     """``mode=selection``: a forward hook on each MoE layer's router (run before any other) that
     re-chooses its experts from its scores plus ``scales[l]`` x :func:`unit_noise` of its input,
     the gate values at those experts from its clean logits (megatron-core's routing formula)."""
 
-    def __init__(self, model: torch.nn.Module, moe_layers: list[int], generator: torch.Generator) -> None:
+    def __init__(self, model: PreTrainedModel, moe_layers: list[int], generator: torch.Generator) -> None:
         cfg = model.config
         arch = architecture_of(cfg)
         self.router = arch.router(cfg)
@@ -165,7 +184,7 @@ class SelectionNoise(_Switched):
                 return None  # the router's own output
             logits, weights, _ = output
             noise = scale * unit_noise(args[0], self._directions[layer])
-            bias = module.e_score_correction_bias if self.biased else None
+            bias = cast(Tensor, module.e_score_correction_bias) if self.biased else None
             gates, experts = route_with_noisy_choice(logits, noise, self.top_k, self.router, bias)
             return logits, gates.to(weights.dtype), experts
 
@@ -174,12 +193,15 @@ class SelectionNoise(_Switched):
     def refresh(self) -> None:
         """Nothing to redo after a weight load: the hook reads the live router."""
 
+    def apply(self) -> None:
+        """Nothing to apply: the hook reads ``scales`` as it runs."""
+
 
 class WeightNoise:
     """``mode=weights``: each MoE layer's router weight is ``W + scales[l] * D_l`` (``D_l`` a
     seeded direction of ``W``'s norm), which changes the gate values along with the choice."""
 
-    def __init__(self, model: torch.nn.Module, moe_layers: list[int], generator: torch.Generator) -> None:
+    def __init__(self, model: PreTrainedModel, moe_layers: list[int], generator: torch.Generator) -> None:
         layers = model.get_decoder().layers
         self.gates = {l: layers[l].mlp.gate for l in moe_layers}
         self.scales = {l: 0.0 for l in moe_layers}
@@ -221,7 +243,7 @@ class LogitNoise(_Switched):
     last hidden state (one seeded direction per vocabulary entry). ``captured`` keeps the last
     call's (hidden states, logits before the noise) while :meth:`capturing`."""
 
-    def __init__(self, model: torch.nn.Module, generator: torch.Generator) -> None:
+    def __init__(self, model: PreTrainedModel, generator: torch.Generator) -> None:
         head = model.get_output_embeddings()
         self.scale = 0.0
         self._capture = False
@@ -249,13 +271,16 @@ class LogitNoise(_Switched):
             self._capture = False
 
 
-NOISES = {"selection": SelectionNoise, "weights": WeightNoise}
+NOISES: dict[str, Callable[[PreTrainedModel, list[int], torch.Generator], RoutingNoise]] = {
+    "selection": SelectionNoise,
+    "weights": WeightNoise,
+}
 
 
 class MismatchSimulation:
     """The engine's perturbed routing and logits, their calibration and what they did."""
 
-    def __init__(self, model: torch.nn.Module, routers: RouterCapture, settings: SimulatedMismatch, seed: int) -> None:
+    def __init__(self, model: PreTrainedModel, routers: RouterCapture, settings: SimulatedMismatch, seed: int) -> None:
         self.model, self.routers, self.settings = model, routers, settings
         generator = torch.Generator().manual_seed(seed)
         self.routing = NOISES[settings.mode](model, routers.moe_layers, generator) if settings.routes else None
@@ -297,11 +322,11 @@ class MismatchSimulation:
         return self.routers.take(*rows.shape)[0], logits
 
     @torch.no_grad()
-    def _router_inputs(self, batches: list[Batch], layer: int) -> list[tuple]:
+    def _router_inputs(self, noise: RoutingNoise, batches: list[Batch], layer: int) -> list[tuple]:
         """What ``layer``'s router is given in a forward pass over each batch, the routers
         before it perturbed as they are now (its own scale cannot change its input)."""
         inputs: list[tuple] = []
-        handle = self.routing.gates[layer].register_forward_pre_hook(lambda module, args: inputs.append(args))
+        handle = noise.gates[layer].register_forward_pre_hook(lambda module, args: inputs.append(args))
         try:
             for b in batches:
                 self.model(b.rows)
@@ -311,12 +336,14 @@ class MismatchSimulation:
         return inputs
 
     @torch.no_grad()
-    def _flip_rate(self, batches: list[Batch], inputs: list[tuple], reference: list[Tensor], layer: int) -> float:
+    def _flip_rate(
+        self, noise: RoutingNoise, batches: list[Batch], inputs: list[tuple], reference: list[Tensor], layer: int
+    ) -> float:
         """The share of the batches' response-predicting tokens whose perturbed top-k set in
         ``layer`` differs from ``reference``: the router alone run on its ``inputs`` (what a
         whole forward pass would route there, at a fraction of its cost)."""
         flipped = tokens = 0
-        gate = self.routing.gates[layer]
+        gate = noise.gates[layer]
         for b, args, ref in zip(batches, inputs, reference):
             routed = gate(*args)[2].view(*b.rows.shape, -1)
             changed = changed_sets(b.positions(routed), b.positions(ref[:, :, layer]))
@@ -343,11 +370,11 @@ class MismatchSimulation:
         with self.unperturbed():
             clean = [self._forward(b.rows) for b in batches]
         if self.routing is not None and self.settings.router_flip_frac > 0:
-            self._calibrate_flips(batches, [routing for routing, _ in clean])
+            self._calibrate_flips(self.routing, batches, [routing for routing, _ in clean])
         elif self.routing is not None:
-            self._calibrate_routing_kl(batches, [logits for _, logits in clean])
+            self._calibrate_routing_kl(self.routing, batches, [logits for _, logits in clean])
         if self.logits is not None:
-            self._calibrate_logits(batches)
+            self._calibrate_logits(self.logits, batches)
         self.calibrated = True
         log.debug(
             "simulated mismatch: router scales %s, logit scale %s",
@@ -355,54 +382,54 @@ class MismatchSimulation:
             self.logits.scale if self.logits else None,
         )
 
-    def _set_router_scale(self, layer: int | None, scale: float) -> None:
+    @staticmethod
+    def _set_router_scale(noise: RoutingNoise, layer: int | None, scale: float) -> None:
         """One layer's scale (``None``: every layer's), applied."""
-        for l in self.routing.scales if layer is None else (layer,):
-            self.routing.scales[l] = scale
-        if isinstance(self.routing, WeightNoise):
-            self.routing.apply()
+        for l in noise.scales if layer is None else (layer,):
+            noise.scales[l] = scale
+        noise.apply()
 
-    def _calibrate_flips(self, batches: list[Batch], reference: list[Tensor]) -> None:
+    def _calibrate_flips(self, noise: RoutingNoise, batches: list[Batch], reference: list[Tensor]) -> None:
         """Each MoE layer's scale (in order, the earlier ones fixed) until that layer flips at
         ``router_flip_frac``."""
-        for l in list(self.routing.scales):
-            inputs = self._router_inputs(batches, l)
+        for l in list(noise.scales):
+            inputs = self._router_inputs(noise, batches, l)
 
             def rate(scale: float, l: int = l, inputs: list = inputs) -> float:
-                self._set_router_scale(l, scale)
-                return self._flip_rate(batches, inputs, reference, l)
+                self._set_router_scale(noise, l, scale)
+                return self._flip_rate(noise, batches, inputs, reference, l)
 
-            found = self._solve(rate, self.settings.router_flip_frac, self.routing.scales[l], FLIP_TOLERANCE, 1.0)
-            self._set_router_scale(l, found)
+            found = self._solve(rate, self.settings.router_flip_frac, noise.scales[l], FLIP_TOLERANCE, 1.0)
+            self._set_router_scale(noise, l, found)
 
-    def _calibrate_routing_kl(self, batches: list[Batch], clean: list[Tensor]) -> None:
+    def _calibrate_routing_kl(self, noise: RoutingNoise, batches: list[Batch], clean: list[Tensor]) -> None:
         """One scale for every MoE layer, until the flips alone cost ``routing_kl``."""
 
         def kl(scale: float) -> float:
-            self._set_router_scale(None, scale)
+            self._set_router_scale(noise, None, scale)
             return self._routing_kl(batches, clean)
 
-        last = next(iter(self.routing.scales.values()))
+        last = next(iter(noise.scales.values()))
         found = self._solve(kl, self.settings.routing_kl, last, ROUTING_KL_TOLERANCE, 2.0, ROUTING_KL_MEASUREMENTS)
-        self._set_router_scale(None, found)
+        self._set_router_scale(noise, None, found)
 
     @torch.no_grad()
-    def _calibrate_logits(self, batches: list[Batch]) -> None:
+    def _calibrate_logits(self, noise: LogitNoise, batches: list[Batch]) -> None:
         """The logit noise's scale until its KL, exact over the vocabulary on the engine's own
         (perturbed) routing, is ``logit_kl``: no forward pass per trial."""
         parts = []
-        with self.logits.capturing() as captured:
+        with noise.capturing() as captured:
             for b in batches:
                 self.model(b.rows)
                 hidden, logits = captured[-1]
-                parts.append((b.positions(logits).float(), self.logits.noise(b.positions(hidden)), b.temperature))
+                parts.append((b.positions(logits).float(), noise.noise(b.positions(hidden)), b.temperature))
         self.routers.clear()
         count = sum(l.shape[0] for l, _, _ in parts)
 
         def kl(scale: float) -> float:
             return sum(float(exact_kl(l + scale * z, l, t).sum()) for l, z, t in parts) / max(count, 1)
 
-        self.logits.scale = self._solve(kl, self.settings.logit_kl, self.logits.scale, LOGIT_KL_TOLERANCE, 2.0)
+        noise.scale = self._solve(kl, self.settings.logit_kl, noise.scale, LOGIT_KL_TOLERANCE, 2.0)
 
     @staticmethod
     def _solve(

@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Coroutine, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -64,7 +64,7 @@ FAILED = "failed"  # Sample.meta key: why the generate function failed (the samp
 RESPONSE_TEXT = "response_text"  # Sample.meta key: what the rewards score, when the function said
 TRUNCATED = "truncated"  # Sample.meta key: "turns" | "tokens" (the function's limits) | "context" (the model's)
 DROPPED_ENVIRONMENT_TOKENS = "dropped_environment_tokens"  # Sample.meta key: environment tokens after the last turn
-GenerateFn = Callable[..., Awaitable["Transcript"]]
+GenerateFn = Callable[..., Coroutine[Any, Any, "Transcript"]]  # an ``async def`` (its steps are timed)
 KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
 CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
@@ -556,6 +556,7 @@ class MultiTurnSampler:
         last = next((t for t in reversed(handle.turns) if t.input_ids[: len(prompt)] == prompt), None)
         if last is None and routed:
             probe = await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)
+            assert probe.routed_experts is not None  # routed: the source returns routing
             last = Turn(prompt, [], [], "abort", "", probe.routed_experts[: len(prompt) - 1])
         output = (last.input_ids[len(prompt) :] + last.output_ids) if last is not None else []
         routing = last.routed_experts if last is not None else None

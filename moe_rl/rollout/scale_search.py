@@ -51,7 +51,7 @@ def solve_scale(
     x = min(max(math.log(start), lo_end), hi_end) if start > 0 else (lo_end + hi_end) / 2
     below: tuple[float, float] | None = None  # (log scale, log figure - log target) with the figure short
     above: tuple[float, float] | None = None
-    best = None
+    best: tuple[float, float, float] | None = None  # (log scale, gap, figure) of the closest
     last_side = 0
     for n in range(1, max_measurements + 1):
         value = measure(math.exp(x))
@@ -87,4 +87,5 @@ def solve_scale(
         else:
             x -= gap / exponent  # the power-law guess
         x = min(max(x, lo_end), hi_end)
+    assert best is not None  # max_measurements >= 1
     return Found(math.exp(best[0]), best[2], n, False)

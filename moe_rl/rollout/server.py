@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 from moe_rl.rollout.types import RolloutError
 from parallel.launch import dies_with_this_process
@@ -170,7 +170,7 @@ class SGLangServer:
         groups use), ``None`` when it cannot tell (no NCCL in that torch); asked once."""
         if self._nccl_version is _NOT_ASKED:
             self._nccl_version = python_nccl_version(self.settings.launch_command[0], self.settings.environment())
-        return self._nccl_version
+        return cast("str | None", self._nccl_version)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Wait on ``/health_generate``; fail at once if the process dies (with its log tail)."""

@@ -297,6 +297,7 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
         when it is not known), checked: one row per position, ``top_k`` distinct expert ids
         per layer, each below ``num_experts`` (when known). Vectorised, ~25 ms for 8k
         tokens x 48 layers x top-8 (``tools/bench/routing.py``): cheap enough for the event loop."""
+        assert self.num_layers is not None and self.top_k is not None  # checked when routing was asked for
         experts = decode_routed_experts(encoded, self.num_layers, self.top_k, self.num_experts)
         if experts.shape[0] != positions:
             raise ValueError(
@@ -356,6 +357,9 @@ class SGLangEngine(RolloutEngine, DistributedWeightReceiver, TensorWeightReceive
             {"model_path": model_path, "weight_version": weight_version, "flush_cache": True},
         )
         self._version = weight_version
+
+    def server_urls(self) -> list[str]:
+        return list(self.urls)
 
     def server_ranks(self) -> list[int]:
         """How many ranks each server has in a weight-update group (its TP size; read once)."""

@@ -16,7 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, Sequence, TypeVar
 from urllib.parse import urlparse
 
 import torch
@@ -70,8 +70,14 @@ class WeightSource(Protocol):
         """Write a HF directory at ``path`` (each rank writes what it owns)."""
 
 
-class WeightSync(ABC):
-    def __init__(self, engine: RolloutEngine | None) -> None:
+E = TypeVar("E")  # what a sync asks of the engine: one of rollout.contracts' capabilities
+
+
+class WeightSync(ABC, Generic[E]):
+    """Puts the trainer's weights into the rollout engine; ``engine`` (the first rank's,
+    ``None`` elsewhere) is held as the capability the sync needs."""
+
+    def __init__(self, engine: E | None) -> None:
         self.engine = engine
 
     @abstractmethod
@@ -82,20 +88,20 @@ class WeightSync(ABC):
         """Release what the sync holds (a process group)."""
 
 
-class InProcessSync(WeightSync):
+class InProcessSync(WeightSync[InProcessWeightReceiver]):
     """Full tensors gathered to the first rank, handed to an engine in this process."""
 
-    def __init__(self, engine: InProcessWeightReceiver | None) -> None:
-        require_capability(engine, InProcessWeightReceiver, "an in-process weight sync")
-        super().__init__(engine)
+    def __init__(self, engine: RolloutEngine | None) -> None:
+        super().__init__(require_capability(engine, InProcessWeightReceiver, "an in-process weight sync"))
 
     def push(self, weights: WeightSource, version: str) -> None:
         tensors = weights.gather()
         if self.engine is not None:
+            assert tensors is not None  # (the first rank gathers them)
             self.engine.update_weights(tensors, version)
 
 
-class DiskSync(WeightSync):
+class DiskSync(WeightSync[RolloutEngine]):
     """A HF directory every server re-reads (``/update_weights_from_disk``); ``path`` must
     be on a file system the servers see."""
 
@@ -119,7 +125,7 @@ class _SenderLink:
     group: Any = None  # this rank's own group, when it sends
 
 
-class DistributedSync(WeightSync):
+class DistributedSync(WeightSync[DistributedWeightReceiver]):
     """Buckets of full tensors broadcast to every server rank over weight-update groups
     (NCCL on GPUs, gloo on CPU) that the servers join once. SGLang receives every broadcast
     from its group's rank 0, so each sending rank (each pipeline stage's first rank: a
@@ -134,7 +140,7 @@ class DistributedSync(WeightSync):
 
     def __init__(
         self,
-        engine: DistributedWeightReceiver | None,
+        engine: RolloutEngine | None,
         *,
         bucket_bytes: int,
         dtype: torch.dtype,
@@ -144,8 +150,7 @@ class DistributedSync(WeightSync):
         flattened: bool | None = None,
         per_stage: bool = True,
     ) -> None:
-        require_capability(engine, DistributedWeightReceiver, "rollout.weight_sync=distributed")
-        super().__init__(engine)
+        super().__init__(require_capability(engine, DistributedWeightReceiver, "rollout.weight_sync=distributed"))
         self.bucket_bytes, self.dtype, self.address = bucket_bytes, dtype, address
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
@@ -156,22 +161,23 @@ class DistributedSync(WeightSync):
     def push(self, weights: WeightSource, version: str) -> None:
         if self.link is None:
             self.link = self._connect(weights)
-        if self.engine is None:  # a stage's sender, or a rank whose shards travel to one
+        link, engine = self.link, self.engine
+        if engine is None:  # a stage's sender, or a rank whose shards travel to one
             weights.stream(self.bucket_bytes, self.dtype, self._send, per_stage=self.per_stage)
             return
         start = time.perf_counter()
 
         def announce_and_send(bucket: Bucket, flat: Tensor | None) -> None:
-            self.engine.update_weights_from_distributed(
+            engine.update_weights_from_distributed(
                 [(t.name, t.dtype, t.shape) for t in bucket.tensors],
                 lambda: self._send(bucket, flat),
-                group_name=self.link.group_names[bucket.sender],
+                group_name=link.group_names[bucket.sender],
                 weight_version=version,
-                flattened=self.link.flattened,
+                flattened=link.flattened,
             )
 
         try:
-            with self.engine.weight_update(version):
+            with engine.weight_update(version):
                 plan = weights.stream(self.bucket_bytes, self.dtype, announce_and_send, per_stage=self.per_stage)
         except BaseException:
             self._abandon_link()
@@ -179,10 +185,10 @@ class DistributedSync(WeightSync):
         log.info(
             "weights %s sent to %d server(s) in %d %s bucket(s) from %d sender(s) in %.2fs",
             version,
-            len(self.engine.urls),
+            len(engine.server_urls()),
             len(plan),
-            "flattened" if self.link.flattened else "per-tensor",
-            len(self.link.group_names),
+            "flattened" if link.flattened else "per-tensor",
+            len(link.group_names),
             time.perf_counter() - start,
         )
 
@@ -201,8 +207,10 @@ class DistributedSync(WeightSync):
         until it has left: the next bucket is packed only then (bounded memory)."""
         if flat is None:
             return
-        for tensor in [flat] if self.link.flattened else [t for _, t in bucket.unpack(flat)]:
-            torch.distributed.broadcast(tensor, group=self.link.group, group_src=0)
+        link = self.link
+        assert link is not None  # (connected by push)
+        for tensor in [flat] if link.flattened else [t for _, t in bucket.unpack(flat)]:
+            torch.distributed.broadcast(tensor, group=link.group, group_src=0)
             self.broadcasts += 1
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()
@@ -223,18 +231,20 @@ class DistributedSync(WeightSync):
         if self.engine is not None:
             if self.backend == "nccl":
                 check_nccl_versions(
-                    trainer_nccl_version(), dict(zip(self.engine.urls, self.engine.server_nccl_versions()))
+                    trainer_nccl_version(), dict(zip(self.engine.server_urls(), self.engine.server_nccl_versions()))
                 )
             flattened = self.engine.supports_flattened_buckets() if self.flattened is None else self.flattened
             # a name of its own: servers keep a group by name, and one that an earlier trainer
             # left (a restarted or resumed run against long-lived servers) refuses the name
             setup = (
-                self.engine.urls,
+                self.engine.server_urls(),
                 uuid.uuid4().hex[:12],
                 flattened,
                 weight_group_offsets(self.engine.server_ranks())[1],
             )
-        urls, token, flattened, world_size = broadcast_object(setup)
+        shared = broadcast_object(setup)
+        assert shared is not None  # (the first rank's)
+        urls, token, flattened, world_size = shared
         me = rank()
         endpoint = (
             (self.address if me == 0 and self.address else reachable_address(urls), free_port())
@@ -245,14 +255,17 @@ class DistributedSync(WeightSync):
         link = _SenderLink({sender: f"{self.GROUP_PREFIX}-{token}-r{sender}" for sender in senders}, flattened)
         if self.engine is not None:
             for sender in senders:
-                address, port = endpoints[sender]
+                sender_endpoint = endpoints[sender]
+                assert sender_endpoint is not None  # every sender published one
+                address, port = sender_endpoint
                 join = self._joiner(address, port, link.group_names[sender], hosted_here=sender == me)
                 group = self.engine.init_weights_update_group(
                     address, port, link.group_names[sender], self.backend, join
                 )
                 link.group = group if sender == me else link.group
         elif me in senders:
-            address, port = endpoints[me]
+            assert endpoint is not None
+            address, port = endpoint
             link.group = self._join(address, port, link.group_names[me], world_size)
         return link
 
@@ -296,7 +309,7 @@ class DistributedSync(WeightSync):
         self.link = None
 
 
-class TensorSync(WeightSync):
+class TensorSync(WeightSync[TensorWeightReceiver]):
     """Buckets handed to servers on the first rank's node by reference
     (``/update_weights_from_tensor``): SGLang takes one payload per server TP rank
     (``serialized_named_tensors[i]`` is what TP rank i maps), so each comes from the GPU that
@@ -322,7 +335,7 @@ class TensorSync(WeightSync):
 
     def __init__(
         self,
-        engine: TensorWeightReceiver | None,
+        engine: RolloutEngine | None,
         *,
         bucket_bytes: int,
         dtype: torch.dtype,
@@ -332,8 +345,7 @@ class TensorSync(WeightSync):
     ) -> None:
         from parallel.distributed import node_gpu_ids
 
-        require_capability(engine, TensorWeightReceiver, "rollout.weight_sync=tensor")
-        super().__init__(engine)
+        super().__init__(require_capability(engine, TensorWeightReceiver, "rollout.weight_sync=tensor"))
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.flattened = flattened  # None: where every server supports it (asked at the first push)
         self.server_gpus = list(server_gpus) if server_gpus is not None else None
@@ -374,7 +386,9 @@ class TensorSync(WeightSync):
             plan = (self.payload_producers(self.engine.server_ranks()), self.flattened)
         else:
             plan = None
-        self.producers, self.flattened = broadcast_object(plan)
+        shared = broadcast_object(plan)
+        assert shared is not None  # (the first rank's)
+        self.producers, self.flattened = shared
         members = sorted({0, *(r for server in self.producers for r in server if r < world_size())})
         if len(members) > 1:
             self.group = dist.new_group(members)  # (every rank takes part in making it)
@@ -398,7 +412,7 @@ class TensorSync(WeightSync):
         log.info(
             "weights %s handed to %d server(s) in %d %s bucket(s) in %.2fs (payloads from trainer ranks %s)",
             version,
-            len(self.engine.urls),
+            len(self.engine.server_urls()),
             len(plan),
             "flattened" if self.flattened else "per-tensor",
             time.perf_counter() - start,
@@ -418,21 +432,23 @@ class TensorSync(WeightSync):
             dist.broadcast(flat, src=0, group=self.group)
         # the packed bytes are a buffer of their own (never a parameter, whose storage
         # sharing would move: on CPU into shared memory)
+        assert flat is not None  # (packed here, or received from the first rank)
         payload = flattened_bucket(bucket, flat) if self.flattened else bucket.unpack(flat)
         mine = serialize_for_sglang(payload)
         if self.group is None:
             serialized = {0: mine}
         else:
-            every = [None] * len(self.members) if rank() == 0 else None
+            every: list[Any] | None = [None] * len(self.members) if rank() == 0 else None
             dist.gather_object(mine, every, dst=0, group=self.group)
             serialized = dict(zip(self.members, every)) if every is not None else {}
         error = None
         if self.engine is not None:
+            assert self.producers is not None  # (planned at the first push)
             try:
                 self.engine.update_weights_from_tensor(
                     [[serialized[r] for r in server] for server in self.producers],
                     weight_version=self._version,
-                    flattened=self.flattened,
+                    flattened=bool(self.flattened),
                 )
             except Exception as e:  # the other producers stop with it
                 error = e
@@ -527,7 +543,7 @@ def serialize_for_sglang(obj: object) -> str:
 
     class UuidPickler(ForkingPickler):
         _extra_reducers = {
-            **ForkingPickler._extra_reducers,
+            **ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
             torch.Tensor: _reduce_tensor_by_uuid,
             torch.nn.Parameter: _reduce_tensor_by_uuid,
         }
@@ -568,7 +584,7 @@ def _rebuild_cuda_tensor_by_uuid(*args):
     return reductions.rebuild_cuda_tensor(*args)
 
 
-def reachable_address(urls: list[str]) -> str:
+def reachable_address(urls: Sequence[str]) -> str:
     """This host's address as the servers at ``urls`` reach it: loopback when they are all
     local, else the address of the interface that routes to the first one (no packet is sent)."""
     hosts = [urlparse(u).hostname or "127.0.0.1" for u in urls]

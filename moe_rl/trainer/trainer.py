@@ -215,7 +215,7 @@ class Trainer:
             else None
         )
         # the engine's routed experts: for R3, and for routing metrics when it can return them
-        self.engine_routing = broadcast_object(self.collector.return_routing if self.collector else None)
+        self.engine_routing = bool(broadcast_object(self.collector.return_routing if self.collector else None))
         self.weight_sync = build_weight_sync(cfg, engine, self.run_dir, self.hf_config)
         self._closing.callback(self.weight_sync.close)
         self.placement = build_placement(cfg, engine, self.policy)
@@ -462,7 +462,10 @@ class Trainer:
         objective = self.objective_for(batch, counts)
         result, skipped = None, 0
         for i in range(self.cfg.algorithm.updates_per_batch):
-            with self.routing.update_pass() if self.routing else contextlib.nullcontext([]) as hooks:
+            update_pass: contextlib.AbstractContextManager[list] = (
+                self.routing.update_pass() if self.routing else contextlib.nullcontext([])
+            )
+            with update_pass as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
             log_ratio_metrics(result.outputs)  # once for the pass, not inside each micro-batch's loss
             skipped += not result.updated
@@ -472,6 +475,7 @@ class Trainer:
                 )
         if skipped and is_first_rank():
             log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
+        assert result is not None  # updates_per_batch >= 1 (config check)
         return UpdateResult(result.outputs, result.grad_norm, skipped)
 
     def _split_counts(self, update: int, updated: bool) -> bool:
@@ -491,6 +495,7 @@ class Trainer:
         """``eval/*`` of the weights the engine serves, on the first rank ({} elsewhere)."""
         if self.evaluator is None:
             return {}
+        assert self.collector is not None  # an evaluator is built only with one
         with self.collector.engine.evaluation():  # the engine's trained model, without a simulated mismatch
             return self.evaluator.run()
 

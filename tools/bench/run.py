@@ -1,6 +1,6 @@
 """moe-rl benchmarks, every figure measured side by side in one run on this machine.
 
-    .venv/bin/python -m tools.bench.run [--quick] [--json bench.json]
+    .venv/bin/python -m tools.bench.run [--quick] [--json bench.json] [--report docs/benchmarks/DATE-MACHINE.md]
 
 Sections: the machine's fp32 matmul peak; an RL training step of a small MoE under
 megatron-core (tokens/s, MFU against that peak) and of a 188M-parameter one; routing-replay
@@ -176,6 +176,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default="bench.json")
+    p.add_argument("--report", help="also write the dated Markdown report here (tools/bench/report.py)")
     args = p.parse_args()
     q = args.quick
     results: dict = {"threads": torch.get_num_threads(), "quick": q}
@@ -345,6 +346,10 @@ def main() -> None:
     results["wall_s"] = time.perf_counter() - t0
     Path(args.json).write_text(json.dumps(results, indent=2))
     _print_table(results)
+    if args.report:
+        from tools.bench.report import write_report
+
+        write_report(results, Path(args.report))
 
 
 def _demo_model() -> str:
@@ -456,6 +461,16 @@ def _weight_sync_rows(w: dict) -> list[tuple[str, str]]:
 
 
 def _print_table(r: dict) -> None:
+    rows = table_rows(r)
+    width = max(len(a) for a, _ in rows)
+    print(f"\nmoe-rl benchmarks ({r['threads']} threads, {'quick' if r['quick'] else 'full'}, {r['wall_s']:.0f}s)")
+    for a, b in rows:
+        print(f"  {a:<{width}}  {b}")
+
+
+def table_rows(r: dict) -> list[tuple[str, str]]:
+    """The run's figures (``bench.json``) as (what, figure) rows: the console table, and the
+    dated report ``tools/bench/report.py`` writes."""
     t, lp, ro = r["train_step"], r["logprob"], r["rollout"]
     rows = [
         ("fp32 matmul peak (this machine)", f"{r['matmul_peak_gflops']:.1f} GFLOP/s"),
@@ -533,10 +548,7 @@ def _print_table(r: dict) -> None:
         (f"losses fwd+bwd {r['losses']['shape']}", ", ".join(f"{k} {v['ms']:.0f}ms" for k, v in losses.items()))
     )
     rows.append(("GPU", r["gpu"]))
-    width = max(len(a) for a, _ in rows)
-    print(f"\nmoe-rl benchmarks ({r['threads']} threads, {'quick' if r['quick'] else 'full'}, {r['wall_s']:.0f}s)")
-    for a, b in rows:
-        print(f"  {a:<{width}}  {b}")
+    return rows
 
 
 if __name__ == "__main__":
