@@ -1,5 +1,6 @@
 """A benchmark run's report in Markdown, made from its ``bench.json`` (figures are never typed
-by hand): the date, the commit, the machine, and the table ``tools/bench/run.py`` prints.
+by hand): the date, the commit, the machine, and the table ``tools/bench/run.py`` prints; the
+figures go next to it as JSON (tests/test_docs.py renders them again and compares).
 
     .venv/bin/python -m tools.bench.report bench.json docs/benchmarks/2026-12-04-cpu-2core.md
     .venv/bin/python -m tools.bench.run --report docs/benchmarks/DATE-MACHINE.md   # measure and write
@@ -65,9 +66,11 @@ def _indented(what: str) -> str:
 
 
 def write_report(results: dict, out: Path) -> None:
+    """``out`` and, next to it, the figures it was made from (``out`` with ``.json``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(results, time.strftime("%Y-%m-%d"), commit(), machine()))
-    print(f"wrote {out}")
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.json').name}")
 
 
 def main() -> None:
