@@ -1,4 +1,11 @@
-"""Fixtures shared by the end-to-end test modules."""
+"""The suite's lanes (one folder each), its shared fixtures and its paths.
+
+tests/unit/         one process, no server (the fast lane: run it first)
+tests/server/       an SGLang stand-in or a launched (real) server
+tests/distributed/  worker processes: gloo ranks running megatron-core, reward workers
+tests/e2e/          whole trainer runs and CLI commands
+tests/support/      what the tests import or run: the SGLang stand-in, worker and check scripts
+"""
 
 from __future__ import annotations
 
@@ -20,9 +27,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 WARM_START = ["warm_start.steps=20", "warm_start.batch_size=16"]
 DEFAULT_MODEL = ".default-model"  # in a demo_cache: the name of the model made with the default settings
 ROOT = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))  # the tests import its modules (fake_device, multi_turn_fns, ...)
 # real SGLang for CPU (bash tools/setup.sh --sglang); the tests marked real_sglang need it
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-STAND_IN_SERVER = [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sglang_test_server.py"))]
+STAND_IN_SERVER = [sys.executable, "-W", "ignore", str(SUPPORT / "sglang_test_server.py")]
 
 
 def moe_rl(
@@ -55,43 +64,24 @@ def moe_rl_in_process(*args: str) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ lanes
-# Every test gets one lane marker by what it costs (README "Tests"): unit (one process, no
-# server; `pytest -m unit` runs in about two minutes), server (an SGLang stand-in or a
-# launched server process), distributed (gloo worker processes), e2e (whole trainer runs and
-# CLI commands). real_sglang (a real SGLang server) is marked on its tests and combines with
-# them. A test marks its own lane where its file's default does not fit it.
+# Every test gets one lane marker by what it costs: its folder's (docs/testing.md), or the one
+# it marks itself where its folder's does not fit it (a worker-process test among unit ones).
+# real_sglang (a real SGLang server) is marked on its tests and combines with their lane.
 LANES = ("unit", "server", "distributed", "e2e")
-E2E_FILES = {
-    "test_trainer.py",
-    "test_reliability.py",
-    "test_backend_cli.py",
-    "test_newcomer.py",
-    "test_presets_and_cli.py",
-    "test_drift_engine.py",
-}
-DISTRIBUTED_FILES = {
-    "test_advantages_distributed.py",
-    "test_cpu_bridge.py",
-    "test_megatron_backend.py",
-    "test_optim.py",
-    "test_routing_monitor.py",
-    "test_device_discipline.py",
-}
 SERVER_FIXTURES = {"servers", "server", "stand_in_sglang", "real_sglang", "sglang_servers"}
 
 
 def lane_of(item: pytest.Item) -> str:
-    """The lane a test runs in: its own marker, else its file's, else by the fixtures it uses."""
+    """The lane a test runs in: its own marker, else its folder's."""
     own = [lane for lane in LANES if item.get_closest_marker(lane) is not None]
     if own:
         return own[0]
-    if item.path.name in E2E_FILES:
-        return "e2e"
-    if item.path.name in DISTRIBUTED_FILES:
-        return "distributed"
-    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("real_sglang"):
-        return "server"
-    return "unit"
+    folder = item.path.parent.name
+    if folder not in LANES:
+        raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<lane>/, one of {', '.join(LANES)}")
+    if folder == "unit" and SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        raise pytest.UsageError(f"{item.nodeid} starts a server: move it to tests/server/ (or mark its lane)")
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -129,9 +119,9 @@ def demo_cache(tmp_path_factory) -> str:
 
 
 def run_check_script(name: str, *args: str, timeout_s: int = 300) -> dict:
-    """Run ``tests/<name>`` (a one-process check that prints JSON lines) in a fresh
+    """Run ``tests/support/<name>`` (a one-process check that prints JSON lines) in a fresh
     Python; its last JSON line."""
-    script = Path(__file__).with_name(name)
+    script = SUPPORT / name
     out = subprocess.run(
         [sys.executable, "-W", "ignore", str(script), *args], capture_output=True, text=True, timeout=timeout_s
     )

@@ -12,7 +12,7 @@ The expression is whatever the policy sampled, so it is treated as hostile: at m
 :data:`MAX_EXPRESSION_CHARS` ASCII characters, every literal and every intermediate result
 within :data:`MAX_MAGNITUDE` (finite), every failure an ``=error: WHY`` for the policy.
 These caps make an evaluation cheap by construction (at most ~128 operations on numbers
-below 2**40, each constant time; tests/test_calculator.py measures the worst cases well
+below 2**40, each constant time; tests/unit/test_calculator.py measures the worst cases well
 under a millisecond), so it runs on the event loop itself, and ``tool_timeout_s`` is a
 deadline checked before every AST node: it holds to within one such operation.
 

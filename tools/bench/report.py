@@ -1,6 +1,6 @@
 """A benchmark run's report in Markdown, made from its ``bench.json`` (figures are never typed
 by hand): the date, the commit, the machine, and the table ``tools/bench/run.py`` prints; the
-figures go next to it as JSON (tests/test_docs.py renders them again and compares).
+figures go next to it as JSON (tests/unit/test_docs.py renders them again and compares).
 
     .venv/bin/python -m tools.bench.report bench.json docs/benchmarks/2026-12-04-cpu-2core.md
     .venv/bin/python -m tools.bench.run --report docs/benchmarks/DATE-MACHINE.md   # measure and write

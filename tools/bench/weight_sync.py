@@ -10,7 +10,7 @@ bytes moved, seconds.
 
 Measured: a random Qwen3-MoE (hidden 256, 16 experts of 256, vocab 8k; ``--layers``) trained
 on 2 processes with pp=2 (rank 1 holds the second stage) syncs in bf16 to the project's
-SGLang-protocol stand-in (``tests/sglang_test_server.py``, which receives as SGLang 0.5.23
+SGLang-protocol stand-in (``tests/support/sglang_test_server.py``, which receives as SGLang 0.5.23
 does, over gloo), through the trainer's own ``DistributedSync``. The broadcasts are counted
 where they are sent; the stand-in's count of update requests and of flat ones is checked.
 Seconds are CPU/gloo figures: they show the per-call overhead, not NCCL bandwidth.
@@ -268,7 +268,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     tmp = Path(tempfile.mkdtemp())
     hf_dir = save_tiny_checkpoint(tmp / "hf", "qwen3_moe", seed=0, num_hidden_layers=args.layers, **SIZE)
-    stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "support" / "sglang_test_server.py")]
     # "cuda": no CPU flags
     settings = ServerSettings(model_path=hf_dir, port=free_port(), device="cuda", launch_command=stand_in)
     with SGLangServer(settings, tmp / "logs") as server:

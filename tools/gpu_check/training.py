@@ -267,7 +267,7 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
         code = moe_rl("prepare", *TINY_RUN, *cache, log=work / "prepare.log", timeout=200)
         if not checks.check("moe-rl prepare exit code", code, "==", 0):
             return {"error": tail(work / "prepare.log")}
-    stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    stand_in = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "support" / "sglang_test_server.py")]
     settings = ServerSettings(
         model_path=str(model),
         port=free_port(),

@@ -5,7 +5,7 @@ every logged step once and equal, nothing left behind but what a restart removes
     .venv/bin/python -m tools.reliability.kill_resume [--kills 8] [--steps 24] [--engine local|sglang]
 
 With ``--engine sglang`` the runs get their rollouts from the SGLang-protocol test server
-(tests/sglang_test_server.py) through the disk weight sync, so kills also land in weight
+(tests/support/sglang_test_server.py) through the disk weight sync, so kills also land in weight
 syncs. Each restart is killed after it logs a new step, at a moment the kill's target
 picks, cycling through ``--targets``: ``random`` (within the next two steps, step time
 measured on the uninterrupted run), ``checkpoint`` (as soon as a checkpoint is being
@@ -130,7 +130,7 @@ def start_server(model_dir: str, log_dir: Path):
     from moe_rl.rollout.server import ServerSettings, SGLangServer
     from parallel.launch import free_port
 
-    command = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "sglang_test_server.py")]
+    command = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "support" / "sglang_test_server.py")]
     settings = ServerSettings(
         model_path=model_dir, port=free_port(), return_routed_experts=True, deterministic=True, launch_command=command
     )

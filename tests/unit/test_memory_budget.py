@@ -22,7 +22,7 @@ from moe_rl.models.memory_budget import (
     stage_budget,
 )
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TINY = {
     "model_type": "qwen3_moe",
     "vocab_size": 10,

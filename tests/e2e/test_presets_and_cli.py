@@ -12,7 +12,7 @@ import yaml
 
 from moe_rl.algorithms import compute_advantages, policy_loss
 
-PRESETS = sorted((Path(__file__).parents[1] / "configs" / "algorithms").glob("*.yaml"))
+PRESETS = sorted((Path(__file__).parents[2] / "configs" / "algorithms").glob("*.yaml"))
 
 
 def test_presets_exist() -> None:

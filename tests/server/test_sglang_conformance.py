@@ -1,5 +1,5 @@
 """One protocol, two servers: each test runs against real SGLang 0.5.23 (CPU backend) and
-against the project's stand-in (``tests/sglang_test_server.py``), so a difference between
+against the project's stand-in (``tests/support/sglang_test_server.py``), so a difference between
 them shows here. The stand-in stays for the fast tests and for faults a real server cannot
 be made to show; what it answers must be what the real one answers."""
 

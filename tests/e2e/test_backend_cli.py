@@ -41,7 +41,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def test_parity_with_transformers_and_its_verdict(checkpoints) -> None:
-    # the command end to end (every family and layout: tests/test_megatron_backend.py); at
+    # the command end to end (every family and layout: tests/distributed/test_megatron_backend.py); at
     # tolerance 0 the (non-zero) float differences must fail it with exit code 1
     out = moe_rl("parity", "--hf-dir", checkpoints["qwen3"], "--tolerance", "0")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -59,7 +59,7 @@ def test_bad_layout_is_one_clear_line(checkpoints) -> None:
 
 
 def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> None:
-    # the command end to end (exports of every family under every layout: tests/test_megatron_backend.py)
+    # the command end to end (exports of every family under every layout: tests/distributed/test_megatron_backend.py)
     src = checkpoints["qwen3"]
     out = moe_rl("export", "--checkpoint", src, "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stdout + out.stderr

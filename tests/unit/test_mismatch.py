@@ -431,11 +431,11 @@ def test_a_compare_config_names_its_claim_set() -> None:
     import yaml
     from pathlib import Path
 
-    spec = yaml.safe_load((Path(__file__).parents[1] / "configs/compare/scale_regime.yaml").read_text())
+    spec = yaml.safe_load((Path(__file__).parents[2] / "configs/compare/scale_regime.yaml").read_text())
     assert spec["claims"] == "scale_regime" and runs <= set(spec["runs"])  # every claim has its runs
     assert _shape_problem(spec) is None and set(spec["more_seeds"]) <= runs
     # the long view is the same regime, only longer
-    long = yaml.safe_load((Path(__file__).parents[1] / "configs/compare/scale_regime_long.yaml").read_text())
+    long = yaml.safe_load((Path(__file__).parents[2] / "configs/compare/scale_regime_long.yaml").read_text())
     assert _shape_problem(long) is None and long["runs"] == spec["runs"] and long["claims"] == "scale_regime"
     assert {k: v for k, v in long["base"].items() if k != "train"} == {
         k: v for k, v in spec["base"].items() if k != "train"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import moe_rl
+from conftest import SUPPORT, moe_rl
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TINY = [
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",
@@ -466,7 +466,7 @@ SIM_RUNS = [
     "glm-r3sim:1,1,1,1:r3+glm+sim:2",
     "one-r3simlogit:1,1,1,1:r3+simlogit:2",
 ]
-LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/trainer_layouts_worker.py), in this order
+LAYOUT_RUNS = {  # name:tp,pp,ep,etp:variant[:steps[:save=other]] (tests/support/trainer_layouts_worker.py), in this order
     # (+dyn: micro-batches packed under a budget of 24 tokens, smaller than the one-process reference's derived default)
     2: [
         "tp2-r2:2,1,1,2:r2",
@@ -509,7 +509,7 @@ def layout_runs(cache, tmp_path_factory) -> Path:
     from parallel.launch import spawn_local
 
     out = tmp_path_factory.mktemp("layouts")
-    worker = str(ROOT / "tests" / "trainer_layouts_worker.py")
+    worker = str(SUPPORT / "trainer_layouts_worker.py")
     for nproc, runs in LAYOUT_RUNS.items():
         code = spawn_local(nproc, ["-W", "ignore", worker, str(out), cache, *runs], timeout_s=600)
         assert code == 0, f"{nproc}-process trainer worker failed with exit code {code}"

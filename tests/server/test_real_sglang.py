@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import SGLANG_PYTHON, WARM_START, demo_model_dir, demo_weights_on, moe_rl, start_sglang
+from conftest import SGLANG_PYTHON, SUPPORT, WARM_START, demo_model_dir, demo_weights_on, moe_rl, start_sglang
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.sglang import SGLangEngine
 from moe_rl.rollout.types import RolloutError, SamplingParams
@@ -42,9 +42,9 @@ SMALL = [
 
 
 def moe_rl_logged(*args: str, log: Path, timeout: int = 400, tests_importable: bool = False) -> int:
-    """``moe-rl ARGS``'s exit code, its output in ``log``; ``tests_importable``: ``tests/`` on
+    """``moe-rl ARGS``'s exit code, its output in ``log``; ``tests_importable``: ``tests/support/`` on
     its ``PYTHONPATH`` (for the test generate functions)."""
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
     return moe_rl(*args, log=log, timeout=timeout, env=env if tests_importable else None).returncode
 
 
@@ -222,7 +222,7 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
 
 
 def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp_path):
-    """Two policy turns around inserted tokens (tests/multi_turn_fns.py): each later turn
+    """Two policy turns around inserted tokens (tests/support/multi_turn_fns.py): each later turn
     asks for the routing of its new positions only (the prefix comes from the cache);
     joined, they are every trained token's routing: R3's train-vs-rollout change is 0 on
     the policy's and the environment's tokens."""
@@ -314,7 +314,7 @@ def test_compare_against_real_sglang(real_sglang, demo_cache, tmp_path):
     """A short `moe-rl compare` of GRPO with and without R3 on the real server (the runs
     share it, so they take turns) writes its report."""
     url = demo_weights_on(real_sglang, demo_cache)
-    config = Path(__file__).parents[1] / "configs" / "compare" / "demo.yaml"
+    config = Path(__file__).parents[2] / "configs" / "compare" / "demo.yaml"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
         [

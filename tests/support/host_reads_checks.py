@@ -1,5 +1,5 @@
 """How often a training step reads device values on the host (a sync each on a GPU), per
-token dispatcher at EP = 1, counted on the stand-in accelerator (``tests/fake_device.py``).
+token dispatcher at EP = 1, counted on the stand-in accelerator (``tests/support/fake_device.py``).
 
 A tiny Qwen3-MoE on "the GPU", its experts on the grouped-matmul path (as bf16 on Hopper),
 two micro-batches forward and backward, then the optimizer step; once with moe-rl's
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 from fake_device import FAKE_DEVICE, HOST_READS, on_fake_device  # noqa: E402

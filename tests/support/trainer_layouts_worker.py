@@ -1,7 +1,7 @@
 """One training step of the built-in model under several parallel layouts, in one set of
 processes (started N times by ``spawn_local``); rank 0 writes each run's step scalars.
 
-    python tests/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT[:STEPS[:save=OTHER]] ...
+    python tests/support/trainer_layouts_worker.py OUT_DIR CACHE_DIR NAME:tp,pp,ep,etp:VARIANT[:STEPS[:save=OTHER]] ...
 
 (STEPS: steps to run, default 1; the last step's scalars are written. ``save=OTHER``: then
 checkpoint, and copy the checkpoint into run OTHER's directory, which a later set of
@@ -60,7 +60,7 @@ VARIANTS = {
     # selection only: gate values from the clean logits), and with its logits perturbed too
     "sim": ["rollout.simulate_mismatch.router_flip_frac=0.2"],
     "simlogit": ["rollout.simulate_mismatch.router_flip_frac=0.2", "rollout.simulate_mismatch.logit_kl=2e-3"],
-    # multi-turn samples (two policy turns around inserted tokens: tests/multi_turn_fns.py), R3
+    # multi-turn samples (two policy turns around inserted tokens: tests/support/multi_turn_fns.py), R3
     "mt": ["rollout.generate_fn=multi_turn_fns:two_turns", "routing.replay=r3"],
 }
 

@@ -41,10 +41,10 @@ seconds without joining the group or receiving, then are refused: a server that 
 ``/update_weights_from_distributed``, as those servers do). ``GET /_test/stats`` counts
 requests: ``/generate`` rids in arrival order and the most in flight at once (since the
 last ``/_test/faults``); per weight update request its group and whether it came flattened.
-``tests/test_sglang_conformance.py`` checks that it answers as real SGLang 0.5.23 does.
+``tests/server/test_sglang_conformance.py`` checks that it answers as real SGLang 0.5.23 does.
 ``GET /_test/weights_digest``: a hash of the engine's weights.
 
-    python tests/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
+    python tests/support/sglang_test_server.py --model-path DIR --port N [sglang.launch_server flags]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from tools.bench.report import render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPORTS = sorted((ROOT / "docs" / "benchmarks").glob("*.md"))

@@ -17,7 +17,7 @@ from tools.gpu_check import install
 from tools.gpu_check.common import FAILED, OK, SKIPPED, Checks
 from tools.gpu_check.training import resume_differences
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MISSING_ON_H200 = {"megatron-core", "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime"}
 

@@ -10,7 +10,7 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 
-GOOD = Path(__file__).parents[1] / "configs" / "compare" / "demo.yaml"
+GOOD = Path(__file__).parents[2] / "configs" / "compare" / "demo.yaml"
 
 
 def test_defaults_and_overrides() -> None:
@@ -282,7 +282,7 @@ def test_cli_reports_one_line_without_traceback() -> None:
 
 
 @pytest.mark.parametrize(
-    "example", sorted((Path(__file__).parents[1] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem
+    "example", sorted((Path(__file__).parents[2] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem
 )
 def test_example_configs_validate(example: Path) -> None:
     """The examples hold every setting as the config knows it (their cluster paths replaced)."""
@@ -309,7 +309,7 @@ def test_the_readme_config_reference_is_the_codes() -> None:
         and "| `train.log_samples` | `4` |" in tables
     )
     assert "|  |\n" not in tables  # every key is explained
-    page = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config-reference.md").read_text()
     assert tool.page_copy(page) == tables, (
         "docs/config-reference.md is stale: python -m tools.dev.config_reference --write"
     )

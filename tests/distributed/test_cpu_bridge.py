@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
+
+from conftest import SUPPORT
 
 
 def test_bridge_checks_in_a_fresh_process() -> None:
-    script = Path(__file__).with_name("bridge_checks.py")
+    script = SUPPORT / "bridge_checks.py"
     out = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bridge checks passed" in out.stdout

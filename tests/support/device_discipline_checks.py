@@ -1,8 +1,8 @@
-"""moe-rl commands run with "the GPU" a stand-in accelerator (``tests/fake_device.py``),
+"""moe-rl commands run with "the GPU" a stand-in accelerator (``tests/support/fake_device.py``),
 so that a CPU tensor meeting a device tensor fails here as it would on CUDA.
 
-    python tests/device_discipline_checks.py [--ranks N] COMMAND ARGS... [+ COMMAND ARGS...]
-    python tests/device_discipline_checks.py selftest
+    python tests/support/device_discipline_checks.py [--ranks N] COMMAND ARGS... [+ COMMAND ARGS...]
+    python tests/support/device_discipline_checks.py selftest
 
 Each ``+``-separated moe-rl command runs in this process, in turn, under the stand-in
 device (``--ranks N``: N local ranks, each running them all). Prints one JSON line per
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 from fake_device import FAKE_DEVICE, DeviceDisciplineError, OnDevice, on_fake_device  # noqa: E402

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUPPORT
+
+
 TINY = [
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",
@@ -27,7 +30,7 @@ TINY = [
 ]
 
 
-FAULTY = str(Path(__file__).with_name("faulty_run.py"))  # moe-rl with faults injected through test seams
+FAULTY = str(SUPPORT / "faulty_run.py")  # moe-rl with faults injected through test seams
 
 
 def cmd(*args: str, faults: tuple[str, ...] = ()) -> list[str]:
@@ -328,7 +331,7 @@ def test_thirty_steps_grow_no_threads_descriptors_or_child_processes(base, tmp_p
         [sys.executable, "-W", "ignore", "-m", "tools.reliability.soak", "--steps", "30", "--from-step", "10", "--save-every", "5",
          "--json", str(report), *base],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(report.read_text())

@@ -1,6 +1,6 @@
 """``moe-rl`` with faults injected through the trainer's seams, for the reliability tests:
 
-    python tests/faulty_run.py [--nan-steps 2,4] [--checkpoint-delay-s 60] [--writer-delay-s 5]
+    python tests/support/faulty_run.py [--nan-steps 2,4] [--checkpoint-delay-s 60] [--writer-delay-s 5]
         [--pretend-transformer-engine] -- train ARGS...
 
 ``--nan-steps``: those steps' (1-based) losses are NaN, so their updates must be skipped.

@@ -1,5 +1,5 @@
 """Generate functions the multi-turn tests train with (``rollout.generate_fn=multi_turn_fns:NAME``,
-with ``tests/`` on ``PYTHONPATH``)."""
+with ``tests/support/`` on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Device discipline on a CPU-only machine: moe-rl's commands run with "the GPU" a
-stand-in accelerator (``tests/fake_device.py``) on which a CPU tensor meeting a device
+stand-in accelerator (``tests/support/fake_device.py``) on which a CPU tensor meeting a device
 tensor fails, as on CUDA; their numbers equal the plain CPU run's."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WARM_START, demo_model_dir, demo_weights_on
+from conftest import SUPPORT, WARM_START, demo_model_dir, demo_weights_on
 
-SCRIPT = Path(__file__).with_name("device_discipline_checks.py")
+SCRIPT = SUPPORT / "device_discipline_checks.py"
 TINY = [
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SUPPORT
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from parallel.launch import spawn_local
 
-WORKER = str(Path(__file__).with_name("dist_worker.py"))
+
+WORKER = str(SUPPORT / "dist_worker.py")
 ALL_LAYOUTS = {
     1: ["1,1,1,1"],
     2: ["2,1,1,2", "2,1,1,1", "1,1,2,1", "1,2,1,1"],  # TP2+SP, TP2/ETP1, EP2, PP2
@@ -100,7 +102,7 @@ def test_family_matches_transformers_and_replays_exactly(
         if family == "glm4_moe" and layout in (
             "1,1,1,1",
             "1,1,2,1",
-        ):  # the expert-bias rule (tests/dist_worker.py BIAS_CHECKS)
+        ):  # the expert-bias rule (tests/support/dist_worker.py BIAS_CHECKS)
             assert r["nan_update_skipped"] and r["bias_kept_on_skip"], (
                 "a skipped update must not move the expert biases"
             )
@@ -212,7 +214,7 @@ def test_colocated_tensor_sync_sends_each_tp_rank_a_payload_from_its_own_gpus_ra
     qwen3_runs: Path, layout: str
 ) -> None:
     """``/update_weights_from_tensor`` to a server of TP 2 whose ranks run on GPUs "1" and "0"
-    (tests/dist_worker.py tensor_sync_checks): every body holds 2 entries; on two trainer
+    (tests/support/dist_worker.py tensor_sync_checks): every body holds 2 entries; on two trainer
     ranks (GPUs "0", "1") entry 0 maps rank 1's copy and entry 1 rank 0's, in one process
     both its own; every entry maps the full HF weights, as the one-process run's and the
     checkpoint's."""

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WARM_START, demo_model_dir
+from conftest import SUPPORT, WARM_START, demo_model_dir
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import DatasetTask, Problem, field_of
 from moe_rl.data.tokenizer import demo_tokenizer
 
-TESTS = Path(__file__).resolve().parent
 VERL_ROWS = [
     {
         "data_source": "arith",
@@ -44,7 +43,7 @@ def train(cache: str, run_dir: Path, *overrides: str) -> str:
     env = {
         **os.environ,
         "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
     }
     args = [
         sys.executable,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import STAND_IN_SERVER
+from conftest import STAND_IN_SERVER, SUPPORT
 from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.models.weight_buckets import Bucket, WeightEntry, plan_buckets
@@ -348,7 +348,6 @@ def test_weight_group_offsets_count_every_server_rank() -> None:
     assert weight_group_offsets([2, 1, 4]) == ([1, 3, 4], 8)
 
 
-@pytest.mark.server
 def test_killed_server_is_retried_elsewhere_or_reported(ckpts, tmp_path) -> None:
     dying, healthy = start_server(ckpts["v0"], tmp_path), start_server(ckpts["v0"], tmp_path)
     try:
@@ -392,7 +391,6 @@ def test_servers_before_0_5_23_are_asked_the_deprecated_info_names(servers) -> N
             control(server, "/_test/faults", {})
 
 
-@pytest.mark.server
 def test_a_server_that_never_becomes_healthy_is_reported_with_its_log_tail(tmp_path) -> None:
     hang = [sys.executable, "-c", "import time; print('loading weights 3/7', flush=True); time.sleep(600)"]
     server = SGLangServer(ServerSettings(model_path="x", port=free_port(), launch_command=hang), tmp_path)
@@ -403,7 +401,6 @@ def test_a_server_that_never_becomes_healthy_is_reported_with_its_log_tail(tmp_p
     assert server.process.poll() is not None  # stopped
 
 
-@pytest.mark.server
 def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path) -> None:
     settings = ServerSettings(
         model_path="x",
@@ -489,7 +486,7 @@ def test_local_engine_sample_does_not_depend_on_its_batch(ckpts) -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.distributed
 def test_local_engine_matches_the_trainer(ckpts, temperature) -> None:
-    script = Path(__file__).with_name("rollout_parity_checks.py")
+    script = SUPPORT / "rollout_parity_checks.py"
     out = subprocess.run(
         [sys.executable, "-W", "ignore", str(script), ckpts["v0"], str(temperature)],
         capture_output=True,
@@ -546,7 +543,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.server
 def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
     # the owner is killed with -9: the server gets SIGTERM (a parent-death signal)
     owner_code = (

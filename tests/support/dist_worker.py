@@ -5,7 +5,7 @@ ranks that own them: log-probs of a fixed batch (forward only), full gradients i
 names of a fixed loss (data split over data-parallel ranks), and the loss over a few
 optimizer steps. The pytest side compares them with the single-process run.
 
-    python tests/dist_worker.py HF_DIR OUT_DIR tp,pp,ep,etp [tp,pp,ep,etp ...] \
+    python tests/support/dist_worker.py HF_DIR OUT_DIR tp,pp,ep,etp [tp,pp,ep,etp ...] \
         [--family DIR ...] [--family-layouts tp,pp,ep,etp ...] [--checkpoints DIR]
 
 With ``--checkpoints`` the one- and two-process runs also check the optimizer's checkpoint

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WARM_START, demo_model_dir
+from conftest import ROOT, SUPPORT, WARM_START, demo_model_dir
 from moe_rl.algorithms import policy_loss
 from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.data.tasks import ArithmeticChainTask, Problem
@@ -32,7 +32,6 @@ from moe_rl.trainer.packing import fixed_plan
 
 import multi_turn_fns
 
-TESTS = Path(__file__).resolve().parent
 TOKENIZER = demo_tokenizer()
 PARAMS = SamplingParams(max_new_tokens=32, temperature=1.0, stop_token_ids=(TOKENIZER.eos_token_id,))
 
@@ -403,7 +402,7 @@ def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message
         None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"]
     )
     assert cfg.rollout.generate_kwargs == {"max_turns": 3}
-    shipped = load_config(str(TESTS.parent / "configs" / "multi_turn" / "calculator.yaml"), [])
+    shipped = load_config(str(ROOT / "configs" / "multi_turn" / "calculator.yaml"), [])
     assert (
         shipped.rollout.generate_fn == "moe_rl.environments.calculator:generate"
         and shipped.data.task == "arithmetic_chain"
@@ -539,7 +538,7 @@ def train(cache: str, run_dir: Path, *overrides: str) -> dict[int, dict]:
     env = {
         **os.environ,
         "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
     }
     args = [
         sys.executable,
@@ -583,7 +582,7 @@ def test_a_run_whose_every_sample_fails_stops_in_one_line(demo_cache, tmp_path) 
         "rollout.prompts_per_step=2",
         "rollout.group_size=2",
         "rollout.generate_fn=multi_turn_fns:returns_none",
-        env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+        env={"PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (

@@ -411,7 +411,7 @@ def test_claims_yaml_has_every_claims_runs_and_a_comparison_keeps_only_its_own_c
 
     from moe_rl.claims import CLAIMS, _runs_of, evaluate_claims
 
-    configured = set(yaml.safe_load((Path(__file__).parents[1] / "configs/compare/claims.yaml").read_text())["runs"])
+    configured = set(yaml.safe_load((Path(__file__).parents[2] / "configs/compare/claims.yaml").read_text())["runs"])
     assert all(_runs_of(claim) <= configured for claim in CLAIMS)
     kept = evaluate_claims({}, compared={"grpo", "grpo_r2"})
     assert [r.claim.statement for r in kept] == [

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import SUPPORT
 from moe_rl.models.tiny import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     hf_dir = save_tiny_checkpoint(tmp_path_factory.mktemp("mon") / "hf", "qwen3_moe", seed=6)
-    script = Path(__file__).with_name("routing_monitor_checks.py")
+    script = SUPPORT / "routing_monitor_checks.py"
     out = subprocess.run(
         [sys.executable, "-W", "ignore", str(script), hf_dir], capture_output=True, text=True, timeout=300
     )
