@@ -19,10 +19,10 @@ from moe_rl.rollout.types import RolloutError
 from parallel.launch import dies_with_this_process
 
 
-# How SGLang serves without a GPU (measured on 0.5.23, see README "Real SGLang on CPU"):
-# its plain-torch attention and sampling, no overlap scheduler (it assumes CUDA streams), no
-# warm-up request, and a scheduler that sleeps when idle (else it spins a whole core beside
-# the trainer: a 0.2 s step took 17-21 s on 2 cores). A small KV pool: host memory is shared
+# How SGLang 0.5.23 serves without a GPU (docs/sglang.md): its plain-torch attention and
+# sampling, no overlap scheduler (it assumes CUDA streams), no warm-up request, and a
+# scheduler that sleeps when idle (else it spins a whole core beside the trainer, which
+# starves a 2-core machine's training steps). A small KV pool: host memory is shared
 # with the trainer. Flags in ServerSettings.extra_args come later and win.
 CPU_SERVER_ARGS = (
     "--device",

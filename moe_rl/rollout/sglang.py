@@ -53,8 +53,8 @@ from moe_rl.routing.encoding import decode_routed_experts, repeats_an_expert
 log = logging.getLogger(__name__)
 
 # the first SGLang that receives a distributed bucket as one flat broadcast (load_format
-# "flattened_bucket" in /update_weights_from_distributed; measured on the 0.5.5.post3 and
-# 0.5.6 wheels). An older server ignores the field and would read the bytes as separate tensors.
+# "flattened_bucket" in /update_weights_from_distributed: the 0.5.5.post3 wheel lacks it, the
+# 0.5.6 wheel has it). An older server ignores the field and would read the bytes as separate tensors.
 FLATTENED_BUCKETS_SINCE = (0, 5, 6)
 
 

@@ -488,7 +488,7 @@ def check_nccl_versions(trainer: str | None, servers: dict[str, str | None]) -> 
             raise RolloutError(
                 f"the trainer runs NCCL {trainer or '(none)'} and the SGLang server {url} NCCL {version or '(none)'}: a "
                 "weight-update group needs one NCCL on both sides (install both on one torch: bash tools/setup.sh "
-                "--sglang, README 'Weight sync'), or use rollout.weight_sync=disk"
+                "--sglang, docs/weight-sync.md), or use rollout.weight_sync=disk"
             )
 
 

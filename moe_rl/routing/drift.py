@@ -1,4 +1,4 @@
-"""Routing drift between two routings of the same tokens (README: routing replay and routing drift).
+"""Routing drift between two routings of the same tokens (docs/routing.md).
 
 A routing is the top-k expert indices ``[T, L, k]`` (tokens x MoE layers x k), and
 optionally the router's distribution over experts ``[T, L, E]`` (for ``router_kl``).

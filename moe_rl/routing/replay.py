@@ -1,4 +1,4 @@
-"""Routing replay on megatron-core's own ``RouterReplay`` (README: routing replay).
+"""Routing replay on megatron-core's own ``RouterReplay`` (docs/routing.md).
 
 - ``r2``: record every MoE layer's top-k in the old-policy log-prob pass; replay it in
   the training forward and in activation recompute.

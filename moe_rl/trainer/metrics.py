@@ -302,8 +302,8 @@ class BackgroundWriter:
     """A TensorBoard ``SummaryWriter`` whose calls run in order on one worker thread, so
     that building summaries (protobufs, histograms, figures) and flushing the event file
     stay off the training step. The scalars of one step go into one event (a ``Summary``
-    with a value per tag, as TensorFlow's merged summaries; ``add_scalar`` writes an event
-    each, ~60 us a tag, 8x the cost). ``metrics.jsonl`` stays written synchronously: it is
+    with a value per tag, as TensorFlow's merged summaries, where ``add_scalar`` would write
+    an event per tag at several times the cost). ``metrics.jsonl`` stays written synchronously: it is
     the record a crash cannot lose. :meth:`close` drains the queue; an error in a call is
     raised by the next call or by :meth:`close`."""
 

@@ -138,13 +138,13 @@ class Trainer:
         # validates the layout before any group exists
         init_distributed(cfg.parallel, dims, seed=cfg.train.seed, timeout_minutes=cfg.train.collective_timeout_min)
         torch.manual_seed(cfg.train.seed)
-        # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs:
-        # generation with trained weights ran ~3x slower without this
+        # denormal floats (tiny values Adam leaves in the weights) take a slow path on CPUs,
+        # which slows generation with trained weights severalfold
         torch.set_flush_denormal(True)
         # a step's tokenizer calls are small (its prompts, its responses) and come between
-        # model passes: handing them to the tokenizers library's thread pool cost more than
-        # encoding on this thread (a step's 8 prompts: 0.84 -> 0.30 ms), and the pool would
-        # be turned off with a warning at the first fork anyway; a user's setting is kept
+        # model passes: handing them to the tokenizers library's thread pool costs more than
+        # encoding them on this thread, and the pool would be turned off with a warning at
+        # the first fork anyway; a user's setting is kept
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.device = rank_device()
         self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))

@@ -4,7 +4,7 @@ installs it, and these tests are skipped with that hint where it is absent).
 
 The server computes in bf16 (the built-in model's fp32 config, SGLang's ``dtype=auto``);
 the trainer and transformers in fp32, so log-probs and routing differ a little; what the
-tests print (``-s``) is recorded in the README."""
+tests print (``-s``) is recorded in docs/sglang.md."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""The check a lent GPU machine runs in one call (``bash tools/gpu_check/run.sh``; README: "On a GPU machine")."""
+"""The check a lent GPU machine runs in one call (``bash tools/gpu_check/run.sh``; docs/gpu.md)."""

@@ -25,7 +25,7 @@
 #      c. sglang/srt/state_capturer/base.py: with --enable-return-routed-experts the host
 #         buffer is allocated with pin_memory=True, which CPU torch refuses: pin only when
 #         CUDA is available.
-# Launching it on CPU: see README "Real SGLang on CPU" (moe-rl chooses the CPU flags
+# Launching it on CPU: see docs/sglang.md (moe-rl chooses the CPU flags
 # itself when it launches the server).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
