@@ -111,6 +111,55 @@ def test_integer_rewards_and_1d_input() -> None:
     assert a.dtype == torch.float32 and a[0] < 0 < a[1] and a[2] == a[3] == 0
 
 
+def masked_reference(name: str, values: torch.Tensor, g: int, weights: list[float], valid: list[bool]):
+    """The advantages over the valid samples as the multi-turn batch code computed them
+    before the mask moved into ``algorithms/`` (each size's groups on their own; GDPO's
+    columns per group, weight-summed, then normalised over every valid sample)."""
+    by_size: dict[int, list[int]] = {}
+    for start in range(0, len(valid), g):
+        kept = [i for i in range(start, start + g) if valid[i]]
+        if kept:
+            by_size.setdefault(len(kept), []).extend(kept)
+    out = torch.zeros(values.shape[0], dtype=values.dtype)
+    if name != "gdpo":
+        for size, indices in by_size.items():
+            out[indices] = compute_advantages(name, values[indices], size, weights=weights)
+        return out
+    w = torch.as_tensor(weights, dtype=values.dtype)
+    for size, indices in by_size.items():
+        columns = [compute_advantages("grpo", values[indices, j], size) for j in range(values.shape[1])]
+        out[indices] = torch.stack(columns, dim=1) @ w
+    kept = [i for indices in by_size.values() for i in indices]
+    summed = out[kept]
+    if len(kept) < 2 or bool(summed.amax() == summed.amin()):
+        return torch.zeros_like(out)
+    out[kept] = (summed - summed.mean()) / (summed.std() + 1e-6)
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "gdpo"])
+def test_advantages_over_a_validity_mask_equal_the_per_group_formula_bit_for_bit(name: str) -> None:
+    """Groups of 4 left with 0, 1, 3 (G - f), 2 and 4 valid samples; the invalid ones get 0."""
+    values = torch.rand(20, 2, generator=torch.Generator().manual_seed(59))
+    valid = (
+        [False] * 4 + [False, True, False, False] + [True, False, True, True] + [True, True, False, False] + [True] * 4
+    )
+    got = compute_advantages(name, values, 4, weights=[1.0, 0.5], valid=valid)
+    assert torch.equal(got, masked_reference(name, values, 4, [1.0, 0.5], valid))
+    assert got[[i for i, v in enumerate(valid) if not v]].eq(0).all()
+    if name != "gdpo":  # a group of one compares with nothing (GDPO's batch normalisation then shifts it)
+        assert got[5] == 0
+    assert torch.equal(compute_advantages(name, values, 4, valid=[True] * 20), compute_advantages(name, values, 4))
+    none = compute_advantages(name, values, 4, valid=[False] * 20)
+    assert torch.equal(none, torch.zeros(20))
+
+
+def test_gdpo_over_a_mask_with_one_valid_sample_or_equal_sums_is_zero() -> None:
+    values = torch.tensor([[1.0], [0.0], [0.5], [0.5]])
+    assert torch.equal(compute_advantages("gdpo", values, 2, valid=[True, False, False, False]), torch.zeros(4))
+    assert torch.equal(compute_advantages("gdpo", values, 2, valid=[False, False, True, True]), torch.zeros(4))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -120,6 +169,7 @@ def test_integer_rewards_and_1d_input() -> None:
         (dict(name="grpo", rewards=torch.tensor([1.0, float("nan")]), group_size=2), "NaN"),
         (dict(name="gdpo", rewards=torch.zeros(4, 2), group_size=2, weights=[1.0]), "weights"),
         (dict(name="grpo", rewards=torch.zeros(0), group_size=2), "B > 0"),
+        (dict(name="grpo", rewards=torch.zeros(4), group_size=2, valid=[True] * 3), "3 validity flags for 4"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs: dict, message: str) -> None:
