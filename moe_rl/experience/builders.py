@@ -20,7 +20,9 @@ from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
-from moe_rl.rollout.multi_turn import MultiTurnSampler, Sampler, SingleTurnSampler, load_generate_fn
+from moe_rl.rollout.multi_turn import MultiTurnSampler, load_generate_fn
+from moe_rl.rollout.sampler import Sampler
+from moe_rl.rollout.single_turn import SingleTurnSampler
 from moe_rl.rollout.settings import PRECISIONS
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync

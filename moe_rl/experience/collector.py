@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl import tags
+from moe_rl.algorithms import compute_advantages
 from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
-from moe_rl.rollout.multi_turn import FAILED, RESPONSE_TEXT, Sampler
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, StaleWeightsError
-from moe_rl.experience.multi_turn_batch import failed, group_advantages, multi_turn_scalars, stop_if_failed
+from moe_rl.rollout.sampler import Sampler
+from moe_rl.rollout.types import RolloutEngine, Sample, SampleStatus, SamplingParams, StaleWeightsError
+from moe_rl.experience.multi_turn_batch import failed, multi_turn_scalars, stop_if_failed
 from moe_rl.experience.types import Experience
 
 log = logging.getLogger("moe_rl.train")
@@ -61,12 +62,12 @@ def generate_and_score(
             problems[i // group_size].answer,
             s.policy_token_count,
             sampling.max_new_tokens,
-            s.meta,
+            s.reward_metadata(),
         )
         for i, (s, text) in enumerate(zip(samples, texts))
     ]
     rewards = scorer.score(inputs)
-    failed = [i for i, s in enumerate(samples) if FAILED in s.meta]
+    failed = [i for i, s in enumerate(samples) if s.status is SampleStatus.FAILED]
     if failed:
         rewards.values[failed] = 0.0
     return SampledRound(problems, samples, rewards, sum(t for _, t in encoded))
@@ -80,9 +81,7 @@ def _response_texts(samples: list[Sample], tokenizer, keep_special_tokens: bool 
         [s.output_ids[:-1] if s.output_ids and s.output_ids[-1] == eos else s.output_ids for s in samples],
         skip_special_tokens=not keep_special_tokens,
     )
-    return [
-        s.meta[RESPONSE_TEXT] if s.meta.get(RESPONSE_TEXT) is not None else text for s, text in zip(samples, decoded)
-    ]
+    return [s.response_text if s.response_text is not None else text for s, text in zip(samples, decoded)]
 
 
 @dataclass
@@ -117,8 +116,8 @@ class ExperienceCollector:
         kept = kept[: r.prompts_per_step]
         samples, values = self._select(rounds, kept)
         rewards = rounds[0].rewards
-        advantages = group_advantages(
-            self.cfg.algorithm.advantage, values, r.group_size, rewards.weights, failed(samples), r.failed_samples
+        advantages = compute_advantages(
+            self.cfg.algorithm.advantage, values, r.group_size, weights=rewards.weights, valid=self._valid(samples)
         )
         exp = Experience(samples, values, rewards.names, advantages)
         return exp, self._scalars(exp, rounds, kept_by_filter)
@@ -138,6 +137,13 @@ class ExperienceCollector:
             seed=seed * 100_003 + step,
             return_routing=self.return_routing,
         )
+
+    def _valid(self, samples: list[Sample]) -> list[bool] | None:
+        """The samples that enter their group's advantage statistics: every one
+        (``rollout.failed_samples=zero``: ``None``), or those that did not fail (``drop``)."""
+        if self.cfg.rollout.failed_samples == "zero":
+            return None
+        return [not f for f in failed(samples)]
 
     def _groups_to_keep(self, sampled: SampledRound) -> list[int]:
         """Every group, or (dynamic sampling) those whose samples' rewards are not all equal
@@ -174,7 +180,7 @@ class ExperienceCollector:
             tags.ADVANTAGE_STD: float(advantages.std()) if len(advantages) > 1 else 0.0,
             tags.ADVANTAGE_DISTINCT_PER_GROUP: float(sum(len(set(g)) for g in grouped.tolist()) / len(grouped)),
             tags.REWARD_DISTINCT_TOTALS_PER_GROUP: float(sum(len(set(t)) for t in totals.tolist()) / len(totals)),
-            **response_scalars([s for s in samples if FAILED not in s.meta]),
+            **response_scalars([s for s in samples if s.status is not SampleStatus.FAILED]),
             tags.DATA_TRUNCATED_PROMPTS: float(sum(rd.truncated for rd in rounds)),
             tags.DATA_SKIPPED_LINES: float(len(self.task.skipped)),
         }

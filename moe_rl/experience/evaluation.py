@@ -12,8 +12,8 @@ from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardScorer
-from moe_rl.rollout.multi_turn import FAILED, Sampler
-from moe_rl.rollout.types import SamplingParams
+from moe_rl.rollout.sampler import Sampler
+from moe_rl.rollout.types import SampleStatus, SamplingParams
 from moe_rl.experience.collector import generate_and_score
 
 EVAL_SEED = 20_261_130  # the same sampling seeds at every evaluation: runs and steps compare on equal terms
@@ -60,7 +60,7 @@ class Evaluator:
                     seed=EVAL_SEED + start,
                 )
                 rewards.append(sampled.rewards)
-                lengths += [s.policy_token_count for s in sampled.samples if FAILED not in s.meta]  # a failed one's: 0
+                lengths += [s.policy_token_count for s in sampled.samples if s.status is not SampleStatus.FAILED]
                 bar.update(len(chunk))
         return self._scalars(RewardBatch.concat(rewards), lengths)
 

@@ -12,8 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from moe_rl.experience.types import Experience
-from moe_rl.rollout.multi_turn import FAILED
-from moe_rl.rollout.types import Sample
+from moe_rl.rollout.types import Sample, SampleStatus
 
 log = logging.getLogger("moe_rl.train")
 SAMPLES_TAG = "samples"  # TensorBoard text tag
@@ -58,7 +57,7 @@ def sample_records(
                 advantage=round(float(exp.advantages[i]), 6),
                 finish_reason=s.finish_reason,
                 turns=transcript_turns(s, tokenizer),
-                failed=s.meta.get(FAILED),
+                failed=s.failure,
             )
         )
     return records
@@ -67,7 +66,7 @@ def sample_records(
 def transcript_turns(sample: Sample, tokenizer) -> list[dict] | None:
     """A multi-turn sample's output as its stretches of policy and environment tokens
     (``None`` for a single-turn sample and a failed one: nothing of it is the policy's)."""
-    if sample.loss_mask is None or FAILED in sample.meta:
+    if sample.loss_mask is None or sample.status is SampleStatus.FAILED:
         return None
     pairs = zip(sample.output_ids, sample.loss_mask)
     return [

@@ -18,7 +18,9 @@ warning): the function raised (a ``CancelledError`` of its own included) or outl
 built one that is unusable (:class:`TranscriptError`: a turn that does not continue it, no
 policy turn, log-probs that are not finite). An engine failure (:class:`RolloutError`)
 stops the run; so does a step in which every sample failed (``rollout.max_failed_frac``).
-A transcript longer than the model's context is cut to it (``truncated: "context"``).
+A transcript longer than the model's context is cut to it (``Sample.truncation``
+``"context"``). The transcript itself is :mod:`moe_rl.rollout.transcript`; the single-turn
+sampler, its peer, :mod:`moe_rl.rollout.single_turn`.
 
 The timeout is a cancellation, delivered at the function's next ``await``: a function that
 ignores it is abandoned :data:`CANCEL_GRACE_S` later; one that blocks the event loop
@@ -37,22 +39,23 @@ import asyncio
 import importlib
 import inspect
 import logging
-import math
 import time
 from collections.abc import Coroutine, Generator
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from moe_rl.rollout.transcript import Transcript, TranscriptError, Turn
 from moe_rl.rollout.types import (
     RolloutEngine,
     RolloutError,
     Sample,
+    SampleStatus,
     SamplingParams,
-    StaleWeightsError,
     TurnSource,
+    Truncation,
     run_groups,
     sample_seed,
 )
@@ -60,35 +63,14 @@ from moe_rl.rollout.types import (
 log = logging.getLogger(__name__)
 
 GENERATE_ARGS = ("prompt_ids", "engine", "tokenizer", "sampling")  # keyword arguments every generate function takes
-FAILED = "failed"  # Sample.meta key: why the generate function failed (the sample scores 0)
-RESPONSE_TEXT = "response_text"  # Sample.meta key: what the rewards score, when the function said
-TRUNCATED = "truncated"  # Sample.meta key: "turns" | "tokens" (the function's limits) | "context" (the model's)
-DROPPED_ENVIRONMENT_TOKENS = "dropped_environment_tokens"  # Sample.meta key: environment tokens after the last turn
-GenerateFn = Callable[..., Coroutine[Any, Any, "Transcript"]]  # an ``async def`` (its steps are timed)
+GenerateFn = Callable[..., Coroutine[Any, Any, Transcript]]  # an ``async def`` (its steps are timed)
 KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
 CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
 
 
-class TranscriptError(RuntimeError):
-    """A generate function built an inconsistent transcript (a bug in it, not in the environment)."""
-
-
 class FunctionCancelled(RuntimeError):
     """A generate function raised ``CancelledError`` of its own accord (its sample scores 0)."""
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One engine call: ``output_ids`` sampled after ``input_ids``; ``routed_experts``
-    ``[len(input_ids) + len(output_ids) - 1, layers, k]`` when the run uses routing."""
-
-    input_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_version: str
-    routed_experts: Tensor | None = None
 
 
 class LoopClock:
@@ -224,109 +206,6 @@ def turn_seed(seed: int, turn: int) -> int:
     return seed if turn == 0 else (seed * 1_000_003 + 7919 * turn) % (2**31 - 1)
 
 
-@dataclass
-class Transcript:
-    """What a generate function returns: the prompt, then policy turns and environment
-    tokens. ``response_text`` is what the rewards score (``None``: the decoded output);
-    ``meta`` reaches the rewards (``RewardInput.metadata``) and the rollout metrics
-    (``tool_calls``, ``tool_failures``, ``truncated``: ``"turns"`` or ``"tokens"``)."""
-
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "stop"
-    response_text: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    routed_experts: Tensor | None = None  # the last policy turn's: every position up to it
-    weight_versions: list[str] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The prompt and everything after it: what the next turn continues."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def policy_tokens(self) -> int:
-        return sum(self.loss_mask)
-
-    @property
-    def environment_tokens(self) -> int:
-        return len(self.loss_mask) - sum(self.loss_mask)
-
-    def add_policy(self, turn: Turn) -> None:
-        """The policy's tokens of ``turn``, which must have continued this transcript."""
-        if turn.input_ids != self.token_ids:
-            raise TranscriptError(
-                "a policy turn must continue the transcript: call engine.generate(transcript.token_ids) and add its turn before anything else"
-            )
-        self.output_ids += turn.output_ids
-        self.loss_mask += [1] * len(turn.output_ids)
-        self.logprobs += turn.logprobs
-        self.finish_reason = turn.finish_reason
-        self.routed_experts = turn.routed_experts
-        self.weight_versions.append(turn.weight_version)
-
-    def add_environment(self, token_ids: Sequence[int]) -> None:
-        """Tokens the environment inserted (a tool's result, a user's reply): context only."""
-        ids = [int(t) for t in token_ids]
-        self.output_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-
-    def to_sample(self, seed: int, max_tokens: int | None = None) -> Sample:
-        """The transcript as a trainable sample: environment tokens after the last policy
-        turn are left out (they would be context for nothing; counted in
-        ``meta["dropped_environment_tokens"]``), and with ``max_tokens`` (the model's
-        context) prompt and output are cut to that many (``meta["truncated"] = "context"``).
-        :class:`TranscriptError` for a transcript that cannot be trained on."""
-        self._check()
-        end = last_policy_end(self.loss_mask)
-        dropped = len(self.loss_mask) - end
-        routed = self.routed_experts
-        if routed is not None and len(routed) != len(self.prompt_ids) + end - 1:
-            raise TranscriptError(
-                f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}"
-            )
-        meta = {**self.meta, **({RESPONSE_TEXT: self.response_text} if self.response_text is not None else {})}
-        finish = self.finish_reason
-        if max_tokens is not None and len(self.prompt_ids) + end > max_tokens:
-            end = last_policy_end(self.loss_mask[: max(0, max_tokens - len(self.prompt_ids))])
-            if end == 0:
-                raise TranscriptError(f"no policy token of the transcript lies within the model's {max_tokens} tokens")
-            routed = routed[: len(self.prompt_ids) + end - 1] if routed is not None else None
-            meta[TRUNCATED], finish = "context", "length"
-        return Sample(
-            prompt_ids=list(self.prompt_ids),
-            output_ids=self.output_ids[:end],
-            output_logprobs=self.logprobs[:end],
-            finish_reason=finish,
-            weight_version=self.weight_versions[0],
-            seed=seed,
-            routed_experts=routed,
-            meta={**meta, DROPPED_ENVIRONMENT_TOKENS: dropped},
-            loss_mask=self.loss_mask[:end],
-        )
-
-    def _check(self) -> None:
-        """:class:`TranscriptError` (or :class:`StaleWeightsError`) for a transcript that
-        cannot be trained on."""
-        if not self.weight_versions:
-            raise TranscriptError(
-                "the transcript has no policy turn (add one: transcript.add_policy(await engine.generate(...)))"
-            )
-        versions = set(self.weight_versions)
-        if len(versions) > 1:
-            raise StaleWeightsError(f"a multi-turn sample mixes weight versions {sorted(versions)}")
-        if not all(math.isfinite(v) for v in self.logprobs):
-            raise TranscriptError("a policy turn's log-probs are not finite (NaN or Inf from the engine)")
-
-
-def last_policy_end(loss_mask: Sequence[int]) -> int:
-    """One past the last policy (trained) token of ``loss_mask``; 0 when there is none."""
-    return max((i + 1 for i, m in enumerate(loss_mask) if m), default=0)
-
-
 # ------------------------------------------------------------------ loading the function
 
 
@@ -378,42 +257,7 @@ def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
         check(dict(kwargs))
 
 
-# ------------------------------------------------------------------ samplers
-
-
-class Sampler(Protocol):
-    """``n`` samples of each problem (its prompt ``prompts[i]``), group-major, sample j of
-    problem i seeded ``sample_seed(seed, i, j, n)``."""
-
-    def sample(
-        self,
-        problems: Sequence[Any],
-        prompts: Sequence[list[int]],
-        n: int,
-        params: SamplingParams,
-        *,
-        seed: int,
-        routed: bool,
-    ) -> list[list[Sample]]: ...
-
-
-class SingleTurnSampler:
-    """One engine call per sample: the default rollout."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine = engine
-
-    def sample(
-        self,
-        problems: Sequence[Any],
-        prompts: Sequence[list[int]],
-        n: int,
-        params: SamplingParams,
-        *,
-        seed: int,
-        routed: bool,
-    ) -> list[list[Sample]]:
-        return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
+# ------------------------------------------------------------------ the sampler
 
 
 class MultiTurnSampler:
@@ -483,8 +327,8 @@ class MultiTurnSampler:
         except Exception as e:  # the function or its environment failed (or timed out): the sample scores 0
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             sample = await self._failed_sample(source, handle, prompt, params, seed, routed, why)
-        if handle.context_full and FAILED not in sample.meta:
-            sample.meta[TRUNCATED] = "context"
+        if handle.context_full and sample.status is not SampleStatus.FAILED:
+            sample.truncation = Truncation.CONTEXT
         sample.meta.update(
             turns=len(handle.turns),
             policy_tokens=sample.policy_token_count,
@@ -573,8 +417,8 @@ class MultiTurnSampler:
             else self.engine.weight_version,
             seed=seed,
             routed_experts=routing,
-            meta={FAILED: why},
             loss_mask=[0] * len(output),
+            failure=why,
         )
 
 

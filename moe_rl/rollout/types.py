@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,35 @@ class SamplingParams:
         return out
 
 
+class SampleStatus(enum.Enum):
+    """How a sample's rollout ended."""
+
+    OK = "ok"
+    FAILED = "failed"  # the generate function failed: the sample scores 0 and trains nothing
+    TRUNCATED = "truncated"  # a transcript stopped at a limit (:class:`Truncation` says which)
+
+
+class Truncation(str, enum.Enum):
+    """Which limit stopped a transcript: the generate function's (``"turns"``, ``"tokens"``,
+    as it wrote ``transcript.meta["truncated"]``) or the model's context (``"context"``)."""
+
+    TURNS = "turns"
+    TOKENS = "tokens"
+    CONTEXT = "context"
+
+    @classmethod
+    def named(cls, value: object) -> Truncation | None:
+        """The member whose value is ``value``; ``None`` for anything else."""
+        return next((t for t in cls if isinstance(value, str) and value == t.value), None)
+
+
+# RewardInput.metadata keys under which reward functions see a sample's typed fields
+FAILED_KEY = "failed"
+RESPONSE_TEXT_KEY = "response_text"
+TRUNCATED_KEY = "truncated"
+DROPPED_ENVIRONMENT_TOKENS_KEY = "dropped_environment_tokens"
+
+
 @dataclass
 class Sample:
     """One generated response.
@@ -59,6 +89,10 @@ class Sample:
     ``loss_mask[i]`` (multi-turn samples) is 1 where ``output_ids[i]`` is the policy's own
     token and 0 where the environment inserted it (its log-prob is then 0); ``None``: every
     output token is the policy's.
+    ``meta`` is the generate function's own data (``transcript.meta``) and the multi-turn
+    sampler's figures (``turns``, ``policy_tokens``, ...); what moe-rl itself decides about
+    a sample is typed: ``failure``, ``response_text``, ``truncation``,
+    ``dropped_environment_tokens`` (``None``: not a multi-turn sample, or not so).
     """
 
     prompt_ids: list[int]
@@ -70,6 +104,17 @@ class Sample:
     routed_experts: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] | None = None
+    failure: str | None = None  # why the generate function failed ("TimeoutError", ...)
+    response_text: str | None = None  # what the rewards score instead of the decoded output
+    truncation: Truncation | None = None
+    dropped_environment_tokens: int | None = None  # environment tokens after the last policy turn
+
+    @property
+    def status(self) -> SampleStatus:
+        """Failed (whatever else holds), truncated, or ok."""
+        if self.failure is not None:
+            return SampleStatus.FAILED
+        return SampleStatus.OK if self.truncation is None else SampleStatus.TRUNCATED
 
     @property
     def policy_token_count(self) -> int:
@@ -79,6 +124,18 @@ class Sample:
     def output_mask(self) -> list[int]:
         """``loss_mask``, or all ones."""
         return [1] * len(self.output_ids) if self.loss_mask is None else list(self.loss_mask)
+
+    def reward_metadata(self) -> dict[str, Any]:
+        """What reward functions get as ``RewardInput.metadata``: ``meta`` with the typed
+        fields that are set under their keys (``failed``, ``response_text``, ``truncated``,
+        ``dropped_environment_tokens``), as the documented contract has it."""
+        typed = {
+            RESPONSE_TEXT_KEY: self.response_text,
+            TRUNCATED_KEY: None if self.truncation is None else self.truncation.value,
+            DROPPED_ENVIRONMENT_TOKENS_KEY: self.dropped_environment_tokens,
+            FAILED_KEY: self.failure,
+        }
+        return {**self.meta, **{key: value for key, value in typed.items() if value is not None}}
 
 
 class TurnSource(Protocol):

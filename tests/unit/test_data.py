@@ -178,7 +178,7 @@ class ScriptedEngine(RolloutEngine):
 
 def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str):
     from moe_rl.experience.collector import ExperienceCollector
-    from moe_rl.rollout.multi_turn import SingleTurnSampler
+    from moe_rl.rollout.single_turn import SingleTurnSampler
     from moe_rl.experience.builders import build_scorer, sampling_params
 
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"q{k}=", "answer": k} for k in numbers] + ["not json"])

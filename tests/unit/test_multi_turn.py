@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -23,8 +24,9 @@ from moe_rl.data.tasks import ArithmeticChainTask, Problem
 from moe_rl.data.tokenizer import demo_tokenizer
 from moe_rl.environments import calculator
 from moe_rl.rollout import multi_turn
-from moe_rl.rollout.multi_turn import FAILED, MultiTurnSampler, SingleTurnSampler, Transcript, TranscriptError
-from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SamplingParams
+from moe_rl.rollout.multi_turn import MultiTurnSampler, Transcript, TranscriptError
+from moe_rl.rollout.single_turn import SingleTurnSampler
+from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SampleStatus, SamplingParams, Truncation
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.objective import PolicyObjective
@@ -111,7 +113,7 @@ def test_the_calculator_answers_a_scripted_policy_and_masks_its_own_tokens() -> 
     assert text_of(s, policy_only=False) == "=12 =17 "
     assert s.output_logprobs == [-0.5 if m else 0.0 for m in s.output_mask()]
     assert s.meta["turns"] == 3 and s.meta["tool_calls"] == 2 and s.meta["tool_failures"] == 0
-    assert s.meta["policy_tokens"] + s.meta["environment_tokens"] == len(s.output_ids) and "truncated" not in s.meta
+    assert s.meta["policy_tokens"] + s.meta["environment_tokens"] == len(s.output_ids) and s.status is SampleStatus.OK
     # every turn continued the transcript, asking only for the routing of its new positions
     (first, _), (second, from2), (third, from3) = policy.requests
     assert second[: len(first)] == first and from2 == len(first) + len(ids("calc(3*4)")) - 1
@@ -132,10 +134,10 @@ def test_tool_errors_go_back_as_text_and_limits_truncate() -> None:
     assert text_of(s, policy_only=False) == "=error: not an expression =error: result too large "
     assert s.meta["tool_failures"] == 2 and s.meta["tool_calls"] == 2
     looping = sample_with(ScriptedPolicy(["calc(1+1)"]), calculator.generate, Problem("1=", "1"), max_turns=3)
-    assert looping.meta["turns"] == 3 and looping.meta["tool_calls"] == 2 and looping.meta["truncated"] == "turns"
+    assert looping.meta["turns"] == 3 and looping.meta["tool_calls"] == 2 and looping.truncation is Truncation.TURNS
     assert looping.output_mask()[-1] == 1  # the last call's result is not appended: nothing follows it
     budget = sample_with(ScriptedPolicy(["calc(1+1)"]), calculator.generate, Problem("1=", "1"), max_output_tokens=14)
-    assert budget.meta["truncated"] == "tokens" and len(budget.output_ids) <= 14
+    assert budget.truncation is Truncation.TOKENS and len(budget.output_ids) <= 14
 
 
 def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> None:
@@ -150,7 +152,7 @@ def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> No
     sampled = generate_and_score(
         problems, PromptFormatter(TOKENIZER), sampler, scorer, PARAMS, 2, seed=1, return_routing=True
     )
-    failed = [FAILED in s.meta for s in sampled.samples]
+    failed = [s.status is SampleStatus.FAILED for s in sampled.samples]
     assert failed == [False, False, True, True]
     assert sampled.rewards.values[:, 0].tolist() == [
         1.0,
@@ -159,14 +161,12 @@ def test_a_failing_or_hanging_environment_scores_zero_and_the_rest_go_on() -> No
         0.0,
     ]  # the same response scores 1 when its environment worked
     for s in sampled.samples[2:]:  # what the failed turn sampled is kept as context, never trained on
-        assert (
-            s.policy_token_count == 0 and s.output_ids == ids("\\boxed{2}<eos>") and "ConnectionError" in s.meta[FAILED]
-        )
+        assert s.policy_token_count == 0 and s.output_ids == ids("\\boxed{2}<eos>") and "ConnectionError" in s.failure
         assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
     assert multi_turn_scalars(sampled.samples)["rollout/multi_turn/failed_samples"] == 2
     hung = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.hangs, Problem("1=", "1"), timeout_s=0.2)
     assert (
-        hung.meta[FAILED] == "TimeoutError"
+        hung.failure == "TimeoutError"
         and hung.output_ids == []
         and len(hung.routed_experts) == len(hung.prompt_ids) - 1
     )
@@ -189,12 +189,12 @@ def test_a_function_blocking_the_event_loop_is_named_and_its_late_sample_scores_
     monkeypatch.setattr(multi_turn, "BLOCKING_WARN_S", 0.1)
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
         s = sample_with(ScriptedPolicy(["1<eos>"]), multi_turn_fns.blocks, Problem("1=", "1"), timeout_s=0.15)
-    assert s.meta[FAILED].startswith("TimeoutError: ran 0.2 s, past rollout.generate_timeout_s=0.15")
+    assert s.failure.startswith("TimeoutError: ran 0.2 s, past rollout.generate_timeout_s=0.15")
     assert "rollout.generate_fn=multi_turn_fns:blocks held the event loop for 0.2" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):  # the engine's own blocking is not its
         s = sample_with(BlockingPolicy(["1<eos>"], 0.2), multi_turn_fns.blocks, Problem("1=", "1"), seconds=0.0)
-    assert FAILED not in s.meta and caplog.text == ""
+    assert s.status is SampleStatus.OK and caplog.text == ""
 
 
 def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) -> None:
@@ -203,7 +203,7 @@ def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) 
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
         s = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.ignores_cancellation, Problem("1=", "1"), timeout_s=0.1)
     assert time.perf_counter() - start < 2.0  # the timeout, the grace, the loop's own grace at its end
-    assert s.meta[FAILED] == "TimeoutError: ignored its cancellation: abandoned"
+    assert s.failure == "TimeoutError: ignored its cancellation: abandoned"
     assert "multi_turn_fns:ignores_cancellation ignored its cancellation" in caplog.text
 
 
@@ -221,8 +221,36 @@ def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) 
 def test_a_broken_function_or_transcript_is_a_failed_sample(fn, why: str) -> None:
     """Each scores 0 with its reason; what it saw is kept as context (routing included)."""
     s = sample_with(ScriptedPolicy(["ab"]), fn, Problem("1+1=", "2"))
-    assert s.meta[FAILED].startswith(why) and s.policy_token_count == 0 and s.weight_version == "0"
+    assert s.failure.startswith(why) and s.policy_token_count == 0 and s.weight_version == "0"
     assert len(s.routed_experts) == len(s.prompt_ids) + len(s.output_ids) - 1
+
+
+def test_a_samples_status_and_the_metadata_its_rewards_see() -> None:
+    """ok, truncated (the function's limit or the model's context), failed; the rewards see
+    the typed fields under the keys they always had in ``RewardInput.metadata``."""
+    t = Transcript(ids("1="), response_text="2", meta={"tool_calls": 1})
+    t.add_policy(_turn(t, "ab", [-1.0, -1.0]))
+    t.add_environment(ids("xy"))
+    ok = t.to_sample(0)
+    assert ok.status is SampleStatus.OK and ok.truncation is None and ok.failure is None
+    assert ok.meta == {"tool_calls": 1} and ok.response_text == "2" and ok.dropped_environment_tokens == 2
+    assert ok.reward_metadata() == {"tool_calls": 1, "response_text": "2", "dropped_environment_tokens": 2}
+    t.meta["truncated"] = "turns"
+    by_turns = t.to_sample(0)
+    assert by_turns.status is SampleStatus.TRUNCATED and by_turns.truncation is Truncation.TURNS
+    assert by_turns.reward_metadata()["truncated"] == "turns"
+    cut = t.to_sample(0, max_tokens=3)
+    assert cut.truncation is Truncation.CONTEXT and cut.reward_metadata()["truncated"] == "context"
+    assert pickle.loads(pickle.dumps(cut)) == cut
+    t.meta["truncated"] = "budget"  # no limit moe-rl knows: the rewards see it, the metrics do not count it
+    other = t.to_sample(0)
+    assert other.status is SampleStatus.OK and other.reward_metadata()["truncated"] == "budget"
+    failed = sample_with(ScriptedPolicy(["ab"]), multi_turn_fns.returns_none, Problem("1=", "1"))
+    assert failed.status is SampleStatus.FAILED and failed.truncation is None
+    assert set(failed.meta) == {"turns", "policy_tokens", "environment_tokens", "environment_seconds"}
+    assert failed.reward_metadata() == {"failed": failed.failure, **failed.meta}
+    single = Sample([1], [2], [-0.5], "length", "0", 0)
+    assert single.status is SampleStatus.OK and single.reward_metadata() == {}
 
 
 def test_a_keyboard_interrupt_in_a_rollout_says_where_it_came_from() -> None:
@@ -240,7 +268,7 @@ def test_turns_stop_at_the_models_context_and_longer_transcripts_are_cut() -> No
         policy, multi_turn_fns.overlong, TOKENIZER, kwargs={"inserted": 8}, timeout_s=30, max_tokens=30
     )
     s = sampler.sample([Problem("1=", "1")], [ids("1=")], 1, PARAMS, seed=7, routed=True)[0][0]
-    assert FAILED not in s.meta and s.meta["truncated"] == "context" and s.finish_reason == "length"
+    assert s.status is SampleStatus.TRUNCATED and s.truncation is Truncation.CONTEXT and s.finish_reason == "length"
     assert len(s.prompt_ids) + len(s.output_ids) == 30 and s.meta["turns"] == 2  # the third turn: no tokens
     assert policy.requests[1][0] == s.prompt_ids + s.output_ids[: 2 + 16] and len(policy.requests) == 2
     assert len(s.routed_experts) == 29
@@ -251,7 +279,7 @@ def test_turns_stop_at_the_models_context_and_longer_transcripts_are_cut() -> No
     t.routed_experts = torch.zeros(len(t.token_ids) - 1, 1, 2)
     cut = t.to_sample(0, max_tokens=len(ids("1=abxyzc")))
     assert cut.output_ids == ids("abxyzc") and cut.loss_mask == [1, 1, 0, 0, 0, 1] and len(cut.routed_experts) == 7
-    assert cut.meta["truncated"] == "context" and cut.finish_reason == "length"
+    assert cut.truncation is Truncation.CONTEXT and cut.finish_reason == "length"
     with pytest.raises(TranscriptError, match="no policy token of the transcript lies within the model's 2 tokens"):
         t.to_sample(0, max_tokens=2)
 
@@ -274,10 +302,10 @@ def test_failed_samples_enter_their_groups_advantages_as_zero_or_not_at_all(mode
     from moe_rl.algorithms import compute_advantages
 
     exp, scalars = scripted_collector("fails_by_seed", f"rollout.failed_samples={mode}").collect(0)
-    failed = torch.tensor([FAILED in s.meta for s in exp.samples])
+    failed = torch.tensor([s.status is SampleStatus.FAILED for s in exp.samples])
     assert 0 < int(failed.sum()) < 8 and scalars["rollout/multi_turn/failed_samples"] == int(failed.sum())
     assert exp.rewards[failed].sum() == 0 and (exp.rewards[~failed] == 1).all()
-    ok = [s for s in exp.samples if FAILED not in s.meta]  # response/* leaves the failed ones out
+    ok = [s for s in exp.samples if s.status is not SampleStatus.FAILED]  # response/* leaves the failed ones out
     assert scalars["response/length_mean"] == pytest.approx(sum(s.policy_token_count for s in ok) / len(ok))
     for g in range(2):
         rows = slice(4 * g, 4 * g + 4)
@@ -293,18 +321,17 @@ def test_failed_samples_enter_their_groups_advantages_as_zero_or_not_at_all(mode
 
 def test_drop_takes_each_groups_statistics_over_its_samples_that_did_not_fail() -> None:
     from moe_rl.algorithms import compute_advantages
-    from moe_rl.experience.multi_turn_batch import group_advantages
 
     values = torch.tensor([[1.0, 0.5], [0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.2], [0.5, 1.0]])
-    failed = [False, True, False, False, False, True]  # one failed per group of 3: groups of 2 remain
+    valid = [True, False, True, True, True, False]  # one failed per group of 3: groups of 2 remain
     kept = [0, 2, 3, 4]
     for name in ("grpo", "dr_grpo", "rloo", "gdpo"):
-        drop = group_advantages(name, values, 3, [1.0, 0.5], failed, "drop")
+        drop = compute_advantages(name, values, 3, weights=[1.0, 0.5], valid=valid)
         torch.testing.assert_close(drop[kept], compute_advantages(name, values[kept], 2, weights=[1.0, 0.5]))
         assert drop[[1, 5]].tolist() == [0.0, 0.0]
-        zero = group_advantages(name, values, 3, [1.0, 0.5], failed, "zero")
-        torch.testing.assert_close(zero, compute_advantages(name, values, 3, weights=[1.0, 0.5]))
-    uneven = group_advantages("grpo", values, 3, [1.0, 0.0], [False, True, False, False, False, False], "drop")
+        every = compute_advantages(name, values, 3, weights=[1.0, 0.5], valid=[True] * 6)
+        assert torch.equal(every, compute_advantages(name, values, 3, weights=[1.0, 0.5]))
+    uneven = compute_advantages("grpo", values, 3, weights=[1.0, 0.0], valid=[True, False, True, True, True, True])
     torch.testing.assert_close(uneven[3:], compute_advantages("grpo", values[3:, :1], 3))
     torch.testing.assert_close(uneven[[0, 2]], compute_advantages("grpo", values[[0, 2], :1], 2))
 
@@ -361,7 +388,7 @@ def test_metrics_and_logs_survive_odd_meta_and_nan_and_show_transcripts(tmp_path
     assert scalars["rollout/multi_turn/tool_calls_mean"] == 0 and scalars["rollout/multi_turn/tool_failures"] == 0
     assert "meta['tool_calls']='three' is not a finite number" in caplog.text
     exp = multi_turn_experience()
-    exp.samples[2].meta[FAILED] = "ConnectionError: gone"
+    exp.samples[2].failure = "ConnectionError: gone"
     records = sample_records(exp, TOKENIZER, 1, 3, 1)
     assert records[0].turns == [
         {"role": "policy", "text": "calc("},

@@ -42,12 +42,18 @@ STAGES = [
     (
         "rollout: generation",
         3,
-        "moe_rl.rollout.multi_turn:SingleTurnSampler.sample|moe_rl.rollout.local:LocalEngine.generate",
+        "moe_rl.rollout.single_turn:SingleTurnSampler.sample|moe_rl.rollout.multi_turn:SingleTurnSampler.sample"
+        "|moe_rl.rollout.local:LocalEngine.generate",
     ),
     ("local engine generate", 4, "moe_rl.rollout.local:LocalEngine.generate"),
     ("rollout: decode responses", 3, "moe_rl.experience.collector:_response_texts"),
     ("rewards", 3, "moe_rl.rewards.scorer:RewardScorer.score"),
-    ("advantages", 3, "moe_rl.experience.collector:group_advantages|moe_rl.trainer.experience:compute_advantages"),
+    (
+        "advantages",
+        3,
+        "moe_rl.experience.collector:compute_advantages|moe_rl.experience.collector:group_advantages"
+        "|moe_rl.trainer.experience:compute_advantages",
+    ),
     (
         "rollout scalars",
         3,

@@ -1,0 +1,26 @@
+"""The default rollout: one engine call per sample (a :class:`~moe_rl.rollout.sampler.Sampler`)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+
+
+class SingleTurnSampler:
+    """One engine call per sample: the default rollout."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def sample(
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        routed: bool,
+    ) -> list[list[Sample]]:
+        return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
