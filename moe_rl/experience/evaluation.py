@@ -60,6 +60,7 @@ class Evaluator:
                     seed=EVAL_SEED + start,
                 )
                 rewards.append(sampled.rewards)
+                # a failed sample's length is 0 (nothing of it is the policy's): it would only dilute the mean
                 lengths += [s.policy_token_count for s in sampled.samples if s.status is not SampleStatus.FAILED]
                 bar.update(len(chunk))
         return self._scalars(RewardBatch.concat(rewards), lengths)

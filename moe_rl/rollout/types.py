@@ -127,8 +127,8 @@ class Sample:
 
     def reward_metadata(self) -> dict[str, Any]:
         """What reward functions get as ``RewardInput.metadata``: ``meta`` with the typed
-        fields that are set under their keys (``failed``, ``response_text``, ``truncated``,
-        ``dropped_environment_tokens``), as the documented contract has it."""
+        fields that are set under the keys reward functions have always read them by
+        (``failed``, ``response_text``, ``truncated``, ``dropped_environment_tokens``)."""
         typed = {
             RESPONSE_TEXT_KEY: self.response_text,
             TRUNCATED_KEY: None if self.truncation is None else self.truncation.value,
