@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import types
@@ -21,7 +22,7 @@ from moe_rl.checks import ConfigError, require_positive
 from moe_rl.data.settings import DataConfig
 from moe_rl.models.settings import ModelConfig
 from moe_rl.rewards.settings import ConditionalItem, RewardConfig, RewardItem
-from moe_rl.rollout.settings import RolloutConfig
+from moe_rl.rollout.settings import MOVED_KEYS, RolloutConfig
 from moe_rl.routing.settings import RoutingConfig
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings
@@ -124,10 +125,9 @@ _FINGERPRINTED = (
     "rollout.top_p",
     "rollout.top_k",
     "rollout.precision",
-    "rollout.filter_zero_std_groups",
-    "rollout.max_sampling_rounds",
-    "rollout.generate_fn",
-    "rollout.generate_kwargs",
+    "rollout.dynamic_sampling.",
+    "rollout.multi_turn.generate_fn",
+    "rollout.multi_turn.generate_kwargs",
 )
 _NOT_FINGERPRINTED = {
     "algorithm.micro_batch_size",
@@ -151,7 +151,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: saved -> current`` for every fingerprint entry that differs."""
+    """``key: saved -> current`` for every fingerprint entry that differs (a checkpoint's keys
+    that have moved since are read at their new place)."""
+    saved = {_moved_name(k): v for k, v in saved.items()}
     return [
         f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
@@ -159,7 +161,22 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
     ]
 
 
+def _moved_name(key: str) -> str:
+    """A dotted key (or a key below it) at its present place (``rollout.sglang_urls`` ->
+    ``rollout.server.urls``)."""
+    section, _, rest = key.partition(".")
+    if section != "rollout":
+        return key
+    for old, new in MOVED_KEYS.items():
+        if rest == old or rest.startswith(old + "."):
+            return f"rollout.{new}{rest[len(old) :]}"
+    return key
+
+
 # ------------------------------------------------------------------ loading
+
+log = logging.getLogger("moe_rl.config")
+_WARNED_MOVED: set[str] = set()  # moved keys this process has warned about
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -180,6 +197,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+    _move_keys(raw)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
@@ -195,10 +213,38 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
         node[parts[-1]] = value
+    _move_keys(raw)
     config = _build(Config, raw, "")
     config.train.run_dir = os.path.expanduser(config.train.run_dir)  # ~/runs/x is the home's, not ./~
     validate(config)
     return config
+
+
+def _move_keys(raw: dict) -> None:
+    """Keys that moved into a section (:data:`moe_rl.rollout.settings.MOVED_KEYS`) to their new
+    place, with one warning line per key and process (on the first rank)."""
+    rollout = raw.get("rollout")
+    if not isinstance(rollout, dict):
+        return
+    for old, new in MOVED_KEYS.items():
+        value = rollout.get(old)
+        if old not in rollout or isinstance(value.parsed if isinstance(value, _Override) else value, dict):
+            continue  # absent, or the section that now stands there (rollout.weight_sync)
+        del rollout[old]
+        *sections, leaf = new.split(".")
+        node = rollout
+        for part in sections:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"rollout.{old} moved to rollout.{new}, but rollout.{part} is not a section")
+        if leaf in node:
+            raise ConfigError(
+                f"rollout.{old} and rollout.{new} are both set: rollout.{old} is the old name of rollout.{new}"
+            )
+        node[leaf] = value
+        if old not in _WARNED_MOVED and os.environ.get("RANK", "0") == "0":
+            _WARNED_MOVED.add(old)
+            log.warning("config: rollout.%s is now rollout.%s (the old key still works)", old, new)
 
 
 def _build(cls, raw: Any, prefix: str):

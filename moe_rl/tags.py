@@ -44,7 +44,7 @@ SIMULATED_LOGIT_SCALE = "rollout/simulated_mismatch/logit_scale"  # the logit no
 
 
 def multi_turn(name: str) -> str:
-    """A multi-turn rollout scalar (``turns_mean``, ``tool_failures``, ...; rollout.generate_fn runs)."""
+    """A multi-turn rollout scalar (``turns_mean``, ``tool_failures``, ...; rollout.multi_turn.generate_fn runs)."""
     return f"rollout/multi_turn/{name}"
 
 

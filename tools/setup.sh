@@ -43,7 +43,7 @@ nccl_version='import torch; print(".".join(str(p) for p in torch.cuda.nccl.versi
 pinned=${TORCH_SPEC:+1}  # a torch that must be the one installed (given, or SGLang's)
 if [[ $sglang == 1 && $gpu == 1 ]]; then
   # SGLang lives in a venv of its own (its many pins stay out of the trainer's); moe-rl starts
-  # it with rollout.server_python=.venv-sglang/bin/python
+  # it with rollout.server.python=.venv-sglang/bin/python
   [[ -x .venv-sglang/bin/python ]] || "$PYTHON" -m venv .venv-sglang
   echo "[setup] installing sglang==0.5.23 into .venv-sglang (GPU)"
   .venv-sglang/bin/python -m pip --disable-pip-version-check -q install "sglang==0.5.23"
@@ -73,7 +73,7 @@ if [[ $sglang == 1 && $gpu == 1 ]]; then
   server=$(.venv-sglang/bin/python -c "$nccl_version")
   if [[ "$trainer" != "$server" ]]; then
     echo "[setup] error: the trainer's NCCL $trainer differs from .venv-sglang's NCCL $server: the distributed" \
-      "weight sync needs one NCCL (rerun without TORCH_SPEC to take SGLang's torch, give both venvs one nvidia-nccl wheel, or use rollout.weight_sync=disk)" >&2
+      "weight sync needs one NCCL (rerun without TORCH_SPEC to take SGLang's torch, give both venvs one nvidia-nccl wheel, or use rollout.weight_sync.method=disk)" >&2
     exit 1
   fi
   echo "[setup] ok: NCCL $trainer in both venvs"

@@ -6,7 +6,7 @@ Statistics are taken within each group; std is the sample std (Bessel-corrected,
 ``torch.std``). A group whose values are all equal gets advantage 0, never NaN.
 
 With a validity mask (``valid``: the multi-turn samples whose generate function did not
-fail, under ``rollout.failed_samples=drop``) only the valid samples enter the statistics:
+fail, under ``rollout.multi_turn.failed_samples=drop``) only the valid samples enter the statistics:
 a group of G with f invalid is a group of G - f (one left or none: advantage 0) and the
 invalid samples get advantage 0. An estimator registered with ``over_valid`` (GDPO, whose
 batch statistics span every valid sample) computes that itself; the others are run on the

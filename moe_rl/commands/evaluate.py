@@ -93,7 +93,12 @@ def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float
     engine = _engine(args, cfg, model_dir)
     try:
         evaluator = build_evaluator(
-            cfg, task, formatter, build_sampler(cfg, engine, tokenizer), build_scorer(cfg), progress=sys.stderr.isatty()
+            cfg,
+            task,
+            formatter,
+            build_sampler(cfg.rollout.multi_turn, engine, tokenizer),
+            build_scorer(cfg),
+            progress=sys.stderr.isatty(),
         )
         return evaluator.run(desc=f"eval {model_dir.parent.name if model_dir.name == 'model' else model_dir.name}")
     finally:

@@ -1,1 +1,1 @@
-"""Built-in environments for multi-turn rollouts (``rollout.generate_fn``)."""
+"""Built-in environments for multi-turn rollouts (``rollout.multi_turn.generate_fn``)."""

@@ -16,8 +16,8 @@ below 2**40, each constant time; tests/unit/test_calculator.py measures the wors
 under a millisecond), so it runs on the event loop itself, and ``tool_timeout_s`` is a
 deadline checked before every AST node: it holds to within one such operation.
 
-    rollout.generate_fn: moe_rl.environments.calculator:generate
-    rollout.generate_kwargs: {max_turns: 4}
+    rollout.multi_turn.generate_fn: moe_rl.environments.calculator:generate
+    rollout.multi_turn.generate_kwargs: {max_turns: 4}
 """
 
 from __future__ import annotations
@@ -126,10 +126,12 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
     for key, minimum in (("max_turns", 1), ("max_output_tokens", 0)):
         value = kwargs.get(key, minimum)
         if type(value) is not int or value < minimum:
-            raise ValueError(f"rollout.generate_kwargs.{key}={value!r} must be an integer >= {minimum}")
+            raise ValueError(f"rollout.multi_turn.generate_kwargs.{key}={value!r} must be an integer >= {minimum}")
     timeout = kwargs.get("tool_timeout_s", 1.0)
     if type(timeout) not in (int, float) or not 0 < timeout < math.inf:
-        raise ValueError(f"rollout.generate_kwargs.tool_timeout_s={timeout!r} must be a number of seconds > 0")
+        raise ValueError(
+            f"rollout.multi_turn.generate_kwargs.tool_timeout_s={timeout!r} must be a number of seconds > 0"
+        )
 
 
 @checks_kwargs(check_kwargs)

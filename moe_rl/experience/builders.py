@@ -23,7 +23,7 @@ from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.multi_turn import MultiTurnSampler, load_generate_fn
 from moe_rl.rollout.sampler import Sampler
 from moe_rl.rollout.single_turn import SingleTurnSampler
-from moe_rl.rollout.settings import PRECISIONS
+from moe_rl.rollout.settings import PRECISIONS, MultiTurnConfig, RolloutConfig, ServerConfig
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
 from moe_rl.experience.collector import ExperienceCollector
@@ -55,26 +55,29 @@ def build_collector(
         task=task,
         formatter=formatter,
         engine=engine,
-        sampler=build_sampler(cfg, engine, formatter.tokenizer, getattr(hf_config, "max_position_embeddings", None)),
+        sampler=build_sampler(
+            cfg.rollout.multi_turn, engine, formatter.tokenizer, getattr(hf_config, "max_position_embeddings", None)
+        ),
         scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
     )
 
 
-def build_sampler(cfg: Config, engine: RolloutEngine, tokenizer, max_tokens: int | None = None) -> Sampler:
-    """``rollout.generate_fn``: one engine call per sample (unset), or the user's function
-    (multi-turn, :mod:`moe_rl.rollout.multi_turn`; transcripts cut to ``max_tokens``, the
-    model's context)."""
-    r = cfg.rollout
-    if not r.generate_fn:
+def build_sampler(
+    multi_turn: MultiTurnConfig, engine: RolloutEngine, tokenizer, max_tokens: int | None = None
+) -> Sampler:
+    """``rollout.multi_turn.generate_fn``: one engine call per sample (unset), or the user's
+    function (multi-turn, :mod:`moe_rl.rollout.multi_turn`; transcripts cut to ``max_tokens``,
+    the model's context)."""
+    if not multi_turn.generate_fn:
         return SingleTurnSampler(engine)
     return MultiTurnSampler(
         engine,
-        load_generate_fn(r.generate_fn),
+        load_generate_fn(multi_turn.generate_fn),
         tokenizer,
-        kwargs=dict(r.generate_kwargs),
-        timeout_s=r.generate_timeout_s,
+        kwargs=dict(multi_turn.generate_kwargs),
+        timeout_s=multi_turn.timeout_s,
         max_tokens=max_tokens,
     )
 
@@ -123,30 +126,25 @@ def build_scorer(cfg: Config) -> RewardScorer:
 
 def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing: contextlib.ExitStack) -> RolloutEngine:
     """``rollout.engine``: the local engine, or SGLang servers (started here when
-    ``rollout.launch_server``, else attached by URL)."""
+    ``rollout.server.launch``, else attached by URL)."""
     r = cfg.rollout
     if r.engine == "local":
-        from moe_rl.rollout.local import LocalEngine
-
-        precision = PRECISIONS[r.precision]
-        local = LocalEngine(
-            hf_dir,
-            weight_precision=getattr(torch, precision) if precision else None,
-            mismatch=r.simulate_mismatch,
-            mismatch_seed=cfg.train.seed * 1_000_003 + r.simulate_mismatch.seed,
-        )
-        closing.callback(local.close)
-        return local
+        return _local_engine(r, cfg.train.seed, hf_dir, closing)
     from moe_rl.rollout.sglang import SGLangEngine
 
-    launched = [_start_server(cfg, hf_dir, closing)] if r.launch_server else []
-    urls = [server.url for server in launched] or list(r.sglang_urls)
+    launched = []
+    if r.server.launch:
+        settings = server_settings(
+            r.server, hf_dir, return_routed_experts=wants_engine_routing(cfg), seed=cfg.train.seed, colocate=r.colocate
+        )
+        launched.append(_start_server(settings, r.server.start_timeout_s, Path(cfg.train.run_dir) / "logs", closing))
+    urls = [server.url for server in launched] or list(r.server.urls)
     engine = SGLangEngine(
         urls,
         num_layers=hf_config.num_hidden_layers,
         top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
-        max_concurrency=r.concurrency_per_server * len(urls),
+        max_concurrency=r.server.concurrency * len(urls),
         nccl_version_probes=[server.nccl_version for server in launched] or None,
     )
     closing.callback(engine.close)
@@ -154,69 +152,88 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     return engine
 
 
-def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
+def _local_engine(r: RolloutConfig, seed: int, hf_dir: str, closing: contextlib.ExitStack) -> RolloutEngine:
+    """The built-in engine at ``rollout.precision``, with ``rollout.simulate_mismatch``."""
+    from moe_rl.rollout.local import LocalEngine
+
+    precision = PRECISIONS[r.precision]
+    local = LocalEngine(
+        hf_dir,
+        weight_precision=getattr(torch, precision) if precision else None,
+        mismatch=r.simulate_mismatch,
+        mismatch_seed=seed * 1_000_003 + r.simulate_mismatch.seed,
+    )
+    closing.callback(local.close)
+    return local
+
+
+def server_settings(
+    server: ServerConfig, hf_dir: str, *, return_routed_experts: bool, seed: int, colocate: bool = False
+) -> ServerSettings:
     """How this run launches its SGLang server: on a machine without CUDA, SGLang's CPU
-    backend (and no deterministic inference, which needs its CUDA kernels)."""
+    backend (and no deterministic inference, which needs its CUDA kernels); ``colocate``:
+    with its memory saver, to share the trainer's GPUs."""
     from moe_rl.rollout.server import ServerSettings
 
-    r = cfg.rollout
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and r.server_deterministic:
+    if device == "cpu" and server.deterministic:
         log.info("SGLang on CPU: --enable-deterministic-inference is left out (it needs CUDA kernels)")
-    python = os.path.expanduser(r.server_python) if r.server_python else sys.executable
+    python = os.path.expanduser(server.python) if server.python else sys.executable
     return ServerSettings(
         model_path=hf_dir,
-        port=r.server_port,
-        tp_size=r.server_tp,
-        ep_size=r.server_ep,
-        mem_fraction_static=r.mem_fraction_static,
-        return_routed_experts=wants_engine_routing(cfg),
-        deterministic=r.server_deterministic,
-        seed=cfg.train.seed,
-        gpus=tuple(r.server_gpus) or None,
-        memory_saver=r.colocate,
+        port=server.port,
+        tp_size=server.tp,
+        ep_size=server.ep,
+        mem_fraction_static=server.mem_fraction_static,
+        return_routed_experts=return_routed_experts,
+        deterministic=server.deterministic,
+        seed=seed,
+        gpus=tuple(server.gpus) or None,
+        memory_saver=colocate,
         device=device,
-        extra_args=list(r.server_args),
+        extra_args=list(server.args),
         launch_command=[python, "-m", "sglang.launch_server"],
     )
 
 
-def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> SGLangServer:
+def _start_server(
+    settings: ServerSettings, timeout_s: float, log_dir: Path, closing: contextlib.ExitStack
+) -> SGLangServer:
     from moe_rl.rollout.server import SGLangServer
 
-    server = SGLangServer(server_settings(cfg, hf_dir), Path(cfg.train.run_dir) / "logs")
+    server = SGLangServer(settings, log_dir)
     closing.callback(server.stop)
-    server.wait_healthy(timeout_s=cfg.rollout.server_start_timeout_s)
+    server.wait_healthy(timeout_s=timeout_s)
     return server
 
 
-def check_server_placement(cfg: Config) -> None:
+def check_server_placement(r: RolloutConfig) -> None:
     """Before anything starts: a server this run launches gets GPUs of its own (unless it
     is meant to share the trainer's: ``rollout.colocate``)."""
     from moe_rl.rollout.server import check_server_gpus
     from parallel.distributed import node_gpu_ids
 
-    if cfg.rollout.launch_server and not cfg.rollout.colocate:
+    if r.server.launch and not r.colocate:
         try:
-            check_server_gpus(cfg.rollout.server_gpus, node_gpu_ids())
+            check_server_gpus(r.server.gpus, node_gpu_ids())
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
 
 def build_weight_sync(
-    cfg: Config, engine: RolloutEngine | None, run_dir: Path, hf_config: PretrainedConfig
+    r: RolloutConfig, engine: RolloutEngine | None, run_dir: Path, hf_config: PretrainedConfig
 ) -> WeightSync:
     """Every rank's half of the weight sync (``engine`` is ``None`` off the first rank):
-    in process for the local engine; for SGLang ``rollout.weight_sync``: buckets over a
-    weight-update group in the served dtype, or through ``run_dir/weights/current``."""
-    r = cfg.rollout
+    in process for the local engine; for SGLang ``rollout.weight_sync.method``: buckets over
+    a weight-update group in the served dtype, or through ``run_dir/weights/current``."""
     if r.engine == "local":
         return InProcessSync(engine)
-    bucket_bytes, dtype = max(1, int(r.sync_bucket_mb * 2**20)), hf_dtype(hf_config)
-    if r.weight_sync == "distributed":
-        return DistributedSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, address=r.sync_address)
-    if r.weight_sync == "tensor":
-        # a server this run launches on rollout.server_gpus: its TP rank i on the i-th of them
-        gpus = [[str(g) for g in r.server_gpus]] if r.launch_server and r.server_gpus else None
+    sync = r.weight_sync
+    bucket_bytes, dtype = max(1, int(sync.bucket_mb * 2**20)), hf_dtype(hf_config)
+    if sync.method == "distributed":
+        return DistributedSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, address=sync.address)
+    if sync.method == "tensor":
+        # a server this run launches on rollout.server.gpus: its TP rank i on the i-th of them
+        gpus = [[str(g) for g in r.server.gpus]] if r.server.launch and r.server.gpus else None
         return TensorSync(engine, bucket_bytes=bucket_bytes, dtype=dtype, server_gpus=gpus)
     return DiskSync(engine, run_dir / "weights" / "current")

@@ -2,8 +2,8 @@
 
 Advantages are computed over the whole batch here (so GDPO's batch statistics span
 every data-parallel rank) before the :class:`Experience` is broadcast. With DAPO's dynamic
-sampling (``rollout.filter_zero_std_groups``) groups whose samples all got the same
-rewards are dropped and more prompts sampled, up to ``rollout.max_sampling_rounds``.
+sampling (``rollout.dynamic_sampling``) groups whose samples all got the same
+rewards are dropped and more prompts sampled, up to ``rollout.dynamic_sampling.max_rounds``.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ class ExperienceCollector:
         """The step's experience and its rollout-side scalars (rewards, advantages, lengths)."""
         r = self.cfg.rollout
         rounds, kept = [], []  # kept: (round, group) of the groups trained on
-        for k in range(r.max_sampling_rounds if r.filter_zero_std_groups else 1):
+        for k in range(r.dynamic_sampling.max_rounds if r.dynamic_sampling.enabled else 1):
             rounds.append(self._sample(step, k))
-            stop_if_failed(rounds[-1].samples, r.max_failed_frac, step, r.generate_fn)
+            stop_if_failed(rounds[-1].samples, r.multi_turn.max_failed_frac, step, r.multi_turn.generate_fn)
             kept += [(k, g) for g in self._groups_to_keep(rounds[-1])]
             if len(kept) >= r.prompts_per_step:
                 break
@@ -140,19 +140,21 @@ class ExperienceCollector:
 
     def _valid(self, samples: list[Sample]) -> list[bool] | None:
         """The samples that enter their group's advantage statistics: every one
-        (``rollout.failed_samples=zero``: ``None``), or those that did not fail (``drop``)."""
-        if self.cfg.rollout.failed_samples == "zero":
+        (``rollout.multi_turn.failed_samples=zero``: ``None``), or those that did not fail (``drop``)."""
+        if self.cfg.rollout.multi_turn.failed_samples == "zero":
             return None
         return [not f for f in failed(samples)]
 
     def _groups_to_keep(self, sampled: SampledRound) -> list[int]:
         """Every group, or (dynamic sampling) those whose samples' rewards are not all equal
-        (``rollout.failed_samples=drop``: among the samples that did not fail)."""
+        (``rollout.multi_turn.failed_samples=drop``: among the samples that did not fail)."""
         g = self.cfg.rollout.group_size
         values = sampled.rewards.values
-        if not self.cfg.rollout.filter_zero_std_groups:
+        if not self.cfg.rollout.dynamic_sampling.enabled:
             return list(range(len(values) // g))
-        dropped = failed(sampled.samples) if self.cfg.rollout.failed_samples == "drop" else [False] * len(values)
+        dropped = (
+            failed(sampled.samples) if self.cfg.rollout.multi_turn.failed_samples == "drop" else [False] * len(values)
+        )
         rows = [
             [v for v, f in zip(values[i : i + g].tolist(), dropped[i : i + g]) if not f]
             for i in range(0, len(values), g)
@@ -186,7 +188,7 @@ class ExperienceCollector:
         }
         scalars.update(multi_turn_scalars([s for rd in rounds for s in rd.samples]))
         scalars.update(self.engine.rollout_scalars())
-        if self.cfg.rollout.filter_zero_std_groups:
+        if self.cfg.rollout.dynamic_sampling.enabled:
             scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
             scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))
         return scalars

@@ -1,9 +1,9 @@
-"""What a step does with multi-turn samples (``rollout.generate_fn``): the failed ones (a step
+"""What a step does with multi-turn samples (``rollout.multi_turn.generate_fn``): the failed ones (a step
 with too many of them stops the run) and the ``rollout/multi_turn/*`` scalars.
 
 A failed sample (``Sample.status`` failed: its generate function raised, timed out or built
 an unusable transcript) scores 0 in every reward and none of its tokens is trained on. Its
-only effect on training is through its group's statistics (``rollout.failed_samples``:
+only effect on training is through its group's statistics (``rollout.multi_turn.failed_samples``:
 ``zero`` keeps it there with rewards 0, ``drop`` leaves it out of them; the collector hands
 the valid samples to :func:`moe_rl.algorithms.compute_advantages`).
 """
@@ -34,8 +34,8 @@ def stop_if_failed(samples: Sequence[Sample], max_failed_frac: float, step: int,
     reasons = [s.failure for s in samples if s.failure is not None]
     if reasons and (len(reasons) == len(samples) or len(reasons) > max_failed_frac * len(samples)):
         raise RolloutError(
-            f"step {step + 1}: {len(reasons)} of {len(samples)} samples failed in rollout.generate_fn={fn}"
-            f" (rollout.max_failed_frac={max_failed_frac:g}); the first: {reasons[0]}"
+            f"step {step + 1}: {len(reasons)} of {len(samples)} samples failed in rollout.multi_turn.generate_fn={fn}"
+            f" (rollout.multi_turn.max_failed_frac={max_failed_frac:g}); the first: {reasons[0]}"
         )
 
 

@@ -1,8 +1,8 @@
 """Multi-turn (tool-use) rollouts: a user's async *generate function* drives the engine
-turn by turn and returns a :class:`Transcript` (``rollout.generate_fn``).
+turn by turn and returns a :class:`Transcript` (``rollout.multi_turn.generate_fn``).
 
 A generate function is ``async def f(problem, *, prompt_ids, engine, tokenizer, sampling,
-**rollout.generate_kwargs) -> Transcript``. It starts a ``Transcript(prompt_ids)``, calls
+**rollout.multi_turn.generate_kwargs) -> Transcript``. It starts a ``Transcript(prompt_ids)``, calls
 ``await engine.generate(transcript.token_ids)`` for each policy turn (adding the
 :class:`Turn` with ``transcript.add_policy``) and adds what the environment answers with
 ``transcript.add_environment(ids)``. Environment tokens are trained on as context only
@@ -14,10 +14,10 @@ routing of the whole sequence). :mod:`moe_rl.environments.calculator` is a worke
 A sample whose function fails scores 0 in every reward and trains nothing (its tokens are
 kept as context; counted as ``rollout/multi_turn/failed_samples``, the first reason in a
 warning): the function raised (a ``CancelledError`` of its own included) or outlived
-``rollout.generate_timeout_s``, returned something other than a :class:`Transcript`, or
+``rollout.multi_turn.timeout_s``, returned something other than a :class:`Transcript`, or
 built one that is unusable (:class:`TranscriptError`: a turn that does not continue it, no
 policy turn, log-probs that are not finite). An engine failure (:class:`RolloutError`)
-stops the run; so does a step in which every sample failed (``rollout.max_failed_frac``).
+stops the run; so does a step in which every sample failed (``rollout.multi_turn.max_failed_frac``).
 A transcript longer than the model's context is cut to it (``Sample.truncation``
 ``"context"``). The transcript itself is :mod:`moe_rl.rollout.transcript`; the single-turn
 sampler, its peer, :mod:`moe_rl.rollout.single_turn`.
@@ -29,7 +29,7 @@ scored 0 when it ends late. Each stretch of a function's own code between two aw
 timed (two clock reads per suspension, the engine's share left out); one of
 :data:`BLOCKING_WARN_S` or more names the function in a warning.
 
-A function may carry a check of its ``rollout.generate_kwargs`` (:func:`checks_kwargs`),
+A function may carry a check of its ``rollout.multi_turn.generate_kwargs`` (:func:`checks_kwargs`),
 run when the config loads.
 """
 
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 GENERATE_ARGS = ("prompt_ids", "engine", "tokenizer", "sampling")  # keyword arguments every generate function takes
 GenerateFn = Callable[..., Coroutine[Any, Any, Transcript]]  # an ``async def`` (its steps are timed)
-KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.generate_kwargs
+KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.multi_turn.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
 CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
 
@@ -214,19 +214,19 @@ def load_generate_fn(spec: str) -> GenerateFn:
     keyword arguments :data:`GENERATE_ARGS`. ``ValueError`` in one line otherwise."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"rollout.generate_fn={spec!r} must be 'package.module:function'")
+        raise ValueError(f"rollout.multi_turn.generate_fn={spec!r} must be 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as e:  # a user's module may fail in any way while importing
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"rollout.generate_fn={spec!r} cannot be imported: {reason}") from None
+        raise ValueError(f"rollout.multi_turn.generate_fn={spec!r} cannot be imported: {reason}") from None
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.generate_fn={spec!r} must be an async function (async def)")
+        raise ValueError(f"rollout.multi_turn.generate_fn={spec!r} must be an async function (async def)")
     return fn
 
 
 def checks_kwargs(check: Callable[[dict[str, Any]], None]) -> Callable[[GenerateFn], GenerateFn]:
-    """Decorates a generate function with ``check(rollout.generate_kwargs)``, run when the
+    """Decorates a generate function with ``check(rollout.multi_turn.generate_kwargs)``, run when the
     config loads: it raises ``ValueError`` in one line naming the key and value."""
 
     def decorate(fn: GenerateFn) -> GenerateFn:
@@ -237,7 +237,7 @@ def checks_kwargs(check: Callable[[dict[str, Any]], None]) -> Callable[[Generate
 
 
 def function_name(fn: Callable[..., Any]) -> str:
-    """``module:qualname``, as ``rollout.generate_fn`` names it."""
+    """``module:qualname``, as ``rollout.multi_turn.generate_fn`` names it."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
@@ -249,7 +249,7 @@ def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
         inspect.signature(fn).bind(None, **{name: None for name in GENERATE_ARGS}, **kwargs)
     except TypeError as e:
         raise ValueError(
-            f"rollout.generate_fn={spec!r} must take (problem, *, {', '.join(GENERATE_ARGS)}"
+            f"rollout.multi_turn.generate_fn={spec!r} must take (problem, *, {', '.join(GENERATE_ARGS)}"
             f"{', ' + ', '.join(sorted(kwargs)) if kwargs else ''}): {e}"
         ) from None
     check = getattr(fn, KWARGS_CHECK, None)
@@ -262,7 +262,7 @@ def check_generate_fn(spec: str, kwargs: dict[str, Any]) -> None:
 
 class MultiTurnSampler:
     """``n`` transcripts of each problem from ``fn``, all concurrently (within the engine's
-    concurrency limit: ``rollout.concurrency_per_server`` per SGLang server), each cut to
+    concurrency limit: ``rollout.server.concurrency`` per SGLang server), each cut to
     ``max_tokens`` (the model's context) when given."""
 
     def __init__(
@@ -296,7 +296,7 @@ class MultiTurnSampler:
             raise KeyboardInterrupt(
                 str(e)
                 or f"interrupted during the rollout (a second Ctrl-C, or a KeyboardInterrupt raised by"
-                f" rollout.generate_fn={function_name(self.fn)}); the step in progress is lost"
+                f" rollout.multi_turn.generate_fn={function_name(self.fn)}); the step in progress is lost"
             ) from None
 
     async def _sample_all(
@@ -351,7 +351,7 @@ class MultiTurnSampler:
                 if not done:
                     self._warn_once(
                         "abandoned",
-                        "ignored its cancellation at rollout.generate_timeout_s and was abandoned"
+                        "ignored its cancellation at rollout.multi_turn.timeout_s and was abandoned"
                         " (catch CancelledError only to clean up, then raise it again)",
                     )
                     raise TimeoutError("ignored its cancellation: abandoned")
@@ -368,7 +368,7 @@ class MultiTurnSampler:
         result = task.result()
         elapsed = time.perf_counter() - start
         if elapsed > self.timeout_s:  # it blocked the event loop past its deadline, or outran its cancellation
-            raise TimeoutError(f"ran {elapsed:.1f} s, past rollout.generate_timeout_s={self.timeout_s:g}")
+            raise TimeoutError(f"ran {elapsed:.1f} s, past rollout.multi_turn.timeout_s={self.timeout_s:g}")
         return result
 
     def _warn_if_blocking(self, clock: LoopClock) -> None:
@@ -376,14 +376,14 @@ class MultiTurnSampler:
             self._warn_once(
                 "blocking",
                 f"held the event loop for {clock.longest:.2f} s without an await: every sample and the engine"
-                " waited meanwhile, and rollout.generate_timeout_s cannot interrupt it; run blocking work with"
+                " waited meanwhile, and rollout.multi_turn.timeout_s cannot interrupt it; run blocking work with"
                 " await asyncio.to_thread(...)",
             )
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            log.warning("rollout.generate_fn=%s %s", function_name(self.fn), message)
+            log.warning("rollout.multi_turn.generate_fn=%s %s", function_name(self.fn), message)
 
     async def _failed_sample(
         self,

@@ -128,7 +128,7 @@ class Trainer:
         cfg = self.cfg
         self.run_dir = Path(cfg.train.run_dir)
         dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
-        check_server_placement(cfg)
+        check_server_placement(cfg.rollout)
         # one run per run directory: a second is refused before anything else happens
         self._closing.enter_context(hold_run_dir(self.run_dir, first_rank=launch_env().rank == 0))
         check_run_dir(cfg)
@@ -216,7 +216,7 @@ class Trainer:
         )
         # the engine's routed experts: for R3, and for routing metrics when it can return them
         self.engine_routing = bool(broadcast_object(self.collector.return_routing if self.collector else None))
-        self.weight_sync = build_weight_sync(cfg, engine, self.run_dir, self.hf_config)
+        self.weight_sync = build_weight_sync(cfg.rollout, engine, self.run_dir, self.hf_config)
         self._closing.callback(self.weight_sync.close)
         self.placement = build_placement(cfg, engine, self.policy)
         # before the first rollout the engine serves exactly the trainer's weights (a resumed
@@ -262,7 +262,7 @@ class Trainer:
                 model,
                 self.hf_config.num_hidden_layers,
                 num_experts,
-                split_environment=bool(self.cfg.rollout.generate_fn),
+                split_environment=bool(self.cfg.rollout.multi_turn.generate_fn),
                 router_kl=routing.after_update_pass,
                 sample_frac=routing.metrics_sample_frac,
             )

@@ -488,7 +488,7 @@ def test_no_intact_checkpoint_is_refused_before_any_rollout_server_is_reached(ba
         _flip(step / "dist" / "__0_0.distcp")
     out = run(
         "train", *base, f"train.run_dir={run_copy}", "train.steps=6", "train.resume=true",
-        "rollout.engine=sglang", "rollout.sglang_urls=[http://127.0.0.1:9]", "train.resume_anyway=true",
+        "rollout.engine=sglang", "rollout.server.urls=[http://127.0.0.1:9]", "train.resume_anyway=true",
     )  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "no intact checkpoint in" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]

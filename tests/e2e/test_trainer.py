@@ -87,7 +87,7 @@ def test_resume_equals_uninterrupted(cache, tmp_path: Path) -> None:
         "optim.min_lr=1e-4",
         "optim.lr_schedule=cosine",
         "optim.warmup_steps=1",
-        "rollout.filter_zero_std_groups=true",
+        "rollout.dynamic_sampling.enabled=true",
     ]
     straight = moe_rl("train", *common, f"train.run_dir={tmp_path / 'a'}", "train.steps=4", "train.save_every=2")
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -305,8 +305,8 @@ def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path
         "train.steps=2",
         layout_setting,
         "rollout.engine=sglang",
-        f"rollout.sglang_urls=[{urls}]",
-        "rollout.sync_bucket_mb=0.05",
+        f"rollout.server.urls=[{urls}]",
+        "rollout.weight_sync.bucket_mb=0.05",
         f"routing.replay={replay}",
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -383,10 +383,10 @@ def test_colocated_training_takes_turns_with_the_server(cache, tmp_path: Path) -
             "train.steps=2",
             "train.save_every=1",
             "rollout.engine=sglang",
-            f"rollout.sglang_urls=[{server.url}]",
-            "rollout.weight_sync=tensor",
+            f"rollout.server.urls=[{server.url}]",
+            "rollout.weight_sync.method=tensor",
             "rollout.colocate=true",
-            "rollout.sync_bucket_mb=0.05",
+            "rollout.weight_sync.bucket_mb=0.05",
         ]
         # output to a file, not a pipe: on CPU, torch's shared-memory manager (which the
         # tensor sync starts) outlives the trainer while the server holds its connection

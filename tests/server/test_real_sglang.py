@@ -181,10 +181,10 @@ def test_train_against_real_sglang(real_sglang, demo_cache, tmp_path, replay, sy
         f"train.run_dir={run}",
         "train.steps=2",
         "rollout.engine=sglang",
-        f"rollout.sglang_urls=[{url}]",
-        f"rollout.weight_sync={sync}",
+        f"rollout.server.urls=[{url}]",
+        f"rollout.weight_sync.method={sync}",
         f"routing.replay={replay}",
-        "rollout.sync_bucket_mb=0.05",
+        "rollout.weight_sync.bucket_mb=0.05",
         log=tmp_path / "train.log",
     )
     assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
@@ -235,10 +235,10 @@ def test_multi_turn_r3_training_against_real_sglang(real_sglang, demo_cache, tmp
         f"train.run_dir={run}",
         "train.steps=2",
         "rollout.engine=sglang",
-        f"rollout.sglang_urls=[{url}]",
-        "rollout.weight_sync=disk",
+        f"rollout.server.urls=[{url}]",
+        "rollout.weight_sync.method=disk",
         "routing.replay=r3",
-        "rollout.generate_fn=multi_turn_fns:two_turns",
+        "rollout.multi_turn.generate_fn=multi_turn_fns:two_turns",
         log=tmp_path / "train.log",
         tests_importable=True,
     )
@@ -332,7 +332,7 @@ def test_compare_against_real_sglang(real_sglang, demo_cache, tmp_path):
             "train.eval_every=0",
             "data.eval_max_prompts=4",
             "rollout.engine=sglang",
-            f"rollout.sglang_urls=[{url}]",
+            f"rollout.server.urls=[{url}]",
             "rollout.precision=fp32",
         ],
         capture_output=True,
@@ -348,7 +348,7 @@ def test_compare_against_real_sglang(real_sglang, demo_cache, tmp_path):
 
 
 def test_a_launched_server_dies_with_its_killed_trainer(demo_cache, tmp_path):
-    """`rollout.launch_server=true` with SGLang's own Python: the trainer starts a real
+    """`rollout.server.launch=true` with SGLang's own Python: the trainer starts a real
     server (CPU flags) and trains on it; killed with SIGKILL, it takes the server (all of
     its processes) with it."""
     if not SGLANG_PYTHON.exists():
@@ -362,9 +362,9 @@ def test_a_launched_server_dies_with_its_killed_trainer(demo_cache, tmp_path):
             f"train.run_dir={run}",
             f"train.steps={steps}",
             "rollout.engine=sglang",
-            "rollout.launch_server=true",
-            f"rollout.server_python={SGLANG_PYTHON}",
-            f"rollout.server_port={free_port()}",
+            "rollout.server.launch=true",
+            f"rollout.server.python={SGLANG_PYTHON}",
+            f"rollout.server.port={free_port()}",
             "routing.replay=r3",
         ]
         log = open(run.parent / f"{run.name}.log", "w")

@@ -1,4 +1,4 @@
-"""Generate functions the multi-turn tests train with (``rollout.generate_fn=multi_turn_fns:NAME``,
+"""Generate functions the multi-turn tests train with (``rollout.multi_turn.generate_fn=multi_turn_fns:NAME``,
 with ``tests/support/`` on ``PYTHONPATH``)."""
 
 from __future__ import annotations

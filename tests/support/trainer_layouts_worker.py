@@ -61,7 +61,7 @@ VARIANTS = {
     "sim": ["rollout.simulate_mismatch.router_flip_frac=0.2"],
     "simlogit": ["rollout.simulate_mismatch.router_flip_frac=0.2", "rollout.simulate_mismatch.logit_kl=2e-3"],
     # multi-turn samples (two policy turns around inserted tokens: tests/support/multi_turn_fns.py), R3
-    "mt": ["rollout.generate_fn=multi_turn_fns:two_turns", "routing.replay=r3"],
+    "mt": ["rollout.multi_turn.generate_fn=multi_turn_fns:two_turns", "routing.replay=r3"],
 }
 
 

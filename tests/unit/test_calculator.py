@@ -184,25 +184,34 @@ def test_a_hostile_policy_gets_errors_back_and_its_sample_goes_on() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("max_turns=abc", "rollout.generate_kwargs.max_turns='abc' must be an integer >= 1"),
-        ("max_turns=0", "rollout.generate_kwargs.max_turns=0 must be an integer >= 1"),
-        ("max_turns=2.5", "rollout.generate_kwargs.max_turns=2.5 must be an integer >= 1"),
-        ("max_turns=true", "rollout.generate_kwargs.max_turns=True must be an integer >= 1"),
-        ("max_output_tokens=-1", "rollout.generate_kwargs.max_output_tokens=-1 must be an integer >= 0"),
-        ("tool_timeout_s=-1", "rollout.generate_kwargs.tool_timeout_s=-1 must be a number of seconds > 0"),
-        ("tool_timeout_s=0", "rollout.generate_kwargs.tool_timeout_s=0 must be a number of seconds > 0"),
-        ("tool_timeout_s=.inf", "rollout.generate_kwargs.tool_timeout_s=inf must be a number of seconds > 0"),
-        ("tool_timeout_s=soon", "rollout.generate_kwargs.tool_timeout_s='soon' must be a number of seconds > 0"),
+        ("max_turns=abc", "rollout.multi_turn.generate_kwargs.max_turns='abc' must be an integer >= 1"),
+        ("max_turns=0", "rollout.multi_turn.generate_kwargs.max_turns=0 must be an integer >= 1"),
+        ("max_turns=2.5", "rollout.multi_turn.generate_kwargs.max_turns=2.5 must be an integer >= 1"),
+        ("max_turns=true", "rollout.multi_turn.generate_kwargs.max_turns=True must be an integer >= 1"),
+        ("max_output_tokens=-1", "rollout.multi_turn.generate_kwargs.max_output_tokens=-1 must be an integer >= 0"),
+        ("tool_timeout_s=-1", "rollout.multi_turn.generate_kwargs.tool_timeout_s=-1 must be a number of seconds > 0"),
+        ("tool_timeout_s=0", "rollout.multi_turn.generate_kwargs.tool_timeout_s=0 must be a number of seconds > 0"),
+        (
+            "tool_timeout_s=.inf",
+            "rollout.multi_turn.generate_kwargs.tool_timeout_s=inf must be a number of seconds > 0",
+        ),
+        (
+            "tool_timeout_s=soon",
+            "rollout.multi_turn.generate_kwargs.tool_timeout_s='soon' must be a number of seconds > 0",
+        ),
     ],
 )
 def test_calculator_kwargs_are_checked_when_the_config_loads(override: str, message: str) -> None:
-    fn = "rollout.generate_fn=moe_rl.environments.calculator:generate"
+    fn = "rollout.multi_turn.generate_fn=moe_rl.environments.calculator:generate"
     with pytest.raises(ConfigError) as error:
-        load_config(None, [fn, f"rollout.generate_kwargs.{override}"])
+        load_config(None, [fn, f"rollout.multi_turn.generate_kwargs.{override}"])
     assert str(error.value) == message
 
 
 def test_good_calculator_kwargs_load() -> None:
-    fn = "rollout.generate_fn=moe_rl.environments.calculator:generate"
-    cfg = load_config(None, [fn, "rollout.generate_kwargs.max_turns=1", "rollout.generate_kwargs.tool_timeout_s=2"])
-    assert cfg.rollout.generate_kwargs == {"max_turns": 1, "tool_timeout_s": 2}
+    fn = "rollout.multi_turn.generate_fn=moe_rl.environments.calculator:generate"
+    cfg = load_config(
+        None,
+        [fn, "rollout.multi_turn.generate_kwargs.max_turns=1", "rollout.multi_turn.generate_kwargs.tool_timeout_s=2"],
+    )
+    assert cfg.rollout.multi_turn.generate_kwargs == {"max_turns": 1, "tool_timeout_s": 2}

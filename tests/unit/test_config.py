@@ -60,6 +60,62 @@ def test_yaml_file(tmp_path: Path) -> None:
     assert cfg.algorithm.loss_params == {"log_clip": 0.3} and cfg.train.steps == 7
 
 
+def test_a_moved_rollout_key_keeps_working_with_one_warning_naming_its_new_place(tmp_path: Path, caplog) -> None:
+    """Keys that moved into ``rollout``'s sections (server, weight_sync, multi_turn,
+    dynamic_sampling) are read at their new place, from a file or an override, with one
+    warning line per key and process; old and new both set is refused; a checkpoint's
+    fingerprint written under the old names still matches."""
+    import moe_rl.config as config
+    from moe_rl.config import fingerprint_differences
+    from moe_rl.rollout.settings import MOVED_KEYS
+
+    config._WARNED_MOVED.clear()
+    path = tmp_path / "old.yaml"
+    path.write_text(
+        "rollout: {engine: sglang, sglang_urls: ['http://h:1'], weight_sync: disk, sync_bucket_mb: 64,"
+        " filter_zero_std_groups: true, max_sampling_rounds: 5, generate_timeout_s: 9, concurrency_per_server: 3}\n"
+    )
+    with caplog.at_level("WARNING", logger="moe_rl.config"):
+        old = load_config(str(path), ["rollout.server_port=31000"])
+        load_config(str(path))  # a second load in the process: no second warning
+    r = old.rollout
+    assert (r.server.urls, r.server.port, r.server.concurrency) == (["http://h:1"], 31000, 3)
+    assert (r.weight_sync.method, r.weight_sync.bucket_mb) == ("disk", 64.0)
+    assert (r.dynamic_sampling.enabled, r.dynamic_sampling.max_rounds, r.multi_turn.timeout_s) == (True, 5, 9.0)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert "config: rollout.sglang_urls is now rollout.server.urls (the old key still works)" in lines
+    assert "config: rollout.weight_sync is now rollout.weight_sync.method (the old key still works)" in lines
+    assert len(lines) == len(set(lines)) == 8
+    new = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.server.urls=[http://h:1]",
+            "rollout.server.port=31000",
+            "rollout.server.concurrency=3",
+            "rollout.weight_sync.method=disk",
+            "rollout.weight_sync.bucket_mb=64",
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=5",
+            "rollout.multi_turn.timeout_s=9",
+        ],
+    )
+    assert new.to_dict() == old.to_dict()
+    with pytest.raises(ConfigError, match="rollout.server_port and rollout.server.port are both set"):
+        load_config(None, ["rollout.server_port=1", "rollout.server.port=2"])
+    renamed = {
+        k.replace("rollout.dynamic_sampling.enabled", "rollout.filter_zero_std_groups"): v
+        for k, v in new.fingerprint().items()
+    }
+    assert "rollout.filter_zero_std_groups" in renamed and fingerprint_differences(renamed, new.fingerprint()) == []
+    assert fingerprint_differences({**renamed, "rollout.max_sampling_rounds": 2}, new.fingerprint()) == [
+        "rollout.dynamic_sampling.max_rounds: 2 -> 5"
+    ]
+    assert all(
+        new.startswith(("server.", "weight_sync.", "multi_turn.", "dynamic_sampling.")) for new in MOVED_KEYS.values()
+    )
+
+
 BAD = [
     (["algorithm.los=gspo"], "unknown key 'algorithm.los'"),
     (["algorithm.loss=ppo2"], "algorithm.loss='ppo2' is not valid; valid: cispo, gmpo"),
@@ -76,16 +132,16 @@ BAD = [
     (["algorithm.updates_per_batch=0"], "algorithm.updates_per_batch=0 must be > 0"),
     (["routing.replay=r4"], "routing.replay='r4' is not valid; valid: none, r2, r3"),
     (["rollout.engine=vllm"], "rollout.engine='vllm' is not valid"),
-    (["rollout.engine=sglang"], "needs rollout.sglang_urls or rollout.launch_server"),
+    (["rollout.engine=sglang"], "needs rollout.server.urls or rollout.server.launch"),
     (
-        ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/no/such/python"],
-        "rollout.server_python='/no/such/python' is not an executable",
+        ["rollout.engine=sglang", "rollout.server.launch=true", "rollout.server.python=/no/such/python"],
+        "rollout.server.python='/no/such/python' is not an executable",
     ),
     (
-        ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_python=/usr/bin"],
-        "rollout.server_python='/usr/bin' is not an executable file",
+        ["rollout.engine=sglang", "rollout.server.launch=true", "rollout.server.python=/usr/bin"],
+        "rollout.server.python='/usr/bin' is not an executable file",
     ),
-    (["rollout.server_start_timeout_s=0"], "rollout.server_start_timeout_s=0.0 must be > 0"),
+    (["rollout.server.start_timeout_s=0"], "rollout.server.start_timeout_s=0.0 must be > 0"),
     (["rollout.group_size=1"], "rollout.group_size=1 must be >= 2"),
     (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
     (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
@@ -140,14 +196,14 @@ BAD = [
     (["data.max_operand=-1"], "data.max_operand=-1 must be >= 0"),
     (["warm_start.batch_size=0"], "warm_start.batch_size=0 must be > 0"),
     (["warm_start.lr=0"], "warm_start.lr=0.0 must be > 0"),
-    (["rollout.server_port=70000"], "rollout.server_port=70000 must be in [1, 65535]"),
-    (["rollout.mem_fraction_static=1.5"], "rollout.mem_fraction_static=1.5 must be in (0, 1]"),
-    (["rollout.server_tp=0"], "rollout.server_tp=0 must be > 0"),
+    (["rollout.server.port=70000"], "rollout.server.port=70000 must be in [1, 65535]"),
+    (["rollout.server.mem_fraction_static=1.5"], "rollout.server.mem_fraction_static=1.5 must be in (0, 1]"),
+    (["rollout.server.tp=0"], "rollout.server.tp=0 must be > 0"),
     (["rollout.top_k=0"], "rollout.top_k=0 must be -1 (off) or >= 1"),
     (["rollout.temperature=.inf"], "rollout.temperature=inf must be a finite number"),
     (
-        ["rollout.engine=sglang", "rollout.sglang_urls=[localhost:30000]"],
-        "rollout.sglang_urls[0]='localhost:30000' must be a URL",
+        ["rollout.engine=sglang", "rollout.server.urls=[localhost:30000]"],
+        "rollout.server.urls[0]='localhost:30000' must be a URL",
     ),
     (
         ["reward.rewards=[{name: a, fn: 'no_such_module_xyz:f'}]", "reward.conditionals=[]"],
@@ -160,8 +216,11 @@ BAD = [
     ),
     (["train.run_dir="], "train.run_dir is empty"),
     (["train.resume_anyway=sometimes"], "train.resume_anyway='sometimes' must be true or false"),
-    (["rollout.weight_sync=nccl"], "rollout.weight_sync='nccl' is not valid; valid: distributed, tensor, disk"),
-    (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0.0 must be > 0"),
+    (
+        ["rollout.weight_sync.method=nccl"],
+        "rollout.weight_sync.method='nccl' is not valid; valid: distributed, tensor, disk",
+    ),
+    (["rollout.weight_sync.bucket_mb=0"], "rollout.weight_sync.bucket_mb=0.0 must be > 0"),
     (
         ["rollout.colocate=true"],
         "rollout.colocate=true shares the trainer's GPUs with SGLang servers: it needs rollout.engine=sglang",
@@ -169,7 +228,7 @@ BAD = [
     (
         [
             "rollout.engine=sglang",
-            "rollout.sglang_urls=[http://h:1]",
+            "rollout.server.urls=[http://h:1]",
             "rollout.colocate=true",
             "rollout.async_rollouts=true",
             "algorithm.old_logprobs=rollout",

@@ -208,7 +208,7 @@ def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str
 
 
 def test_dynamic_sampling_keeps_groups_with_unequal_rewards(tmp_path: Path, tokenizer) -> None:
-    dynamic = ["rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=4"]
+    dynamic = ["rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.max_rounds=4"]
     collector, engine = collector_for(tmp_path, tokenizer, list(range(12)), *dynamic)
     exp, scalars = collector.collect(step=0)
 

@@ -349,7 +349,7 @@ def test_simulate_mismatch_settings_are_checked() -> None:
             [
                 "rollout.simulate_mismatch.router_flip_frac=0.1",
                 "rollout.engine=sglang",
-                "rollout.sglang_urls=[http://h:1]",
+                "rollout.server.urls=[http://h:1]",
             ],
         )
 

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (``rollout.generate_fn``): the calculator environment under a scripted
+"""Multi-turn rollouts (``rollout.multi_turn.generate_fn``): the calculator environment under a scripted
 policy, failures that score 0, the loss over the policy's tokens only, the engine's
 routing of every token (R3), the one-turn function equal to the single-turn rollout, and
 training end to end on the local engine and an SGLang server."""
@@ -189,8 +189,8 @@ def test_a_function_blocking_the_event_loop_is_named_and_its_late_sample_scores_
     monkeypatch.setattr(multi_turn, "BLOCKING_WARN_S", 0.1)
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
         s = sample_with(ScriptedPolicy(["1<eos>"]), multi_turn_fns.blocks, Problem("1=", "1"), timeout_s=0.15)
-    assert s.failure.startswith("TimeoutError: ran 0.2 s, past rollout.generate_timeout_s=0.15")
-    assert "rollout.generate_fn=multi_turn_fns:blocks held the event loop for 0.2" in caplog.text
+    assert s.failure.startswith("TimeoutError: ran 0.2 s, past rollout.multi_turn.timeout_s=0.15")
+    assert "rollout.multi_turn.generate_fn=multi_turn_fns:blocks held the event loop for 0.2" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):  # the engine's own blocking is not its
         s = sample_with(BlockingPolicy(["1<eos>"], 0.2), multi_turn_fns.blocks, Problem("1=", "1"), seconds=0.0)
@@ -289,10 +289,10 @@ def test_a_step_whose_samples_all_failed_stops_the_run_in_one_line() -> None:
     with pytest.raises(RolloutError) as stopped:
         collector.collect(0)
     assert str(stopped.value) == (
-        "step 1: 8 of 8 samples failed in rollout.generate_fn=multi_turn_fns:fails_after_a_turn"
-        " (rollout.max_failed_frac=1); the first: ConnectionError: the environment went away"
+        "step 1: 8 of 8 samples failed in rollout.multi_turn.generate_fn=multi_turn_fns:fails_after_a_turn"
+        " (rollout.multi_turn.max_failed_frac=1); the first: ConnectionError: the environment went away"
     )
-    some = scripted_collector("fails_by_seed", "rollout.max_failed_frac=0.25")
+    some = scripted_collector("fails_by_seed", "rollout.multi_turn.max_failed_frac=0.25")
     with pytest.raises(RolloutError, match=r"step 1: \d of 8 samples failed .*max_failed_frac=0.25"):
         some.collect(0)
 
@@ -301,7 +301,7 @@ def test_a_step_whose_samples_all_failed_stops_the_run_in_one_line() -> None:
 def test_failed_samples_enter_their_groups_advantages_as_zero_or_not_at_all(mode: str) -> None:
     from moe_rl.algorithms import compute_advantages
 
-    exp, scalars = scripted_collector("fails_by_seed", f"rollout.failed_samples={mode}").collect(0)
+    exp, scalars = scripted_collector("fails_by_seed", f"rollout.multi_turn.failed_samples={mode}").collect(0)
     failed = torch.tensor([s.status is SampleStatus.FAILED for s in exp.samples])
     assert 0 < int(failed.sum()) < 8 and scalars["rollout/multi_turn/failed_samples"] == int(failed.sum())
     assert exp.rewards[failed].sum() == 0 and (exp.rewards[~failed] == 1).all()
@@ -339,9 +339,12 @@ def test_drop_takes_each_groups_statistics_over_its_samples_that_did_not_fail() 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rollout.failed_samples=skip", "rollout.failed_samples='skip' is not valid; valid: zero, drop"),
-        ("rollout.max_failed_frac=1.5", "rollout.max_failed_frac=1.5 must be in \\[0, 1\\]"),
-        ("rollout.max_failed_frac=-0.1", "rollout.max_failed_frac=-0.1 must be in"),
+        (
+            "rollout.multi_turn.failed_samples=skip",
+            "rollout.multi_turn.failed_samples='skip' is not valid; valid: zero, drop",
+        ),
+        ("rollout.multi_turn.max_failed_frac=1.5", "rollout.multi_turn.max_failed_frac=1.5 must be in \\[0, 1\\]"),
+        ("rollout.multi_turn.max_failed_frac=-0.1", "rollout.multi_turn.max_failed_frac=-0.1 must be in"),
     ],
 )
 def test_the_failed_sample_options_are_checked_at_load(override: str, message: str) -> None:
@@ -358,7 +361,12 @@ def scripted_collector(fn: str, *overrides: str):
 
     cfg = load_config(
         None,
-        [f"rollout.generate_fn=multi_turn_fns:{fn}", "rollout.prompts_per_step=2", "rollout.group_size=4", *overrides],
+        [
+            f"rollout.multi_turn.generate_fn=multi_turn_fns:{fn}",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            *overrides,
+        ],
     )
     policy = ScriptedPolicy(["\\boxed{2}<eos>"])
     return ExperienceCollector(
@@ -366,7 +374,7 @@ def scripted_collector(fn: str, *overrides: str):
         task=ArithmeticChainTask(9),
         formatter=PromptFormatter(TOKENIZER),
         engine=policy,
-        sampler=build_sampler(cfg, policy, TOKENIZER, 64),
+        sampler=build_sampler(cfg.rollout.multi_turn, policy, TOKENIZER, 64),
         scorer=RewardScorer([RewardSpec("format", "format", 1.0, {})]),
         sampling=sampling_params(cfg, TOKENIZER.eos_token_id),
         return_routing=True,
@@ -422,21 +430,29 @@ def test_metrics_and_logs_survive_odd_meta_and_nan_and_show_transcripts(tmp_path
 )
 def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [f"rollout.generate_fn={spec}"])
+        load_config(None, [f"rollout.multi_turn.generate_fn={spec}"])
     with pytest.raises(ConfigError, match="not set"):
-        load_config(None, ["rollout.generate_kwargs.max_turns=3"])
+        load_config(None, ["rollout.multi_turn.generate_kwargs.max_turns=3"])
     cfg = load_config(
-        None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turns=3"]
+        None,
+        [
+            "rollout.multi_turn.generate_fn=moe_rl.environments.calculator:generate",
+            "rollout.multi_turn.generate_kwargs.max_turns=3",
+        ],
     )
-    assert cfg.rollout.generate_kwargs == {"max_turns": 3}
+    assert cfg.rollout.multi_turn.generate_kwargs == {"max_turns": 3}
     shipped = load_config(str(ROOT / "configs" / "multi_turn" / "calculator.yaml"), [])
     assert (
-        shipped.rollout.generate_fn == "moe_rl.environments.calculator:generate"
+        shipped.rollout.multi_turn.generate_fn == "moe_rl.environments.calculator:generate"
         and shipped.data.task == "arithmetic_chain"
     )
     with pytest.raises(ConfigError, match="max_turnz"):
         load_config(
-            None, ["rollout.generate_fn=moe_rl.environments.calculator:generate", "rollout.generate_kwargs.max_turnz=3"]
+            None,
+            [
+                "rollout.multi_turn.generate_fn=moe_rl.environments.calculator:generate",
+                "rollout.multi_turn.generate_kwargs.max_turnz=3",
+            ],
         )
 
 
@@ -608,13 +624,13 @@ def test_a_run_whose_every_sample_fails_stops_in_one_line(demo_cache, tmp_path) 
         "train.steps=3",
         "rollout.prompts_per_step=2",
         "rollout.group_size=2",
-        "rollout.generate_fn=multi_turn_fns:returns_none",
+        "rollout.multi_turn.generate_fn=multi_turn_fns:returns_none",
         env={"PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
-        "moe-rl: stopped: step 1: 4 of 4 samples failed in rollout.generate_fn=multi_turn_fns:returns_none"
-        " (rollout.max_failed_frac=1); the first: TranscriptError: the generate function returned NoneType, not a Transcript"
+        "moe-rl: stopped: step 1: 4 of 4 samples failed in rollout.multi_turn.generate_fn=multi_turn_fns:returns_none"
+        " (rollout.multi_turn.max_failed_frac=1); the first: TranscriptError: the generate function returned NoneType, not a Transcript"
     )
 
 
@@ -625,7 +641,7 @@ def test_multi_turn_r3_training_on_the_local_engine(demo_cache, tmp_path) -> Non
         tmp_path / "local",
         "train.steps=2",
         "routing.replay=r3",
-        "rollout.generate_fn=multi_turn_fns:two_turns",
+        "rollout.multi_turn.generate_fn=multi_turn_fns:two_turns",
         "rollout.max_new_tokens=4",
     )
     assert_multi_turn_r3(rows)
@@ -641,10 +657,10 @@ def test_multi_turn_r3_training_against_an_sglang_server(demo_cache, stand_in_sg
         tmp_path / "sglang",
         "train.steps=2",
         "routing.replay=r3",
-        "rollout.generate_fn=multi_turn_fns:two_turns",
+        "rollout.multi_turn.generate_fn=multi_turn_fns:two_turns",
         "rollout.max_new_tokens=4",
         "rollout.engine=sglang",
-        f"rollout.sglang_urls=[{url}]",
-        "rollout.weight_sync=disk",
+        f"rollout.server.urls=[{url}]",
+        "rollout.weight_sync.method=disk",
     )
     assert_multi_turn_r3(rows)

@@ -379,14 +379,14 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
     check_server_gpus([8, 9], ["0", "1", "2", "3"])
     with pytest.raises(ValueError, match="overlaps the trainer's GPUs .* \\['3'\\]"):
         check_server_gpus([3, 4], ["0", "1", "2", "3"])
-    with pytest.raises(ValueError, match="needs rollout.server_gpus"):
+    with pytest.raises(ValueError, match="needs rollout.server.gpus"):
         check_server_gpus([], ["0"])
     env = ServerSettings(model_path="m", gpus=(4, 5)).environment()
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
-    with pytest.raises(ConfigError, match="fewer GPUs than rollout.server_tp=2"):
+    with pytest.raises(ConfigError, match="fewer GPUs than rollout.server.tp=2"):
         load_config(
             None,
-            ["rollout.engine=sglang", "rollout.launch_server=true", "rollout.server_tp=2", "rollout.server_gpus=[3]"],
+            ["rollout.engine=sglang", "rollout.server.launch=true", "rollout.server.tp=2", "rollout.server.gpus=[3]"],
         )
 
 
@@ -400,13 +400,14 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
         None,
         [
             "rollout.engine=sglang",
-            "rollout.launch_server=true",
-            f"rollout.server_python={sys.executable}",
-            "rollout.server_args=[--max-total-tokens, '8192']",
+            "rollout.server.launch=true",
+            f"rollout.server.python={sys.executable}",
+            "rollout.server.args=[--max-total-tokens, '8192']",
         ],
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu = server_settings(cfg, "model-dir")
+    settings = lambda: server_settings(cfg.rollout.server, "model-dir", return_routed_experts=True, seed=1)  # noqa: E731
+    cpu = settings()
     command = cpu.command()
     assert (
         command[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -419,12 +420,12 @@ def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) ->
     ]
     assert cpu.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = server_settings(cfg, "model-dir")
+    gpu = settings()
     assert (
         "--enable-deterministic-inference" not in gpu.command() and "--device" not in gpu.command()
     )  # off by default: slower
-    cfg.rollout.server_deterministic = True
-    assert "--enable-deterministic-inference" in server_settings(cfg, "model-dir").command()
+    cfg.rollout.server.deterministic = True
+    assert "--enable-deterministic-inference" in settings().command()
     assert gpu.environment().get("SGLANG_USE_CPU_ENGINE") == os.environ.get("SGLANG_USE_CPU_ENGINE")  # inherited only
 
 

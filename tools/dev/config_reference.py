@@ -88,13 +88,19 @@ def _rows(prefix: str, cls: type) -> list[str]:
 
 
 def reference() -> str:
-    """Markdown: one table per config section."""
+    """Markdown: one table per config section, then the keys that moved and where to."""
     from moe_rl.config import Config
+    from moe_rl.rollout.settings import MOVED_KEYS
 
     parts = []
     for section in dataclasses.fields(Config):
         rows = _rows(section.name, section.default_factory().__class__)
         parts.append(f"**`{section.name}`**\n\n| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows))
+    moved = [f"| `rollout.{old}` | `rollout.{new}` |" for old, new in MOVED_KEYS.items()]
+    parts.append(
+        "**Keys that moved** (the old name still works, with one warning line naming the new place)"
+        "\n\n| old key | now |\n|---|---|\n" + "\n".join(moved)
+    )
     return "\n\n".join(parts) + "\n"
 
 

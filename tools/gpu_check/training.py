@@ -281,8 +281,8 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
         server.wait_healthy(timeout_s=120)
         run = [
             "rollout.engine=sglang",
-            f"rollout.sglang_urls=[{server.url}]",
-            "rollout.weight_sync=tensor",
+            f"rollout.server.urls=[{server.url}]",
+            "rollout.weight_sync.method=tensor",
             "rollout.colocate=true",
         ]
         run += ["routing.replay=r3", "train.steps=2", f"train.run_dir={work / 'run'}"]

@@ -157,7 +157,7 @@ def main() -> int:
         from moe_rl.trainer.demo_model import demo_model_dir
 
         server = start_server(str(demo_model_dir(load_config(None, common))), out / "logs")
-        common += ["rollout.engine=sglang", f"rollout.sglang_urls=[{server.url}]", "rollout.weight_sync=disk"]
+        common += ["rollout.engine=sglang", f"rollout.server.urls=[{server.url}]", "rollout.weight_sync.method=disk"]
     try:
         finish("train", *common, f"train.run_dir={out / 'straight'}")
         step_times = [
