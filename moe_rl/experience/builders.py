@@ -51,7 +51,9 @@ def build_collector(
     on ``closing``. Its ``return_routing`` says whether the run gets the engine's routing."""
     engine = build_engine(cfg, hf_dir, hf_config, closing)
     return ExperienceCollector(
-        cfg=cfg,
+        rollout=cfg.rollout,
+        advantage=cfg.algorithm.advantage,
+        seed=cfg.train.seed,
         task=task,
         formatter=formatter,
         engine=engine,

@@ -15,11 +15,11 @@ import torch
 
 from moe_rl import tags
 from moe_rl.algorithms import compute_advantages
-from moe_rl.config import Config
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
 from moe_rl.rollout.sampler import Sampler
+from moe_rl.rollout.settings import RolloutConfig
 from moe_rl.rollout.types import RolloutEngine, Sample, SampleStatus, SamplingParams, StaleWeightsError
 from moe_rl.experience.multi_turn_batch import failed, multi_turn_scalars, stop_if_failed
 from moe_rl.experience.types import Experience
@@ -88,7 +88,9 @@ def _response_texts(samples: list[Sample], tokenizer, keep_special_tokens: bool 
 class ExperienceCollector:
     """Everything the first rank needs to produce a step's :class:`Experience`."""
 
-    cfg: Config
+    rollout: RolloutConfig
+    advantage: str  # algorithm.advantage: the estimator's registered name
+    seed: int  # train.seed: the problems and sampling seeds of each step and round
     task: Task
     formatter: PromptFormatter
     engine: RolloutEngine
@@ -99,7 +101,7 @@ class ExperienceCollector:
 
     def collect(self, step: int) -> tuple[Experience, dict[str, float]]:
         """The step's experience and its rollout-side scalars (rewards, advantages, lengths)."""
-        r = self.cfg.rollout
+        r = self.rollout
         rounds, kept = [], []  # kept: (round, group) of the groups trained on
         for k in range(r.dynamic_sampling.max_rounds if r.dynamic_sampling.enabled else 1):
             rounds.append(self._sample(step, k))
@@ -117,7 +119,7 @@ class ExperienceCollector:
         samples, values = self._select(rounds, kept)
         rewards = rounds[0].rewards
         advantages = compute_advantages(
-            self.cfg.algorithm.advantage, values, r.group_size, weights=rewards.weights, valid=self._valid(samples)
+            self.advantage, values, r.group_size, weights=rewards.weights, valid=self._valid(samples)
         )
         exp = Experience(samples, values, rewards.names, advantages)
         return exp, self._scalars(exp, rounds, kept_by_filter)
@@ -125,15 +127,15 @@ class ExperienceCollector:
     def _sample(self, step: int, round_: int) -> SampledRound:
         """Round ``round_`` of step ``step``: the task's problems for (seed, step), from
         another seed in later rounds (deterministic, so a resumed run samples the same)."""
-        seed = self.cfg.train.seed + 1_000_003 * round_
-        problems = self.task.problems(seed, step, self.cfg.rollout.prompts_per_step)
+        seed = self.seed + 1_000_003 * round_
+        problems = self.task.problems(seed, step, self.rollout.prompts_per_step)
         return generate_and_score(
             problems,
             self.formatter,
             self.sampler,
             self.scorer,
             self.sampling,
-            self.cfg.rollout.group_size,
+            self.rollout.group_size,
             seed=seed * 100_003 + step,
             return_routing=self.return_routing,
         )
@@ -141,20 +143,18 @@ class ExperienceCollector:
     def _valid(self, samples: list[Sample]) -> list[bool] | None:
         """The samples that enter their group's advantage statistics: every one
         (``rollout.multi_turn.failed_samples=zero``: ``None``), or those that did not fail (``drop``)."""
-        if self.cfg.rollout.multi_turn.failed_samples == "zero":
+        if self.rollout.multi_turn.failed_samples == "zero":
             return None
         return [not f for f in failed(samples)]
 
     def _groups_to_keep(self, sampled: SampledRound) -> list[int]:
         """Every group, or (dynamic sampling) those whose samples' rewards are not all equal
         (``rollout.multi_turn.failed_samples=drop``: among the samples that did not fail)."""
-        g = self.cfg.rollout.group_size
+        g = self.rollout.group_size
         values = sampled.rewards.values
-        if not self.cfg.rollout.dynamic_sampling.enabled:
+        if not self.rollout.dynamic_sampling.enabled:
             return list(range(len(values) // g))
-        dropped = (
-            failed(sampled.samples) if self.cfg.rollout.multi_turn.failed_samples == "drop" else [False] * len(values)
-        )
+        dropped = failed(sampled.samples) if self.rollout.multi_turn.failed_samples == "drop" else [False] * len(values)
         rows = [
             [v for v, f in zip(values[i : i + g].tolist(), dropped[i : i + g]) if not f]
             for i in range(0, len(values), g)
@@ -162,7 +162,7 @@ class ExperienceCollector:
         return [i for i, group in enumerate(rows) if len({tuple(v) for v in group}) > 1]
 
     def _select(self, rounds: list[SampledRound], kept: list[tuple[int, int]]) -> tuple[list[Sample], torch.Tensor]:
-        g = self.cfg.rollout.group_size
+        g = self.rollout.group_size
         samples = [s for k, i in kept for s in rounds[k].samples[i * g : (i + 1) * g]]
         values = torch.cat([rounds[k].rewards.values[i * g : (i + 1) * g] for k, i in kept])
         return samples, values
@@ -170,10 +170,10 @@ class ExperienceCollector:
     def _scalars(self, exp: Experience, rounds: list[SampledRound], kept_groups: int) -> dict[str, float]:
         """Rewards over every sample generated this step; the rest over the trained batch."""
         samples, advantages = exp.all_samples, exp.advantages
-        grouped = advantages.view(-1, self.cfg.rollout.group_size)
+        grouped = advantages.view(-1, self.rollout.group_size)
         everything = RewardBatch.concat([rd.rewards for rd in rounds])
         trained = RewardBatch(exp.rewards, everything.names, everything.weights)
-        totals = trained.total().view(-1, self.cfg.rollout.group_size)
+        totals = trained.total().view(-1, self.rollout.group_size)
         scalars = {
             tags.REWARD_TOTAL: float(everything.total().mean()),
             **{tags.reward(n): float(everything.values[:, j].mean()) for j, n in enumerate(everything.names)},
@@ -188,7 +188,7 @@ class ExperienceCollector:
         }
         scalars.update(multi_turn_scalars([s for rd in rounds for s in rd.samples]))
         scalars.update(self.engine.rollout_scalars())
-        if self.cfg.rollout.dynamic_sampling.enabled:
+        if self.rollout.dynamic_sampling.enabled:
             scalars[tags.DATA_KEPT_GROUP_FRAC] = kept_groups / sum(len(rd.problems) for rd in rounds)
             scalars[tags.DATA_SAMPLING_ROUNDS] = float(len(rounds))
         return scalars

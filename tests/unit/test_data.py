@@ -195,13 +195,15 @@ def collector_for(tmp_path: Path, tokenizer, numbers: list[int], *overrides: str
     )
     engine = ScriptedEngine(tokenizer)
     collector = ExperienceCollector(
-        cfg,
-        make_task(data),
-        PromptFormatter(tokenizer),
-        engine,
-        SingleTurnSampler(engine),
-        build_scorer(cfg),
-        sampling_params(cfg, tokenizer.eos_token_id),
+        rollout=cfg.rollout,
+        advantage=cfg.algorithm.advantage,
+        seed=cfg.train.seed,
+        task=make_task(data),
+        formatter=PromptFormatter(tokenizer),
+        engine=engine,
+        sampler=SingleTurnSampler(engine),
+        scorer=build_scorer(cfg),
+        sampling=sampling_params(cfg, tokenizer.eos_token_id),
         return_routing=False,
     )
     return collector, engine

@@ -370,7 +370,9 @@ def scripted_collector(fn: str, *overrides: str):
     )
     policy = ScriptedPolicy(["\\boxed{2}<eos>"])
     return ExperienceCollector(
-        cfg=cfg,
+        rollout=cfg.rollout,
+        advantage=cfg.algorithm.advantage,
+        seed=cfg.train.seed,
         task=ArithmeticChainTask(9),
         formatter=PromptFormatter(TOKENIZER),
         engine=policy,
