@@ -41,6 +41,7 @@ from moe_rl.experience.evaluation import Evaluator, build_evaluator
 from moe_rl.experience.sample_log import FlatRewardWatch, SampleRecord, sample_records
 from moe_rl.experience.types import Experience
 from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
+from moe_rl.models.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
@@ -48,7 +49,6 @@ from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.routing.step_replay import StepReplay
 from moe_rl.trainer.batch import TrainBatch, build_train_batch
-from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.heap import frozen_heap
 from moe_rl.trainer.metrics import (
@@ -127,7 +127,7 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         self.run_dir = Path(cfg.train.run_dir)
-        dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
+        dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg.model)
         check_server_placement(cfg)
         # one run per run directory: a second is refused before anything else happens
         self._closing.enter_context(hold_run_dir(self.run_dir, first_rank=launch_env().rank == 0))
@@ -147,7 +147,9 @@ class Trainer:
         # the first fork anyway; a user's setting is kept
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.device = rank_device()
-        self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
+        self.hf_dir = str(
+            cfg.model.hf_dir or ensure_demo_model(cfg.demo_model(), cfg.parallel, cfg.optim.use_distributed_optimizer)
+        )
         self.hf_config = load_hf_config(self.hf_dir)
         # the first rank's rewards first: their warm-up (lazy parsers) runs while the model builds
         scorer = build_scorer(cfg) if is_first_rank() else None
