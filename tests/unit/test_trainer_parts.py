@@ -276,9 +276,7 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     mb.ref_logp = logp.detach() - 0.1
     le = torch.stack([logp, entropy], -1)
     plain, _ = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(le, mb)
-    kl, out = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(
-        le, mb
-    )
+    kl, out = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(le, mb)
     # k1 = logp - ref = 0.1 on every response token, token-mean over the step's 6 tokens
     tokens = float(mb.mask.sum())
     assert float((kl - plain).detach()) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
