@@ -20,7 +20,7 @@ import yaml
 from moe_rl.algorithms.settings import AlgorithmConfig
 from moe_rl.checks import ConfigError, require_positive
 from moe_rl.data.settings import DataConfig
-from moe_rl.models.settings import ModelConfig
+from moe_rl.models.settings import DemoModelSettings, ModelConfig, WarmStartConfig
 from moe_rl.rewards.settings import ConditionalItem, RewardConfig, RewardItem
 from moe_rl.rollout.settings import MOVED_KEYS, RolloutConfig
 from moe_rl.routing.settings import RoutingConfig
@@ -43,14 +43,6 @@ __all__ = [
     "fingerprint_differences",
     "load_config",
 ]
-
-
-@dataclass
-class WarmStartConfig:
-    steps: int = 100  # the built-in model's supervised warm start: steps
-    lr: float = 3e-3  # its learning rate
-    batch_size: int = 64  # its batch size
-    cache_dir: str = "~/.cache/moe-rl"  # where the warm-started model is cached (keyed by the settings that shape it)
 
 
 @dataclass
@@ -98,6 +90,13 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def demo_model(self) -> DemoModelSettings:
+        """What the built-in model (``model.hf_dir`` unset) is made of: its shape, the
+        warm start's data and settings, the seed of its first weights."""
+        return DemoModelSettings(
+            self.model, self.warm_start, self.data.max_operand, self.data.held_out, self.train.seed
+        )
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run that wrote its checkpoints

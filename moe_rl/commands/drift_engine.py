@@ -115,8 +115,9 @@ def _measure(
     from moe_rl.routing.monitor import RoutingMonitor
     from moe_rl.experience.types import Experience
     from moe_rl.trainer.batch import build_train_batch
-    from moe_rl.trainer.metrics import reduce_mismatch
-    from moe_rl.trainer.objective import logprob_mismatch
+    from moe_rl.algorithms.metric_spec import ROLLOUT_MISMATCH_METRICS
+    from moe_rl.trainer.metrics import logp_mismatch_scalars, reduce_metrics
+    from moe_rl.trainer.rollout_mismatch import measure_rollout_mismatch
     from moe_rl.trainer.old_policy import StepRouting, old_policy_pass
     from moe_rl.trainer.policy import build_reference
     from moe_rl.trainer.packing import MicroBatchPlanner
@@ -138,9 +139,8 @@ def _measure(
         StepRouting(model, num_experts, monitor=monitor),
         engine_routing=True,
     )
-    mismatch = reduce_mismatch(
-        [logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask) for out, mb in zip(outputs, mbs)]
-    )
+    values = measure_rollout_mismatch([out["logprobs"] for out in outputs], mbs, monitor)
+    mismatch = logp_mismatch_scalars(reduce_metrics(values, ROLLOUT_MISMATCH_METRICS))
     return monitor.reduce().get("train_vs_rollout", {}), mismatch
 
 

@@ -26,15 +26,16 @@ def run(args: argparse.Namespace) -> int:
     if cfg.model.hf_dir:
         print(f"model: {cfg.model.hf_dir}")
         return 0
-    from moe_rl.trainer.demo_model import demo_model_dir, ensure_demo_model
+    from moe_rl.models.demo_model import demo_model_dir, ensure_demo_model
     from parallel.distributed import destroy_distributed, init_distributed
 
-    if (demo_model_dir(cfg) / "config.json").is_file():
-        print(f"model: {demo_model_dir(cfg)} (cached)")
+    demo = cfg.demo_model()
+    if (demo_model_dir(demo) / "config.json").is_file():
+        print(f"model: {demo_model_dir(demo)} (cached)")
         return 0
     init_distributed(cfg.parallel)
     try:
-        print(f"model: {ensure_demo_model(cfg)} (warm-started)")
+        print(f"model: {ensure_demo_model(demo, cfg.parallel, cfg.optim.use_distributed_optimizer)} (warm-started)")
     finally:
         destroy_distributed()
     return 0

@@ -82,3 +82,24 @@ def _check_hf_dir(hf_dir: str) -> None:
         raise ConfigError(f"model.hf_dir={hf_dir!r}: {e}") from None
     if problem:
         raise ConfigError(f"model.hf_dir={hf_dir!r} ({model_type}): {problem} is not supported")
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 100  # the built-in model's supervised warm start: steps
+    lr: float = 3e-3  # its learning rate
+    batch_size: int = 64  # its batch size
+    cache_dir: str = "~/.cache/moe-rl"  # where the warm-started model is cached (keyed by the settings that shape it)
+
+
+@dataclass(frozen=True)
+class DemoModelSettings:
+    """The run settings the built-in model is made of (:mod:`moe_rl.models.demo_model`):
+    its shape, the warm start's, the arithmetic problems it is warm-started on (never the
+    held-out ones) and the seed of its first weights."""
+
+    model: ModelConfig
+    warm_start: WarmStartConfig
+    max_operand: int
+    held_out: int
+    seed: int

@@ -7,10 +7,10 @@ never be left open:
         old = run_microbatches(model, batches, hooks=hooks)
     with monitor.update_pass() as hooks:                      # once per update
         outputs = train_step(..., run_microbatches(..., hooks=hooks))
-    monitor.add_update_log_ratios(outputs, batches, counted=True)  # split by routing change
+    monitor.add_update_tokens(tokens, batches, counted=True)  # split by routing change
+    monitor.add_rollout_logp_mismatch(old_logps, batches)    # split by train/rollout routing
     with monitor.after_update_pass() as hooks:                # optional: what an update changed
         run_microbatches(model, batches, hooks=hooks)
-    monitor.add_rollout_logp_mismatch(old, batches)          # split by train/rollout routing
     metrics = monitor.reduce()                                 # collective
 
 :meth:`reduce` gives the groups to log with :func:`moe_rl.routing.tensorboard.log_routing`:
@@ -153,20 +153,18 @@ class RoutingMonitor:
             ]
         self._add_token_values("train_vs_rollout", ("logp_mismatch", "offpolicy_kl_k3"), values)
 
-    def add_update_log_ratios(
-        self, outputs: Sequence[dict] | None, batches: Sequence[ResponseBatch], *, counted: bool
+    def add_update_tokens(
+        self, tokens: Sequence[UpdateTokenFigures] | None, batches: Sequence[ResponseBatch], *, counted: bool
     ) -> None:
-        """The last update pass's per-token ``token_log_ratio`` and ``token_clipped``
-        ``[b, s-1]`` per micro-batch (``None`` off the last pipeline stage; every rank calls
-        this), on each batch's response ``mask``; ``counted=False`` keeps a pass out of the
-        split (zeros: e.g. a first update, whose ratios are all 1, or a skipped one)."""
+        """An update pass's per-token log-ratios and clipping per micro-batch (``None`` off the
+        last pipeline stage; every rank calls this), on each batch's response ``mask``;
+        ``counted=False`` keeps a pass out of the split (zeros: e.g. a first update, whose
+        ratios are all 1, or a skipped one)."""
         values = None
-        if outputs is not None:
+        if tokens is not None:
             values = []
-            for out, mb in zip(outputs, batches):
-                per_token = torch.stack(
-                    [out["token_log_ratio"].abs() * mb.mask, out["token_clipped"] * mb.mask, mb.mask], -1
-                )
+            for figures, mb in zip(tokens, batches):
+                per_token = torch.stack([figures.log_ratio.abs() * mb.mask, figures.clipped * mb.mask, mb.mask], -1)
                 values.append(per_token if counted else torch.zeros_like(per_token))
         self._add_token_values("replayed", ("log_ratio_abs", "clip_frac"), values)
 
@@ -288,6 +286,17 @@ def sampled_tokens(mask: Tensor, frac: float, seed: int) -> Tensor:
     keep = min(valid.numel(), max(1, round(frac * valid.numel())))
     order = torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(seed))[:keep]
     return valid[order.to(valid.device)].sort().values
+
+
+class UpdateTokenFigures(Protocol):
+    """What the drift metrics read of an update pass's micro-batch, ``[b, s-1]`` each (the
+    objective's :class:`~moe_rl.trainer.objective.UpdateTokens`)."""
+
+    @property
+    def log_ratio(self) -> Tensor: ...  # log-prob - old log-prob
+
+    @property
+    def clipped(self) -> Tensor: ...  # 1 where the loss's objective is clipped
 
 
 class ResponseBatch(Protocol):

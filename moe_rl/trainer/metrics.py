@@ -1,16 +1,19 @@
-"""A step's figures: the update's per-micro-batch metrics reduced over micro-batches and
-ranks (collective), and the first rank's logging of them — TensorBoard scalars (and the
+"""A step's figures: the per-micro-batch metrics reduced over micro-batches and ranks as
+:mod:`moe_rl.algorithms.metric_spec` declares (collective; the only place they are
+reduced), and the first rank's logging of them — TensorBoard scalars (and the
 routing tags), a ``metrics.jsonl`` copy, and a progress bar with step, reward and ETA."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import queue
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import numpy as np
 import torch
@@ -18,13 +21,22 @@ from torch import Tensor
 
 from moe_rl import tags
 from moe_rl.disk import OutOfSpace, space_error, with_path
+from moe_rl.algorithms.metric_spec import (
+    LOGGED_UPDATE_METRICS,
+    OFFPOLICY,
+    ROLLOUT_MISMATCH_METRICS,
+    TOKENS,
+    UPDATE_METRICS,
+    Reduction,
+)
 from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
-from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
 from moe_rl.experience.sample_log import SAMPLES_TAG, SampleRecord, samples_markdown
 from parallel.collectives import all_reduce, reports_loss
 
 
-def _host_values(outputs: list[dict], keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[list[float]]:
+def _host_values(
+    outputs: Sequence[Mapping], keys: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> list[list[float]]:
     """Each output's ``keys`` as host floats (``optional`` ones 0 where absent): the tensors
     of each device stacked and moved in one device-to-host copy for the whole pass (a
     ``float()`` per value is a device sync each on a GPU); a plain number as a tensor of its
@@ -48,59 +60,77 @@ def _host_values(outputs: list[dict], keys: tuple[str, ...], optional: tuple[str
     return [flat[row * len(keys) : (row + 1) * len(keys)] for row in range(len(outputs))]
 
 
-def reduce_update_metrics(outputs: list[dict]) -> dict[str, float]:
-    """Collective. Token-weighted means of the objective's metrics over micro-batches and
-    data-parallel ranks (sums for the loss terms, min/max for the ratio); the reporting
-    rank of each replica (:func:`parallel.collectives.reports_loss`) contributes."""
-    keys = SUM_METRICS + MEAN_METRICS
-    sums = [0.0] * (len(keys) + 1)
-    ratio_min, neg_ratio_max = float("inf"), float("inf")
+def reduce_metrics(values: Sequence[Mapping[str, Tensor | float]], spec: Mapping[str, Reduction]) -> dict[str, float]:
+    """Collective. Each of ``spec``'s metrics over this rank's micro-batches (``values``,
+    one mapping each: a metric a micro-batch lacks adds nothing) and the data-parallel
+    ranks, by its declared reduction: sums, means weighted by each micro-batch's
+    ``tokens`` (over the tokens of all micro-batches), minima and maxima (+-inf of none).
+    Sums add up in float64 in micro-batch order; the reporting rank of each replica
+    (:func:`parallel.collectives.reports_loss`) contributes."""
+    names = list(spec)
+    weighted = Reduction.TOKEN_MEAN in spec.values()
+    sums = [0.0] * (len(names) + 1)  # SUM and weighted TOKEN_MEAN accumulators, then the tokens
+    extremes = [math.inf] * len(names)  # MIN: the least value; MAX: the least negated value
     if reports_loss():
-        table = _host_values(outputs, (*keys, "tokens", "ratio_min", "ratio_max"), optional=(*keys, "tokens"))
-        for out, row in zip(outputs, table):
-            w = row[len(keys)] if "tokens" in out else 1.0
-            for i, key in enumerate(keys):
-                if key in out:
-                    sums[i] += row[i] * (1.0 if key in SUM_METRICS else w)
-            sums[-1] += w
-            ratio_min, neg_ratio_max = min(ratio_min, row[-2]), min(neg_ratio_max, -row[-1])
+        keys = (*names, TOKENS) if weighted else tuple(names)
+        for out, row in zip(values, _host_values(values, keys, optional=keys)):
+            weight = row[-1] if weighted else 1.0  # (0 where a micro-batch has no tokens)
+            if weighted and TOKENS not in out and any(spec[n] is Reduction.TOKEN_MEAN for n in out if n in spec):
+                raise ValueError(f"a micro-batch's token means need its {TOKENS!r}: {sorted(out)}")
+            for i, name in enumerate(names):
+                if name in out:
+                    sums[i], extremes[i] = _accumulate(spec[name], row[i], weight, sums[i], extremes[i])
+            sums[-1] += weight
     totals = all_reduce(torch.tensor(sums, dtype=torch.float64)).tolist()
-    ratio_min, neg_ratio_max = all_reduce(torch.tensor([ratio_min, neg_ratio_max], dtype=torch.float64), "min").tolist()
+    lowest = all_reduce(torch.tensor(extremes, dtype=torch.float64), "min").tolist()
     tokens = max(totals[-1], 1.0)
-    result = {key: totals[i] / (1.0 if key in SUM_METRICS else tokens) for i, key in enumerate(keys)}
-    result["ratio_min"], result["ratio_max"] = ratio_min, -neg_ratio_max
-    return result
+    reduced = {
+        Reduction.SUM: lambda i: totals[i],
+        Reduction.TOKEN_MEAN: lambda i: totals[i] / tokens,
+        Reduction.MIN: lambda i: lowest[i],
+        Reduction.MAX: lambda i: -lowest[i],
+    }
+    return {name: reduced[spec[name]](i) for i, name in enumerate(names)}
 
 
-def reduce_mismatch(outputs: list[dict]) -> dict[str, float]:
-    """Collective. Mean and max ``|trainer - rollout|`` log-prob over every response token,
-    from the ``mismatch_*`` metrics of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
-    parts = [out for out in outputs if "mismatch_sum" in out] if reports_loss() else []
-    table = _host_values(parts, ("mismatch_sum", "mismatch_tokens", "mismatch_max"))
-    total = torch.tensor(
-        [sum(row[0] for row in table), sum(row[1] for row in table)],
-        dtype=torch.float64,
-    )
-    worst = torch.tensor([max((row[2] for row in table), default=0.0)], dtype=torch.float64)
-    total, worst = all_reduce(total), all_reduce(worst, "max")
-    return {"logp_mismatch_mean": float(total[0] / total[1].clamp(min=1)), "logp_mismatch_max": float(worst[0])}
+def _accumulate(reduction: Reduction, value: float, weight: float, total: float, lowest: float) -> tuple[float, float]:
+    """One micro-batch's ``value`` added to its metric's running sum or extreme."""
+    if reduction is Reduction.SUM:
+        return total + value, lowest
+    if reduction is Reduction.TOKEN_MEAN:
+        return total + value * weight, lowest
+    return total, min(lowest, value if reduction is Reduction.MIN else -value)
 
 
-def reduce_offpolicy(outputs: list[dict]) -> dict[str, float]:
-    """Collective. The step's off-policy diagnostics (``offpolicy/<name>``: KL, perplexities,
-    chi-squared, IS weights, truncated / dropped fractions) from the ``offpolicy/`` sums
-    of :func:`moe_rl.trainer.objective.logprob_mismatch`."""
-    parts = [out for out in outputs if OFFPOLICY + "tokens" in out] if reports_loss() else []
-    sums = torch.zeros(len(MISMATCH_SUMS), dtype=torch.float64)
-    extremes = torch.full((2,), float("inf"), dtype=torch.float64)  # min weight, -max weight
-    if parts:  # one device-to-host copy for all micro-batches
-        keys = [OFFPOLICY + k for k in (*MISMATCH_SUMS, "weight_min", "weight_max")]
-        table = torch.tensor(_host_values(parts, tuple(keys)), dtype=torch.float64)
-        sums = table[:, : len(MISMATCH_SUMS)].sum(0)
-        extremes = torch.stack([table[:, -2].min(), -table[:, -1].max()])
-    summed, lowest = all_reduce(sums).tolist(), all_reduce(extremes, "min").tolist()
-    totals = dict(zip(MISMATCH_SUMS, summed))
-    totals.update(weight_min=lowest[0], weight_max=-lowest[1])
+def reduce_step(update: Sequence[Mapping[str, Tensor]], mismatch: Sequence[Mapping[str, Tensor]]) -> dict[str, float]:
+    """Collective. A step's ``train/`` figures (untagged) from its per-micro-batch update
+    metrics and train-inference mismatch values (one reduction for both): the logged update
+    metrics, then :func:`logp_mismatch_scalars` and :func:`offpolicy_scalars`."""
+    nothing: Mapping[str, Tensor] = {}  # (off the last pipeline stage: neither has values)
+    per_micro_batch = [{**u, **m} for u, m in itertools.zip_longest(update, mismatch, fillvalue=nothing)]
+    reduced = reduce_metrics(per_micro_batch, {**UPDATE_METRICS, **ROLLOUT_MISMATCH_METRICS})
+    return {
+        **{name: reduced[name] for name in LOGGED_UPDATE_METRICS},
+        **logp_mismatch_scalars(reduced),
+        **offpolicy_scalars(reduced),
+    }
+
+
+def logp_mismatch_scalars(reduced: Mapping[str, float]) -> dict[str, float]:
+    """Mean and max ``|trainer - rollout|`` log-prob over every response token, from the
+    reduced ``mismatch_*`` values (0 without any)."""
+    worst = reduced["mismatch_max"]
+    return {
+        "logp_mismatch_mean": reduced["mismatch_sum"] / max(reduced["mismatch_tokens"], 1.0),
+        "logp_mismatch_max": worst if worst != -math.inf else 0.0,
+    }
+
+
+def offpolicy_scalars(reduced: Mapping[str, float]) -> dict[str, float]:
+    """The step's off-policy diagnostics (``offpolicy/<name>``: KL, perplexities,
+    chi-squared, IS weights, truncated / dropped fractions) from the reduced ``offpolicy/``
+    sums and extremes."""
+    totals = {name: reduced[OFFPOLICY + name] for name in (*MISMATCH_SUMS, "weight_min", "weight_max")}
     return {OFFPOLICY + k: v for k, v in mismatch_metrics(totals).items()}
 
 
@@ -127,10 +157,9 @@ def routing_split_scalars(replayed: dict[str, Tensor]) -> dict[str, float]:
     return out
 
 
-def log_ratio_values(outputs: list[dict]) -> Tensor | None:
-    """This rank's masked token log-ratios of an update pass (for the histogram)."""
-    values = [out["log_ratio"] for out in outputs if "log_ratio" in out]
-    return torch.cat(values).cpu() if values else None
+def log_ratio_values(log_ratios: Tensor | None) -> Tensor | None:
+    """This rank's masked token log-ratios of an update pass on the host (for the histogram)."""
+    return log_ratios.cpu() if log_ratios is not None else None
 
 
 def step_line(step: int, total: int, scalars: dict[str, float], *, short: bool = False) -> str:

@@ -1,43 +1,43 @@
 """The policy objective of one step: the configured policy loss, the optional KL to a
-reference and entropy bonus, and what the update measures — all returned as metrics
-(nothing is written into the batch)."""
+reference and entropy bonus. Each micro-batch's :class:`UpdateReport` holds what the update
+measured: metric values under the names of :mod:`moe_rl.algorithms.metric_spec` (reduced
+by :mod:`moe_rl.trainer.metrics`) and the per-token figures the routing monitor reads
+(:class:`UpdateTokens`). Nothing is written into the batch, nothing read back to the host."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from moe_rl.algorithms import entropy_bonus, kl_penalty, policy_loss
-from moe_rl.algorithms.rollout_correction import Correction, mismatch_sums
+from moe_rl.algorithms.metric_spec import LOSS_TOKEN_FIGURES, TOKENS
 from moe_rl.config import AlgorithmConfig
 from moe_rl.trainer.batch import PolicyMicroBatch, TrainBatch
 from parallel.collectives import all_reduce, reports_loss
 
-# token-weighted means over micro-batches and ranks (loss terms are already global sums)
-MEAN_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "log_ratio_p01", "log_ratio_p99")
-SUM_METRICS = ("loss", "pg_loss")
+UPDATE_REPORT = "update"  # the key of a micro-batch's UpdateReport in run_microbatches' output
 
 
-OFFPOLICY = "offpolicy/"  # prefix of the off-policy diagnostics' sums in a micro-batch's metrics
+@dataclass(frozen=True)
+class UpdateTokens:
+    """One micro-batch's per-token figures of an update pass, ``[b, s-1]`` each, detached
+    (:meth:`moe_rl.routing.monitor.RoutingMonitor.add_update_tokens` reads them)."""
+
+    log_ratio: Tensor  # log-prob - old log-prob
+    clipped: Tensor  # 1 where the loss's objective is clipped
+    mask: Tensor  # the tokens in the loss (a rollout correction's dropped ones left out)
 
 
-def logprob_mismatch(
-    logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: Correction | None = None
-) -> dict[str, Tensor]:
-    """``|trainer log-prob - rollout log-prob|`` over response tokens: its sum, max and
-    token count (reduced over micro-batches and ranks into a mean and a max), and the
-    off-policy diagnostics' sums (:func:`moe_rl.algorithms.rollout_correction.mismatch_sums`,
-    keys prefixed ``offpolicy/``) under ``correction`` if there is one."""
-    diff = (logp.detach() - rollout_logp).abs() * mask
-    return {
-        "mismatch_sum": diff.sum(),
-        "mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
-        "mismatch_tokens": mask.sum(),
-        **{OFFPOLICY + k: v for k, v in mismatch_sums(logp, rollout_logp, mask, correction).items()},
-    }
+@dataclass(frozen=True)
+class UpdateReport:
+    """What the objective measured on one micro-batch."""
+
+    metrics: dict[str, Tensor]  # scalar values named in moe_rl.algorithms.metric_spec.UPDATE_METRICS
+    tokens: UpdateTokens
 
 
 def kept_counts(batch: TrainBatch, corrected: bool) -> tuple[float, float]:
@@ -60,25 +60,23 @@ def kept_counts(batch: TrainBatch, corrected: bool) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """``loss_fn`` of :func:`moe_rl.models.forward.run_microbatches` for one step.
+    """``loss_fn`` of :func:`moe_rl.models.forward.run_microbatches` for one step; each
+    micro-batch's output holds its :class:`UpdateReport` under ``UPDATE_REPORT``.
 
     ``num_tokens`` / ``num_seqs`` are the whole step's counts (of the tokens a rollout
     correction keeps), so micro-batch losses (and data-parallel ranks') sum to the full
-    batch's loss; a micro-batch's ``correction`` weights its loss terms and drops tokens. Metrics per micro-batch: the
-    loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``, ``entropy``,
-    ``kl_ref`` (with a reference), ``token_log_ratio`` and ``token_clipped``
-    (``[b, s-1]``, for :meth:`RoutingMonitor.add_update_log_ratios`) with ``log_ratio_mask``
-    (the tokens in the loss; :func:`log_ratio_metrics` adds ``log_ratio``, the masked token
-    log-ratios for the histogram, and their 1st/99th percentiles after the pass), ``tokens``,
-    and — when the old policy is this pass's own (on-policy) — the rollout log-prob mismatch
-    of :func:`logprob_mismatch`. Nothing here reads a value back to the host.
+    batch's loss; a micro-batch's ``correction`` weights its loss terms and drops tokens.
+    Metrics: the loss's own (clip fraction, ratios, approx KL), ``pg_loss``, ``loss``,
+    ``entropy``, ``kl_ref`` (with a reference) and ``tokens``; the log-ratio percentiles come
+    after the pass (:func:`log_ratio_percentiles`). On-policy (no ``old_logp``) the old
+    policy is this pass's own.
     """
 
     algorithm: AlgorithmConfig
     num_tokens: float
     num_seqs: float
 
-    def __call__(self, logp_entropy: Tensor, mb: PolicyMicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, logp_entropy: Tensor, mb: PolicyMicroBatch) -> tuple[Tensor, dict[str, UpdateReport]]:
         a = self.algorithm
         logp, entropy = logp_entropy[..., 0], logp_entropy[..., 1]
         mask = mb.mask if mb.correction is None else mb.mask * mb.correction.keep  # dropped tokens leave every term
@@ -86,8 +84,8 @@ class PolicyObjective:
         params = {**a.loss_params, "num_tokens": self.num_tokens, "num_seqs": self.num_seqs}
         if mb.correction is not None:
             params["token_weights"] = mb.correction.weights
-        loss, metrics = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
-        metrics = {k: v for k, v in metrics.items() if k != "dual_clip_frac"}
+        loss, reported = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
+        metrics = {k: v for k, v in reported.items() if k not in LOSS_TOKEN_FIGURES}
         metrics["pg_loss"] = loss.detach()
         agg = a.loss_params.get("agg") or "token-mean"
         common = dict(num_tokens=self.num_tokens, num_seqs=self.num_seqs)
@@ -100,36 +98,32 @@ class PolicyObjective:
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, agg, **common)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
-        # with token_clipped: split by routing change; with log_ratio_mask: log_ratio_metrics
-        metrics["token_log_ratio"] = logp.detach() - old
-        metrics["log_ratio_mask"] = mask
-        if mb.old_logp is None:
-            metrics.update(logprob_mismatch(logp, mb.rollout_logp, mask))
         metrics["loss"] = loss.detach()
-        metrics["tokens"] = mask.sum()
-        return loss, metrics
+        metrics[TOKENS] = mask.sum()
+        tokens = UpdateTokens(logp.detach() - old, reported["token_clipped"], mask)
+        return loss, {UPDATE_REPORT: UpdateReport(metrics, tokens)}
 
 
-def log_ratio_metrics(outputs: list[dict]) -> None:
-    """Adds to each micro-batch's metrics of an update pass its masked token log-ratios
-    ``log_ratio`` (for the histogram) and their 1st/99th percentiles, for all micro-batches
-    at once after the pass: one boolean selection and one device sync for the pass (inside
-    the loss, each micro-batch's selection stalled the pass on a GPU)."""
-    parts = [out for out in outputs if "token_log_ratio" in out and "log_ratio_mask" in out]
-    if not parts:
-        return
-    keep = [out["log_ratio_mask"].bool() for out in parts]
+def log_ratio_percentiles(tokens: Sequence[UpdateTokens]) -> tuple[list[dict[str, Tensor]], Tensor | None]:
+    """Each micro-batch's 1st/99th percentiles of its masked token log-ratios (none for a
+    micro-batch without tokens) and all of them in micro-batch order (the histogram's;
+    ``None`` without micro-batches). After the pass, for all micro-batches at once: one
+    boolean selection and one device sync for the pass (inside the loss, each
+    micro-batch's selection stalled the pass on a GPU)."""
+    if not tokens:
+        return [], None
+    keep = [t.mask.bool() for t in tokens]
     counts = torch.stack([k.sum() for k in keep]).tolist()
-    selected = torch.cat([out["token_log_ratio"].reshape(-1) for out in parts])[
-        torch.cat([k.reshape(-1) for k in keep])
-    ]
-    for out, values in zip(parts, selected.split(counts)):
-        out["log_ratio"] = values
-        if values.numel():
-            # one sort for both (each value the same arithmetic as a call of its own)
-            out["log_ratio_p01"], out["log_ratio_p99"] = torch.quantile(
-                values.float(), _percentile_points(values.device)
-            )
+    selected = torch.cat([t.log_ratio.reshape(-1) for t in tokens])[torch.cat([k.reshape(-1) for k in keep])]
+    percentiles: list[dict[str, Tensor]] = []
+    for values in selected.split(counts):
+        if not values.numel():
+            percentiles.append({})
+            continue
+        # one sort for both (each value the same arithmetic as a call of its own)
+        p01, p99 = torch.quantile(values.float(), _percentile_points(values.device))
+        percentiles.append({"log_ratio_p01": p01, "log_ratio_p99": p99})
+    return percentiles, selected
 
 
 @functools.cache

@@ -4,9 +4,10 @@
 changes the forward: :class:`~moe_rl.routing.step_replay.StepReplay`) and the drift
 metrics (which only observe: :class:`~moe_rl.routing.monitor.RoutingMonitor`), one context
 per pass yielding both parts' hooks. :func:`old_policy_pass` is the old-policy pass of a
-step: log-probs under the weights that sampled the batch, with the train-inference drift
-observed. The trainer runs it each step; ``moe-rl drift --engine`` runs the same pass on a
-frozen model."""
+step: log-probs under the weights that sampled the batch, with the train-inference routing
+drift observed (the log-prob mismatch is measured from them by
+:mod:`moe_rl.trainer.rollout_mismatch`). The trainer runs it each step; ``moe-rl drift
+--engine`` runs the same pass on a frozen model."""
 
 from __future__ import annotations
 
@@ -79,14 +80,11 @@ def old_policy_pass(
     forward: Forward, batches: Sequence[PolicyMicroBatch], routing: StepRouting | None, *, engine_routing: bool
 ) -> list[dict]:
     """Collective: ``forward(batches, hooks)`` inside the routing's old pass (``engine_routing``:
-    the batches carry the engine's routed experts, for R3 and the train-vs-rollout drift);
-    the rollout log-prob mismatch is added to the monitor (the last stage's log-probs).
+    the batches carry the engine's routed experts, for R3 and the train-vs-rollout drift).
     Returns the outputs (empty off the last pipeline stage)."""
     old_pass: contextlib.AbstractContextManager[list] = (
         routing.old_pass(batches, engine_routing) if routing else contextlib.nullcontext([])
     )
     with old_pass as hooks:
         outputs = forward(batches, hooks)
-    if routing and routing.monitor:
-        routing.monitor.add_rollout_logp_mismatch([out["logprobs"] for out in outputs] if outputs else None, batches)
     return outputs

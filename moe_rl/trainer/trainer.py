@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 import yaml
 
 from moe_rl import tags
@@ -41,6 +42,7 @@ from moe_rl.experience.evaluation import Evaluator, build_evaluator
 from moe_rl.experience.sample_log import FlatRewardWatch, SampleRecord, sample_records
 from moe_rl.experience.types import Experience
 from moe_rl.models.architectures import architecture_of, load_hf_config, model_dims
+from moe_rl.models.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.rollout.weight_sync import WeightSync
@@ -48,20 +50,12 @@ from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.routing.step_replay import StepReplay
 from moe_rl.trainer.batch import TrainBatch, build_train_batch
-from moe_rl.trainer.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.trainer.experience_transport import share_experience
 from moe_rl.trainer.heap import frozen_heap
-from moe_rl.trainer.metrics import (
-    StepLogger,
-    log_ratio_values,
-    padding_frac,
-    reduce_mismatch,
-    reduce_offpolicy,
-    reduce_update_metrics,
-    routing_split_scalars,
-)
+from moe_rl.trainer.metrics import StepLogger, log_ratio_values, padding_frac, reduce_step, routing_split_scalars
 from moe_rl.trainer.old_policy import StepRouting, old_policy_pass
-from moe_rl.trainer.objective import PolicyObjective, kept_counts, log_ratio_metrics, logprob_mismatch
+from moe_rl.trainer.objective import UPDATE_REPORT, PolicyObjective, UpdateReport, kept_counts, log_ratio_percentiles
+from moe_rl.trainer.rollout_mismatch import measure_rollout_mismatch
 from moe_rl.trainer.packing import MicroBatchPlanner
 from moe_rl.trainer.placement import Placement, build_placement, make_room_for_the_trainer
 from moe_rl.trainer.policy import Policy, Reference, build_policy, build_reference_for
@@ -84,9 +78,12 @@ class TrainingStopped(RuntimeError):
 
 @dataclass
 class UpdateResult:
-    """The policy updates of one step."""
+    """The policy updates of one step; per micro-batch lists are the last update pass's
+    (on the last pipeline stage; empty elsewhere)."""
 
-    outputs: list[dict]  # the last update pass's per-micro-batch metrics (last pipeline stage)
+    metrics: list[dict[str, Tensor]]  # the objective's metrics and the log-ratio percentiles
+    logprobs: list[Tensor]  # [b, s-1]: the policy's log-probs in the pass (on-policy: the old policy's)
+    log_ratios: Tensor | None  # this rank's masked token log-ratios, for the histogram
     grad_norm: float  # of the last update
     skipped: int  # updates skipped for NaN/Inf gradients
 
@@ -127,7 +124,7 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         self.run_dir = Path(cfg.train.run_dir)
-        dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg)
+        dims = model_dims(load_hf_config(cfg.model.hf_dir)) if cfg.model.hf_dir else demo_model_dims(cfg.model)
         check_server_placement(cfg.rollout)
         # one run per run directory: a second is refused before anything else happens
         self._closing.enter_context(hold_run_dir(self.run_dir, first_rank=launch_env().rank == 0))
@@ -147,7 +144,9 @@ class Trainer:
         # the first fork anyway; a user's setting is kept
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.device = rank_device()
-        self.hf_dir = str(cfg.model.hf_dir or ensure_demo_model(cfg))
+        self.hf_dir = str(
+            cfg.model.hf_dir or ensure_demo_model(cfg.demo_model(), cfg.parallel, cfg.optim.use_distributed_optimizer)
+        )
         self.hf_config = load_hf_config(self.hf_dir)
         # the first rank's rewards first: their warm-up (lazy parsers) runs while the model builds
         scorer = build_scorer(cfg) if is_first_rank() else None
@@ -335,12 +334,16 @@ class Trainer:
         rollout_time = time.perf_counter() - start
         self.placement.for_training()
         batch = self.make_batch(exp, step)
-        mismatch = self.compute_old_logprobs(batch)
+        old_logprobs = self.compute_old_logprobs(batch)
         self.compute_reference_logprobs(batch)
         lr = self.policy.lr_schedule.set_step(step)
         if self.expert_bias:
             self.expert_bias.start()
         update = self.update_policy(batch, kept_counts(batch, self.cfg.algorithm.corrects_rollout))
+        # on-policy the update pass's own log-probs are the old policy's
+        mismatch = measure_rollout_mismatch(
+            update.logprobs if old_logprobs is None else old_logprobs, batch.micro_batches, self.monitor
+        )
         self.measure_routing_after_update(batch)
         bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
@@ -348,12 +351,7 @@ class Trainer:
             self.background.wait()
         self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, version=str(step + 1)))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
-        mismatch_parts = update.outputs if self.on_policy else mismatch
-        train_scalars = {
-            **reduce_update_metrics(update.outputs),
-            **reduce_mismatch(mismatch_parts),
-            **reduce_offpolicy(mismatch_parts),
-        }
+        train_scalars = reduce_step(update.metrics, mismatch)
         routing = self.monitor.reduce() if self.monitor else {}
         step_time = time.perf_counter() - start
         scalars = {
@@ -372,7 +370,7 @@ class Trainer:
             tags.PERF_PADDING_FRAC: padding_frac(batch),
             **evaluation,
         }
-        log_ratios = log_ratio_values(update.outputs)
+        log_ratios = log_ratio_values(update.log_ratios)
         self.logger.log(
             step + 1,
             scalars,
@@ -423,12 +421,13 @@ class Trainer:
             with_routing=self.engine_routing,
         )
 
-    def compute_old_logprobs(self, batch: TrainBatch) -> list[dict]:
-        """Sets each micro-batch's ``old_logp`` (recomputed, or the rollout's), recording
-        (R2) or replaying (R3) routing; returns the rollout log-prob mismatch per
-        micro-batch (empty when on-policy: the update pass measures it)."""
+    def compute_old_logprobs(self, batch: TrainBatch) -> list[Tensor] | None:
+        """Sets each micro-batch's ``old_logp`` (recomputed, or the rollout's) and rollout
+        correction, recording (R2) or replaying (R3) routing; returns the old pass's
+        log-probs per micro-batch (empty off the last pipeline stage; ``None`` on-policy:
+        no pass, the update pass's own log-probs are the old ones)."""
         if self.on_policy:
-            return []
+            return None
         mbs = batch.micro_batches
         outputs = old_policy_pass(self.policy.logprobs, mbs, self.routing, engine_routing=self.engine_routing)
         recompute = self.cfg.algorithm.old_logprobs == "recompute"
@@ -439,9 +438,7 @@ class Trainer:
                 mb.correction = rollout_correction(
                     a.rollout_correction, mb.old_logp, mb.rollout_logp, mb.mask, **a.rollout_correction_params
                 )
-        return [
-            logprob_mismatch(out["logprobs"], mb.rollout_logp, mb.mask, mb.correction) for mb, out in zip(mbs, outputs)
-        ]
+        return [out["logprobs"] for out in outputs]
 
     def compute_reference_logprobs(self, batch: TrainBatch) -> None:
         """Sets each micro-batch's ``ref_logp`` when there is a KL penalty."""
@@ -467,16 +464,22 @@ class Trainer:
             )
             with update_pass as hooks:
                 result = self.policy.update(batch.micro_batches, objective, hooks)
-            log_ratio_metrics(result.outputs)  # once for the pass, not inside each micro-batch's loss
+            reports: list[UpdateReport] = [out[UPDATE_REPORT] for out in result.outputs]
             skipped += not result.updated
             if self.monitor:  # |log-ratio| and clipping by routing change since the old pass
-                self.monitor.add_update_log_ratios(
-                    result.outputs or None, batch.micro_batches, counted=self._split_counts(i, result.updated)
+                self.monitor.add_update_tokens(
+                    [r.tokens for r in reports] or None,
+                    batch.micro_batches,
+                    counted=self._split_counts(i, result.updated),
                 )
         if skipped and is_first_rank():
             log.warning("step %d: NaN/Inf in the loss or gradients; %d update(s) skipped", batch.step + 1, skipped)
         assert result is not None  # updates_per_batch >= 1 (config check)
-        return UpdateResult(result.outputs, result.grad_norm, skipped)
+        # the last pass's, once for the pass (not inside each micro-batch's loss)
+        percentiles, log_ratios = log_ratio_percentiles([r.tokens for r in reports])
+        metrics = [{**r.metrics, **p} for r, p in zip(reports, percentiles)]
+        logprobs = [out["logprobs"] for out in result.outputs]
+        return UpdateResult(metrics, logprobs, log_ratios, result.grad_norm, skipped)
 
     def _split_counts(self, update: int, updated: bool) -> bool:
         """Whether update pass ``update`` enters the log-ratio split by routing change: its

@@ -50,10 +50,10 @@ def chat_model_and_data(cache: str, root: Path) -> list[str]:
     from transformers import AutoTokenizer
 
     from moe_rl.config import load_config
-    from moe_rl.trainer.demo_model import demo_model_dir
+    from moe_rl.models.demo_model import demo_model_dir
 
     model = root / "chat-model"
-    shutil.copytree(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])), model)
+    shutil.copytree(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"]).demo_model()), model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.chat_template = CHAT
     tokenizer.save_pretrained(model)
@@ -344,10 +344,12 @@ def start_test_servers(cache: str, tmp_path: Path, count: int, **settings) -> li
     """``count`` SGLang-protocol test servers of the built-in model (not yet healthy)."""
     from moe_rl.config import load_config
     from moe_rl.rollout.server import ServerSettings, SGLangServer
-    from moe_rl.trainer.demo_model import demo_model_dir
+    from moe_rl.models.demo_model import demo_model_dir
     from parallel.launch import free_port
 
-    model_dir = str(demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"])))  # made by `cache`
+    model_dir = str(
+        demo_model_dir(load_config(None, [*TINY, f"warm_start.cache_dir={cache}"]).demo_model())
+    )  # made by `cache`
     from conftest import STAND_IN_SERVER
 
     every = [

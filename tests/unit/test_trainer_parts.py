@@ -18,7 +18,8 @@ from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan
-from moe_rl.trainer.objective import PolicyObjective, log_ratio_metrics, logprob_mismatch
+from moe_rl.trainer.objective import UPDATE_REPORT, PolicyObjective, UpdateTokens, log_ratio_percentiles
+from moe_rl.trainer.rollout_mismatch import logprob_mismatch, measure_rollout_mismatch
 from parallel.layout import ParallelLayout
 from parallel.optim import OptimSettings
 
@@ -150,7 +151,9 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     batch, mb, logp, entropy = objective_inputs()
     mb.old_logp = logp.detach() + 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
     algo = AlgorithmConfig(loss="grpo", loss_params={"eps_high": 0.28})
-    loss, metrics = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
+    loss, out = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)(torch.stack([logp, entropy], -1), mb)
+    report = out[UPDATE_REPORT]
+    metrics = report.metrics
     ref, _ = policy_loss(
         "grpo",
         logp,
@@ -163,18 +166,18 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     )
     torch.testing.assert_close(loss, ref)
     masked = mb.mask.bool()
-    assert "log_ratio" not in metrics  # selected after the pass, for all micro-batches at once
-    log_ratio_metrics([metrics])
-    torch.testing.assert_close(metrics["log_ratio"], (logp.detach() - mb.old_logp)[masked])
+    assert "log_ratio_p01" not in metrics  # selected after the pass, for all micro-batches at once
+    (percentiles,), log_ratios = log_ratio_percentiles([report.tokens])
+    torch.testing.assert_close(log_ratios, (logp.detach() - mb.old_logp)[masked])
     values = (logp.detach() - mb.old_logp)[masked]
-    assert float(metrics["log_ratio_p01"]) == float(torch.quantile(values, 0.01))
-    assert float(metrics["log_ratio_p99"]) == float(torch.quantile(values, 0.99))
+    assert float(percentiles["log_ratio_p01"]) == float(torch.quantile(values, 0.01))
+    assert float(percentiles["log_ratio_p99"]) == float(torch.quantile(values, 0.99))
     assert metrics["tokens"] == mb.mask.sum() and "mismatch_sum" not in metrics  # old log-probs came from a pass
     torch.testing.assert_close(metrics["entropy"], entropy[masked].mean())
     assert mb.old_logp is not None and mb.ref_logp is None  # the objective writes nothing into the batch
 
 
-def test_log_ratio_metrics_of_a_pass_equal_each_micro_batch_selected_alone() -> None:
+def test_log_ratio_percentiles_of_a_pass_equal_each_micro_batch_selected_alone() -> None:
     """One selection for the whole pass gives each micro-batch exactly the values (and
     percentiles) its own masked selection gives; a micro-batch without tokens gets none."""
     gen = torch.Generator().manual_seed(5)
@@ -182,11 +185,11 @@ def test_log_ratio_metrics_of_a_pass_equal_each_micro_batch_selected_alone() -> 
     for rows, width, frac in ((3, 5, 0.6), (2, 7, 0.0), (4, 3, 0.8)):
         log_ratio = torch.randn(rows, width, generator=gen)
         mask = (torch.rand(rows, width, generator=gen) < frac).float()
-        outputs.append({"token_log_ratio": log_ratio, "log_ratio_mask": mask})
+        outputs.append(UpdateTokens(log_ratio, torch.zeros_like(mask), mask))
         expected.append(log_ratio[mask.bool()])
-    log_ratio_metrics(outputs)
-    for out, values in zip(outputs, expected):
-        assert torch.equal(out["log_ratio"], values)
+    percentiles, log_ratios = log_ratio_percentiles(outputs)
+    assert log_ratios is not None and torch.equal(log_ratios, torch.cat(expected))
+    for out, values in zip(percentiles, expected):
         if values.numel():
             assert torch.equal(out["log_ratio_p01"], torch.quantile(values, 0.01))
             assert torch.equal(out["log_ratio_p99"], torch.quantile(values, 0.99))
@@ -199,9 +202,21 @@ def test_update_metrics_reduce_to_token_weighted_means_of_the_micro_batches() ->
     ratio's extremes over all (a float64 or a plain-number metric next to fp32 ones: the
     same figures); the off-policy sums added up before the diagnostics are formed."""
     from moe_rl.algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics
-    from moe_rl.trainer.metrics import reduce_offpolicy, reduce_update_metrics
-    from moe_rl.trainer.objective import MEAN_METRICS, OFFPOLICY, SUM_METRICS
+    from moe_rl.algorithms.metric_spec import OFFPOLICY, ROLLOUT_MISMATCH_METRICS, UPDATE_METRICS, Reduction
+    from moe_rl.trainer.metrics import offpolicy_scalars, reduce_metrics
 
+    def reduce_update_metrics(outputs):
+        return reduce_metrics(outputs, UPDATE_METRICS)
+
+    def reduce_offpolicy(parts):
+        return offpolicy_scalars(reduce_metrics(parts, ROLLOUT_MISMATCH_METRICS))
+
+    SUM_METRICS = ("loss", "pg_loss")
+    MEAN_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "log_ratio_p01", "log_ratio_p99")
+    assert {k: UPDATE_METRICS[k] for k in SUM_METRICS + MEAN_METRICS} == {
+        **dict.fromkeys(SUM_METRICS, Reduction.SUM),
+        **dict.fromkeys(MEAN_METRICS, Reduction.TOKEN_MEAN),
+    }
     gen = torch.Generator().manual_seed(11)
     keys = SUM_METRICS + MEAN_METRICS
     outputs = [{k: torch.rand((), generator=gen) for k in (*keys, "ratio_min", "ratio_max")} for _ in range(3)]
@@ -235,17 +250,20 @@ def test_update_metrics_reduce_to_token_weighted_means_of_the_micro_batches() ->
         assert got[OFFPOLICY + k] == pytest.approx(v, rel=1e-6)
 
 
-def test_on_policy_objective_measures_the_rollout_mismatch() -> None:
+def test_on_policy_the_mismatch_of_the_update_pass_log_probs_is_measured() -> None:
+    """On-policy the old policy is the update pass's own: its ratios are exactly 1, and the
+    rollout mismatch measured from the pass's log-probs (as the trainer measures it)."""
     batch, mb, logp, entropy = objective_inputs(1)
-    loss, metrics = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(
+    loss, out = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(
         torch.stack([logp, entropy], -1), mb
     )
+    (metrics,) = measure_rollout_mismatch([logp.detach()], [mb], None)
     diff = [(float(logp.detach()[i, t]) - float(mb.rollout_logp[i, t])) for i, t in mb.mask.nonzero().tolist()]
     assert float(metrics["mismatch_sum"]) == pytest.approx(sum(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_max"]) == pytest.approx(max(abs(d) for d in diff), rel=1e-6)
     assert float(metrics["mismatch_tokens"]) == len(diff)
-    log_ratio_metrics([metrics])
-    assert metrics["log_ratio"].abs().max() == 0  # on-policy: the ratio is exactly 1
+    _, log_ratios = log_ratio_percentiles([out[UPDATE_REPORT].tokens])
+    assert log_ratios is not None and log_ratios.abs().max() == 0  # on-policy: the ratio is exactly 1
     loss.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0
     same = logprob_mismatch(logp, mb.rollout_logp, mb.mask)
@@ -258,13 +276,11 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     mb.ref_logp = logp.detach() - 0.1
     le = torch.stack([logp, entropy], -1)
     plain, _ = PolicyObjective(AlgorithmConfig(), batch.num_tokens, batch.num_seqs)(le, mb)
-    kl, metrics = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(
-        le, mb
-    )
+    kl, out = PolicyObjective(AlgorithmConfig(kl_coef=0.5, kl_estimator="k1"), batch.num_tokens, batch.num_seqs)(le, mb)
     # k1 = logp - ref = 0.1 on every response token, token-mean over the step's 6 tokens
     tokens = float(mb.mask.sum())
     assert float((kl - plain).detach()) == pytest.approx(0.5 * 0.1 * tokens / batch.num_tokens, rel=1e-5)
-    assert float(metrics["kl_ref"]) == pytest.approx(0.1, rel=1e-5)
+    assert float(out[UPDATE_REPORT].metrics["kl_ref"]) == pytest.approx(0.1, rel=1e-5)
     bonus, _ = PolicyObjective(AlgorithmConfig(entropy_coef=0.2), batch.num_tokens, batch.num_seqs)(le, mb)
     assert float((plain - bonus).detach()) == pytest.approx(
         0.2 * float((entropy * mb.mask).sum()) / batch.num_tokens, rel=1e-5
@@ -289,7 +305,7 @@ def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
     tokens, seqs = kept_counts(batch, corrected=True)
     assert tokens == batch.num_tokens - 1 and seqs == batch.num_seqs
     algo = AlgorithmConfig(loss="grpo", entropy_coef=0.1)
-    loss, metrics = PolicyObjective(algo, tokens, seqs)(torch.stack([logp, entropy], -1), mb)
+    loss, out = PolicyObjective(algo, tokens, seqs)(torch.stack([logp, entropy], -1), mb)
     kept = mb.mask * mb.correction.keep
     ref, _ = policy_loss(
         "grpo",
@@ -303,7 +319,7 @@ def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
     )
     ref = ref - 0.1 * (entropy * kept).sum() / tokens
     torch.testing.assert_close(loss, ref)
-    assert metrics["tokens"] == kept.sum()
+    assert out[UPDATE_REPORT].metrics["tokens"] == kept.sum()
 
 
 class RecordingEngine(RolloutEngine):

@@ -354,9 +354,9 @@ def main() -> None:
 
 def _demo_model() -> str:
     from moe_rl.config import load_config
-    from moe_rl.trainer.demo_model import demo_model_dir
+    from moe_rl.models.demo_model import demo_model_dir
 
-    path = demo_model_dir(load_config(None))
+    path = demo_model_dir(load_config(None).demo_model())
     if not (path / "config.json").is_file():
         subprocess.run([PY, "-m", "moe_rl.cli", "prepare"], check=True, capture_output=True, timeout=900)
     return str(path)

@@ -84,7 +84,12 @@ STAGES = [
     ("checkpoint poll", 2, "moe_rl.checkpoint.store:Checkpointer.poll|moe_rl.trainer.checkpoint:Checkpointer.poll"),
     ("TensorBoard thread (overlaps)", 0, None),
 ]
-REDUCTIONS = ("reduce_update_metrics", "reduce_mismatch", "reduce_offpolicy")
+REDUCTIONS = (
+    "reduce_step",
+    "reduce_update_metrics",
+    "reduce_mismatch",
+    "reduce_offpolicy",
+)  # this version's, then older ones
 
 
 class Clock:

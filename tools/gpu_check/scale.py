@@ -572,9 +572,9 @@ def stage_peer(mode: str, checks: Checks, work: Path) -> dict:
     ):
         return {"error": tail(work / "prepare.log")}
     from moe_rl.config import load_config
-    from moe_rl.trainer.demo_model import demo_model_dir
+    from moe_rl.models.demo_model import demo_model_dir
 
-    model = str(demo_model_dir(load_config(None, [*TINY_RUN, *cache])))
+    model = str(demo_model_dir(load_config(None, [*TINY_RUN, *cache]).demo_model()))
     env = cli_env() | _peer_path(work)
     have_trl = (
         subprocess.run(

@@ -258,11 +258,11 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
     state offloaded around each rollout, CUDA-IPC tensor weight sync, R3 from the server."""
     from moe_rl.config import load_config
     from moe_rl.rollout.server import ServerSettings, SGLangServer
-    from moe_rl.trainer.demo_model import demo_model_dir
+    from moe_rl.models.demo_model import demo_model_dir
     from parallel.launch import free_port
 
     cache = [f"warm_start.cache_dir={CACHE}"]
-    model = demo_model_dir(load_config(None, [*TINY_RUN, *cache]))
+    model = demo_model_dir(load_config(None, [*TINY_RUN, *cache]).demo_model())
     if not (model / "config.json").exists():  # (the prepare stage did not run, or failed)
         code = moe_rl("prepare", *TINY_RUN, *cache, log=work / "prepare.log", timeout=200)
         if not checks.check("moe-rl prepare exit code", code, "==", 0):

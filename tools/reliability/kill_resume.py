@@ -154,9 +154,9 @@ def main() -> int:
     server = None
     if args.engine == "sglang":
         from moe_rl.config import load_config
-        from moe_rl.trainer.demo_model import demo_model_dir
+        from moe_rl.models.demo_model import demo_model_dir
 
-        server = start_server(str(demo_model_dir(load_config(None, common))), out / "logs")
+        server = start_server(str(demo_model_dir(load_config(None, common).demo_model())), out / "logs")
         common += ["rollout.engine=sglang", f"rollout.server.urls=[{server.url}]", "rollout.weight_sync.method=disk"]
     try:
         finish("train", *common, f"train.run_dir={out / 'straight'}")

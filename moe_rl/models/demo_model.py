@@ -1,6 +1,8 @@
 """The built-in default model: a tiny random Qwen3-MoE (or any of
-``DEMO_ARCHITECTURES``) with the demo tokenizer, given a short supervised warm start on generated solutions so that RL has a
-policy to improve, and cached (keyed by the settings that shape it)."""
+``DEMO_ARCHITECTURES``) with the demo tokenizer, given a short supervised warm start on
+generated solutions so that RL has a policy to improve, and cached (keyed by the settings
+that shape it). It is handed only those settings (:class:`DemoModelSettings`) and the
+layout the warm start runs under."""
 
 from __future__ import annotations
 
@@ -14,42 +16,44 @@ from typing import Iterator
 
 import torch
 
-from moe_rl.config import Config
 from moe_rl.data.tasks import ArithmeticTask
 from moe_rl.data.tokenizer import REVISION as TOKENIZER_REVISION
 from moe_rl.data.tokenizer import demo_tokenizer, vocab_size
+from moe_rl.models.settings import DemoModelSettings, ModelConfig
 from moe_rl.models.tiny import save_tiny_checkpoint, tiny_config
 from parallel.collectives import barrier, broadcast_object, data_parallel_share, is_first_rank
+from parallel.layout import ParallelLayout
 
 
-def demo_model_dir(cfg: Config) -> Path:
+def demo_model_dir(demo: DemoModelSettings) -> Path:
+    """Where the built-in model of ``demo`` is cached, under a key of the settings that
+    shape it (unchanged since models were first cached: the seed is not part of it)."""
     # not the parallel layout: every layout trains the same model (the warm start itself runs
     # under whichever layout asks first; layouts differ only by float error)
     key = json.dumps(
         {
-            "model": cfg.model.__dict__,
-            "max_operand": cfg.data.max_operand,
+            "model": demo.model.__dict__,
+            "max_operand": demo.max_operand,
             # (only when set: the models cached before it existed keep their keys)
-            **({"held_out": cfg.data.held_out} if cfg.data.held_out else {}),
-            "warm": cfg.warm_start.__dict__,
+            **({"held_out": demo.held_out} if demo.held_out else {}),
+            "warm": demo.warm_start.__dict__,
             "tokenizer": TOKENIZER_REVISION,
         },
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"demo-{cfg.model.architecture}-{digest}"
+    return Path(os.path.expanduser(demo.warm_start.cache_dir)) / f"demo-{demo.model.architecture}-{digest}"
 
 
-def demo_model_dims(cfg: Config):
+def demo_model_dims(model: ModelConfig):
     """The built-in model's sizes, to validate a parallel layout before anything runs."""
     from moe_rl.models.architectures import model_dims
 
-    return model_dims(tiny_config(cfg.model.architecture, **_demo_settings(cfg)))
+    return model_dims(tiny_config(model.architecture, **_demo_settings(model)))
 
 
-def _demo_settings(cfg: Config) -> dict:
+def _demo_settings(m: ModelConfig) -> dict:
     """The HF config settings of the built-in model (its family's on top of the common ones)."""
-    m = cfg.model
     common = dict(
         vocab_size=vocab_size(),
         hidden_size=m.hidden_size,
@@ -65,11 +69,11 @@ def _demo_settings(cfg: Config) -> dict:
     return {**common, **_family_settings(m)}
 
 
-def _family_settings(m) -> dict:
+def _family_settings(m: ModelConfig) -> dict:
     """The HF config settings of the built-in model's family (every layer MoE, one
     shared expert of the experts' size where the family has them, ungrouped routing)."""
     h, e = m.hidden_size, m.num_experts
-    return {
+    families: dict[str, dict] = {
         "qwen3_moe": dict(
             num_experts=e, moe_intermediate_size=h, intermediate_size=2 * h, head_dim=h // 4, norm_topk_prob=True
         ),
@@ -114,19 +118,24 @@ def _family_settings(m) -> dict:
             qk_nope_head_dim=h // 4,
             v_head_dim=h // 4,
         ),
-    }[m.architecture]
+    }
+    return families[m.architecture]
 
 
-def _raw_checkpoint(cfg: Config, path: Path) -> None:
-    save_tiny_checkpoint(path, cfg.model.architecture, seed=cfg.train.seed, **_demo_settings(cfg))
+def _raw_checkpoint(demo: DemoModelSettings, path: Path) -> None:
+    save_tiny_checkpoint(path, demo.model.architecture, seed=demo.seed, **_demo_settings(demo.model))
     demo_tokenizer().save_pretrained(path)
 
 
-def ensure_demo_model(cfg: Config) -> Path:
-    """The warm-started demo model directory (collective: every rank calls it). The
-    directory appears complete (weights, config, tokenizer) in one rename; concurrent first
-    runs queue on a lock file, and the first rank's view decides for the whole job."""
-    target = demo_model_dir(cfg)
+def ensure_demo_model(
+    demo: DemoModelSettings, layout: ParallelLayout, use_distributed_optimizer: bool | None = None
+) -> Path:
+    """The warm-started demo model directory (collective: every rank calls it; a missing
+    one is warm-started under ``layout``, with the distributed optimizer as
+    ``use_distributed_optimizer`` says). The directory appears complete (weights, config,
+    tokenizer) in one rename; concurrent first runs queue on a lock file, and the first
+    rank's view decides for the whole job."""
+    target = demo_model_dir(demo)
     with _creation_lock(target) if is_first_rank() else contextlib.nullcontext():
         if broadcast_object((target / "config.json").is_file() if is_first_rank() else None):
             return target
@@ -134,9 +143,9 @@ def ensure_demo_model(cfg: Config) -> Path:
         if is_first_rank():
             shutil.rmtree(raw, ignore_errors=True)
             raw.parent.mkdir(parents=True, exist_ok=True)
-            _raw_checkpoint(cfg, raw)
+            _raw_checkpoint(demo, raw)
         barrier()
-        _supervised_warm_start(cfg, raw, target)
+        _supervised_warm_start(demo, layout, use_distributed_optimizer, raw, target)
         if is_first_rank():
             shutil.rmtree(raw, ignore_errors=True)
         barrier()
@@ -156,7 +165,9 @@ def _creation_lock(target: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
+def _supervised_warm_start(
+    demo: DemoModelSettings, layout: ParallelLayout, use_distributed_optimizer: bool | None, raw: Path, target: Path
+) -> None:
     from moe_rl.models.architectures import load_hf_config
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.forward import MicroBatch, run_microbatches
@@ -164,17 +175,17 @@ def _supervised_warm_start(cfg: Config, raw: Path, target: Path) -> None:
     from parallel.optim import OptimSettings, build_optimizer, train_step, wrap_ddp
 
     hf_config = load_hf_config(str(raw))
-    config = make_transformer_config(hf_config, cfg.parallel)
+    config = make_transformer_config(hf_config, layout)
     model = build_model(hf_config, config)
     load_hf_weights(model, hf_config, raw)
-    settings = OptimSettings(lr=cfg.warm_start.lr, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    settings = OptimSettings(lr=demo.warm_start.lr, use_distributed_optimizer=use_distributed_optimizer)
     ddp = wrap_ddp(model, config, settings)
     optimizer = build_optimizer([ddp], settings)
     tokenizer = demo_tokenizer()
-    task = ArithmeticTask(cfg.data.max_operand, cfg.data.held_out)  # never the held-out problems
-    multiple = cfg.parallel.seq_len_multiple
-    for step in range(cfg.warm_start.steps):
-        problems = task.problems(seed=424242, step=step, count=cfg.warm_start.batch_size)
+    task = ArithmeticTask(demo.max_operand, demo.held_out)  # never the held-out problems
+    multiple = layout.seq_len_multiple
+    for step in range(demo.warm_start.steps):
+        problems = task.problems(seed=424242, step=step, count=demo.warm_start.batch_size)
         seqs, masks = [], []
         for pr in problems:
             prompt = tokenizer(pr.prompt)["input_ids"]
