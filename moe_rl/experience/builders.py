@@ -28,7 +28,7 @@ from moe_rl.experience.collector import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")
 if TYPE_CHECKING:
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
 
 
 def wants_engine_routing(cfg: Config) -> bool:
@@ -135,7 +135,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         )
         closing.callback(local.close)
         return local
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
 
     launched = [_start_server(cfg, hf_dir, closing)] if r.launch_server else []
     urls = [server.url for server in launched] or list(r.sglang_urls)
@@ -155,7 +155,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
 def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
     """How this run launches its SGLang server: on a machine without CUDA, SGLang's CPU
     backend (and no deterministic inference, which needs its CUDA kernels)."""
-    from moe_rl.rollout.server import ServerSettings
+    from moe_rl.rollout.sglang.server import ServerSettings
 
     r = cfg.rollout
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,7 +180,7 @@ def server_settings(cfg: Config, hf_dir: str) -> ServerSettings:
 
 
 def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> SGLangServer:
-    from moe_rl.rollout.server import SGLangServer
+    from moe_rl.rollout.sglang.server import SGLangServer
 
     server = SGLangServer(server_settings(cfg, hf_dir), Path(cfg.train.run_dir) / "logs")
     closing.callback(server.stop)
@@ -191,7 +191,7 @@ def _start_server(cfg: Config, hf_dir: str, closing: contextlib.ExitStack) -> SG
 def check_server_placement(cfg: Config) -> None:
     """Before anything starts: a server this run launches gets GPUs of its own (unless it
     is meant to share the trainer's: ``rollout.colocate``)."""
-    from moe_rl.rollout.server import check_server_gpus
+    from moe_rl.rollout.sglang.server import check_server_gpus
     from parallel.distributed import node_gpu_ids
 
     if cfg.rollout.launch_server and not cfg.rollout.colocate:

@@ -134,7 +134,7 @@ class DistributedSync(WeightSync[DistributedWeightReceiver]):
     rank sends it. A bucket is one flat broadcast where every server takes that (SGLang 0.5.6
     on: ``load_format="flattened_bucket"``; ``flattened=False`` forces one per tensor), and
     every trainer rank takes part in packing the buckets (its shards). ``engine`` is an
-    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere."""
+    :class:`moe_rl.rollout.sglang.engine.SGLangEngine` on the first rank, ``None`` elsewhere."""
 
     GROUP_PREFIX = "moe-rl-weights"  # + a suffix of its own per connection (see _connect)
 
@@ -220,7 +220,7 @@ class DistributedSync(WeightSync[DistributedWeightReceiver]):
         else the first rank) hosts a weight-update group that every server rank joins; the
         first rank asks the servers to join them one at a time (each request blocks until
         all of that group's ranks have joined)."""
-        from moe_rl.rollout.sglang import weight_group_offsets
+        from moe_rl.rollout.sglang.weight_updates import weight_group_offsets
         from parallel.collectives import all_gather_objects, broadcast_object, rank
         from parallel.launch import free_port
 

@@ -21,9 +21,10 @@ from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.models.weight_buckets import Bucket, WeightEntry, plan_buckets
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
-from moe_rl.rollout.sglang import SGLangEngine, weight_group_offsets
-from moe_rl.rollout.sglang_turns import HttpTurns
+from moe_rl.rollout.sglang.engine import SGLangEngine
+from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer, stop_stale_server
+from moe_rl.rollout.sglang.turns import HttpTurns
+from moe_rl.rollout.sglang.weight_updates import weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
 from moe_rl.rollout.weight_sync import DistributedSync
 from parallel.launch import free_port
@@ -333,7 +334,7 @@ def test_multi_turn_requests_keep_their_prompts_server() -> None:
 
 def test_prefix_hashes_follow_the_polynomial_recurrence() -> None:
     """The vectorised prefix hashes equal h_i = h_(i-1) * B + t_i (mod 2**64), token by token."""
-    from moe_rl.rollout.sglang_turns import _HASH_BASE, prefix_hashes
+    from moe_rl.rollout.sglang.turns import _HASH_BASE, prefix_hashes
 
     tokens = torch.randint(0, 151_936, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     expected, h = [], 0
@@ -547,7 +548,7 @@ def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
     # the owner is killed with -9: the server gets SIGTERM (a parent-death signal)
     owner_code = (
         "import time\n"
-        "from moe_rl.rollout.server import ServerSettings, SGLangServer\n"
+        "from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer\n"
         f"s = SGLangServer(ServerSettings(model_path={ckpts['v0']!r}, port={free_port()}, launch_command={SERVER!r}), {str(tmp_path)!r})\n"
         "s.wait_healthy(timeout_s=120)\n"
         "print(s.process.pid, flush=True)\n"

@@ -16,8 +16,8 @@ import torch
 
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.rollout import weight_sync
-from moe_rl.rollout.server import python_nccl_version
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
+from moe_rl.rollout.sglang.server import python_nccl_version
 from moe_rl.rollout.types import RolloutError, SamplingParams
 from moe_rl.rollout.weight_sync import DistributedSync, check_nccl_versions
 from parallel.launch import free_port

@@ -332,7 +332,7 @@ def tensor_sync_checks(model, hf_config, out: Path) -> None:
     import re
 
     from moe_rl.models.weight_buckets import HFWeights
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
     from moe_rl.rollout.weight_sync import TensorSync, deserialize_sglang_payload
 
     class Capturing(SGLangEngine):

@@ -7,7 +7,7 @@ import pytest
 
 from moe_rl.rollout import contracts
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
 
 CAPABILITIES = [
     obj
