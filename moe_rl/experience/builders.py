@@ -23,7 +23,11 @@ from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.multi_turn import MultiTurnSampler, Sampler, SingleTurnSampler, load_generate_fn
 from moe_rl.rollout.settings import PRECISIONS
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
-from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
+from moe_rl.rollout.weight_sync.base import WeightSync
+from moe_rl.rollout.weight_sync.disk import DiskSync
+from moe_rl.rollout.weight_sync.distributed import DistributedSync
+from moe_rl.rollout.weight_sync.in_process import InProcessSync
+from moe_rl.rollout.weight_sync.tensor import TensorSync
 from moe_rl.experience.collector import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")

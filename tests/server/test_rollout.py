@@ -26,7 +26,7 @@ from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer, stop_stal
 from moe_rl.rollout.sglang.turns import HttpTurns
 from moe_rl.rollout.sglang.weight_updates import weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
-from moe_rl.rollout.weight_sync import DistributedSync
+from moe_rl.rollout.weight_sync.distributed import DistributedSync
 from parallel.launch import free_port
 from parallel.weight_update_group import join_weight_update_group
 from sglang_test_server import weights_digest
@@ -180,7 +180,7 @@ def test_a_refused_weight_update_leaves_no_server_paused_or_in_a_session(servers
 
 
 class CheckpointWeights:
-    """A one-process :class:`moe_rl.rollout.weight_sync.WeightSource`: a checkpoint's tensors
+    """A one-process :class:`moe_rl.rollout.weight_sync.base.WeightSource`: a checkpoint's tensors
     packed into buckets by the trainer's own planner."""
 
     def __init__(self, path: str) -> None:
@@ -597,7 +597,7 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     same memory from it."""
     import base64
 
-    from moe_rl.rollout.weight_sync import serialize_for_sglang
+    from moe_rl.rollout.weight_sync.cuda_ipc import serialize_for_sglang
 
     flat = torch.arange(1000, dtype=torch.float32, device="cuda").view(torch.uint8)
     payload = serialize_for_sglang({"flattened_tensor": flat, "metadata": []})
@@ -605,7 +605,7 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     assert uuid.encode() in base64.b64decode(payload)
     (tmp_path / "payload").write_text(payload)
     child = (
-        "import sys, torch; from moe_rl.rollout.weight_sync import deserialize_sglang_payload; "
+        "import sys, torch; from moe_rl.rollout.weight_sync.cuda_ipc import deserialize_sglang_payload; "
         "t = deserialize_sglang_payload(open(sys.argv[1]).read())['flattened_tensor']; print(t.view(torch.float32).sum().item())"
     )
     out = subprocess.run(

@@ -14,7 +14,8 @@ import torch
 from moe_rl.algorithms import policy_loss
 from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.rollout.types import RolloutEngine, Sample
-from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
+from moe_rl.rollout.weight_sync.disk import DiskSync
+from moe_rl.rollout.weight_sync.in_process import InProcessSync
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan

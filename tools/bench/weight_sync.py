@@ -215,7 +215,7 @@ def worker(hf_dir: str, url: str, bucket_mb: float, syncs: int, out: str) -> Non
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.weight_buckets import HFWeights
     from moe_rl.rollout.sglang.engine import SGLangEngine
-    from moe_rl.rollout.weight_sync import DistributedSync
+    from moe_rl.rollout.weight_sync.distributed import DistributedSync
     from parallel.collectives import all_gather_objects, barrier, rank
     from parallel.distributed import destroy_distributed, init_distributed
     from parallel.layout import ParallelLayout
