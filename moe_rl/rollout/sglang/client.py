@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class _Retryable(Exception):
-    pass
+    """A failure the next attempt, on the next server, may not repeat."""
 
 
 class GenerationClient(ServerControl):
@@ -49,6 +49,7 @@ class GenerationClient(ServerControl):
         backoff_s: float,
         check_weight_version: bool,
     ) -> None:
+        """The served model's routing shape, the concurrency limit, retries and the version check."""
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self._unfinished: set[str] = set()  # request ids sent and not answered (aborted by close())
         self.max_concurrency = max_concurrency

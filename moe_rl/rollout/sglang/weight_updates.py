@@ -29,6 +29,7 @@ class WeightUpdateEndpoints(ServerControl):
     """New weights into every server (SGLang's ``/update_weights_from_*`` and their session)."""
 
     def _init_weight_updates(self, nccl_version_probes: Sequence[Callable[[], str | None]] | None) -> None:
+        """Each server's ranks (read when first needed) and how to learn its NCCL version."""
         self._server_ranks: list[int] | None = None
         # per server, how to learn its NCCL version (asked only before an NCCL weight-update group)
         self._nccl_probes = list(nccl_version_probes or [lambda: None] * len(self.urls))
