@@ -142,7 +142,7 @@ def demo_model_dir(cache: str) -> str:
 def start_sglang(model_path: str, log_dir: Path, *, real: bool, extra_args: list[str] = ()):
     """An SGLang server on ``model_path`` started by moe-rl's own server management, with
     routed experts: real SGLang on its CPU backend (``real``), or the protocol stand-in."""
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from parallel.launch import free_port
 
     if real:

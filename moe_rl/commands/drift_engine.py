@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace, hf_dir: str, hf_config: PretrainedConfig
     """The first rank: the engine's samples with routed experts, and its weight version."""
     from moe_rl.commands.prompt_file import read_prompts
     from moe_rl.models.architectures import architecture_of
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
     from moe_rl.rollout.types import SamplingParams
 
     prompts = read_prompts(args.prompts, args.tokenizer or hf_dir, args.max_prompts)

@@ -115,7 +115,7 @@ def _engine(args: argparse.Namespace, cfg, model_dir: Path):
         from moe_rl.rollout.local import LocalEngine
 
         return LocalEngine(str(model_dir), weight_precision=torch.bfloat16 if cfg.rollout.precision == "bf16" else None)
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
 
     hf_config = load_hf_config(str(model_dir))
     engine = SGLangEngine(

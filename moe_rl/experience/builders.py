@@ -25,12 +25,16 @@ from moe_rl.rollout.sampler import Sampler
 from moe_rl.rollout.single_turn import SingleTurnSampler
 from moe_rl.rollout.settings import PRECISIONS, MultiTurnConfig, RolloutConfig, ServerConfig
 from moe_rl.rollout.types import RolloutEngine, RolloutError, SamplingParams
-from moe_rl.rollout.weight_sync import DiskSync, DistributedSync, InProcessSync, TensorSync, WeightSync
+from moe_rl.rollout.weight_sync.base import WeightSync
+from moe_rl.rollout.weight_sync.disk import DiskSync
+from moe_rl.rollout.weight_sync.distributed import DistributedSync
+from moe_rl.rollout.weight_sync.in_process import InProcessSync
+from moe_rl.rollout.weight_sync.tensor import TensorSync
 from moe_rl.experience.collector import ExperienceCollector
 
 log = logging.getLogger("moe_rl.train")
 if TYPE_CHECKING:
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
 
 
 def wants_engine_routing(cfg: Config) -> bool:
@@ -132,7 +136,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
     r = cfg.rollout
     if r.engine == "local":
         return _local_engine(r, cfg.train.seed, hf_dir, closing)
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
 
     launched = []
     if r.server.launch:
@@ -175,7 +179,7 @@ def server_settings(
     """How this run launches its SGLang server: on a machine without CUDA, SGLang's CPU
     backend (and no deterministic inference, which needs its CUDA kernels); ``colocate``:
     with its memory saver, to share the trainer's GPUs."""
-    from moe_rl.rollout.server import ServerSettings
+    from moe_rl.rollout.sglang.server import ServerSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and server.deterministic:
@@ -201,7 +205,7 @@ def server_settings(
 def _start_server(
     settings: ServerSettings, timeout_s: float, log_dir: Path, closing: contextlib.ExitStack
 ) -> SGLangServer:
-    from moe_rl.rollout.server import SGLangServer
+    from moe_rl.rollout.sglang.server import SGLangServer
 
     server = SGLangServer(settings, log_dir)
     closing.callback(server.stop)
@@ -212,7 +216,7 @@ def _start_server(
 def check_server_placement(r: RolloutConfig) -> None:
     """Before anything starts: a server this run launches gets GPUs of its own (unless it
     is meant to share the trainer's: ``rollout.colocate``)."""
-    from moe_rl.rollout.server import check_server_gpus
+    from moe_rl.rollout.sglang.server import check_server_gpus
     from parallel.distributed import node_gpu_ids
 
     if r.server.launch and not r.colocate:

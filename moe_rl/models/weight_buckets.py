@@ -286,7 +286,7 @@ def _writer_rank(recipe: Recipe, mapper: ParamMapper) -> int | None:
 
 class HFWeights:
     """A (sharded) megatron model's weights under HF names: the
-    :class:`moe_rl.rollout.weight_sync.WeightSource` the rollout engine is synced from.
+    :class:`moe_rl.rollout.weight_sync.base.WeightSource` the rollout engine is synced from.
     Every method is collective."""
 
     def __init__(self, model: GPTModel, hf_config: PretrainedConfig) -> None:

@@ -1,6 +1,6 @@
 """The built-in rollout engine: a transformers model with a KV cache, in this process.
 
-Same interface and log-prob semantics as :class:`moe_rl.rollout.sglang.SGLangEngine`:
+Same interface and log-prob semantics as :class:`moe_rl.rollout.sglang.engine.SGLangEngine`:
 log-probs at the sampling temperature before top-p/top-k truncation, one seeded
 random stream per sample (drawn for every row at once), and routed experts in SGLang's layout
 (``[prompt + output - 1, num_layers, top_k]``; dense layers get ``0..k-1``) in

@@ -56,7 +56,7 @@ class SeparatePlacement:
 
 class Colocation:
     """Trainer and SGLang servers share GPUs. ``engine``: an
-    :class:`moe_rl.rollout.sglang.SGLangEngine` on the first rank, ``None`` elsewhere.
+    :class:`moe_rl.rollout.sglang.engine.SGLangEngine` on the first rank, ``None`` elsewhere.
     Made after :meth:`free_engine_memory`, which runs before the trainer builds its state."""
 
     def __init__(self, engine: RolloutEngine | None, offloader: DeviceOffloader) -> None:

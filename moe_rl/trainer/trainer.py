@@ -45,7 +45,7 @@ from moe_rl.models.architectures import architecture_of, load_hf_config, model_d
 from moe_rl.models.demo_model import demo_model_dims, ensure_demo_model
 from moe_rl.models.layers import LayerModules
 from moe_rl.models.logprob_head import LogProbConfig
-from moe_rl.rollout.weight_sync import WeightSync
+from moe_rl.rollout.weight_sync.base import WeightSync
 from moe_rl.routing.expert_bias import ExpertBiasTracker
 from moe_rl.routing.monitor import RoutingMonitor
 from moe_rl.routing.step_replay import StepReplay

@@ -13,8 +13,8 @@ import torch
 
 from conftest import STAND_IN_SERVER, moe_rl
 from moe_rl.models.tiny import save_tiny_checkpoint
-from moe_rl.rollout.server import ServerSettings, SGLangServer
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
+from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.drift import drift_metrics
 from parallel.launch import free_port

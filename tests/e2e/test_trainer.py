@@ -343,7 +343,7 @@ def test_train_against_an_sglang_protocol_server(cache, sglang_servers, tmp_path
 def start_test_servers(cache: str, tmp_path: Path, count: int, **settings) -> list:
     """``count`` SGLang-protocol test servers of the built-in model (not yet healthy)."""
     from moe_rl.config import load_config
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from moe_rl.models.demo_model import demo_model_dir
     from parallel.launch import free_port
 

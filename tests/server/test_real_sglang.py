@@ -23,7 +23,7 @@ import torch
 
 from conftest import SGLANG_PYTHON, SUPPORT, WARM_START, demo_model_dir, demo_weights_on, moe_rl, start_sglang
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
 from moe_rl.rollout.types import RolloutError, SamplingParams
 from moe_rl.routing.drift import changed_frac
 from moe_rl.routing.encoding import decode_routed_experts

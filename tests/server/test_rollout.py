@@ -21,11 +21,12 @@ from moe_rl.models.hf_weights import SafetensorsDir
 from moe_rl.models.tiny import save_tiny_checkpoint
 from moe_rl.models.weight_buckets import Bucket, WeightEntry, plan_buckets
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.server import ServerSettings, SGLangServer, stop_stale_server
-from moe_rl.rollout.sglang import SGLangEngine, weight_group_offsets
-from moe_rl.rollout.sglang_turns import HttpTurns
+from moe_rl.rollout.sglang.engine import SGLangEngine
+from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer, stop_stale_server
+from moe_rl.rollout.sglang.turns import HttpTurns
+from moe_rl.rollout.sglang.weight_updates import weight_group_offsets
 from moe_rl.rollout.types import RolloutError, SamplingParams, StaleWeightsError
-from moe_rl.rollout.weight_sync import DistributedSync
+from moe_rl.rollout.weight_sync.distributed import DistributedSync
 from parallel.launch import free_port
 from parallel.weight_update_group import join_weight_update_group
 from sglang_test_server import weights_digest
@@ -179,7 +180,7 @@ def test_a_refused_weight_update_leaves_no_server_paused_or_in_a_session(servers
 
 
 class CheckpointWeights:
-    """A one-process :class:`moe_rl.rollout.weight_sync.WeightSource`: a checkpoint's tensors
+    """A one-process :class:`moe_rl.rollout.weight_sync.base.WeightSource`: a checkpoint's tensors
     packed into buckets by the trainer's own planner."""
 
     def __init__(self, path: str) -> None:
@@ -333,7 +334,7 @@ def test_multi_turn_requests_keep_their_prompts_server() -> None:
 
 def test_prefix_hashes_follow_the_polynomial_recurrence() -> None:
     """The vectorised prefix hashes equal h_i = h_(i-1) * B + t_i (mod 2**64), token by token."""
-    from moe_rl.rollout.sglang_turns import _HASH_BASE, prefix_hashes
+    from moe_rl.rollout.sglang.turns import _HASH_BASE, prefix_hashes
 
     tokens = torch.randint(0, 151_936, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     expected, h = [], 0
@@ -395,7 +396,7 @@ def test_a_server_that_never_becomes_healthy_is_reported_with_its_log_tail(tmp_p
     hang = [sys.executable, "-c", "import time; print('loading weights 3/7', flush=True); time.sleep(600)"]
     server = SGLangServer(ServerSettings(model_path="x", port=free_port(), launch_command=hang), tmp_path)
     with pytest.raises(
-        RolloutError, match="not healthy after 2s \\(rollout.server_start_timeout_s\\)(.|\n)*loading weights 3/7"
+        RolloutError, match="not healthy after 2s \\(rollout.server.start_timeout_s\\)(.|\n)*loading weights 3/7"
     ):
         server.wait_healthy(timeout_s=2)
     assert server.process.poll() is not None  # stopped
@@ -547,7 +548,7 @@ def test_a_launched_server_never_outlives_its_owner(ckpts, tmp_path) -> None:
     # the owner is killed with -9: the server gets SIGTERM (a parent-death signal)
     owner_code = (
         "import time\n"
-        "from moe_rl.rollout.server import ServerSettings, SGLangServer\n"
+        "from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer\n"
         f"s = SGLangServer(ServerSettings(model_path={ckpts['v0']!r}, port={free_port()}, launch_command={SERVER!r}), {str(tmp_path)!r})\n"
         "s.wait_healthy(timeout_s=120)\n"
         "print(s.process.pid, flush=True)\n"
@@ -596,7 +597,7 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     same memory from it."""
     import base64
 
-    from moe_rl.rollout.weight_sync import serialize_for_sglang
+    from moe_rl.rollout.weight_sync.cuda_ipc import serialize_for_sglang
 
     flat = torch.arange(1000, dtype=torch.float32, device="cuda").view(torch.uint8)
     payload = serialize_for_sglang({"flattened_tensor": flat, "metadata": []})
@@ -604,7 +605,7 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     assert uuid.encode() in base64.b64decode(payload)
     (tmp_path / "payload").write_text(payload)
     child = (
-        "import sys, torch; from moe_rl.rollout.weight_sync import deserialize_sglang_payload; "
+        "import sys, torch; from moe_rl.rollout.weight_sync.cuda_ipc import deserialize_sglang_payload; "
         "t = deserialize_sglang_payload(open(sys.argv[1]).read())['flattened_tensor']; print(t.view(torch.float32).sum().item())"
     )
     out = subprocess.run(

@@ -157,7 +157,7 @@ def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, dem
 
     from safetensors.torch import load_file, save_file
 
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
     from parallel.launch import free_port
     from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from moe_rl.models.tiny import save_tiny_checkpoint
-from moe_rl.rollout import weight_sync
-from moe_rl.rollout.server import python_nccl_version
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
+from moe_rl.rollout.sglang.server import python_nccl_version
 from moe_rl.rollout.types import RolloutError, SamplingParams
-from moe_rl.rollout.weight_sync import DistributedSync, check_nccl_versions
+from moe_rl.rollout.weight_sync import distributed, nccl
+from moe_rl.rollout.weight_sync.distributed import DistributedSync
+from moe_rl.rollout.weight_sync.nccl import check_nccl_versions
 from parallel.launch import free_port
 from test_rollout import CheckpointWeights, start_server
 
@@ -103,13 +104,13 @@ def test_nccl_versions_are_compared_before_a_group_is_joined(monkeypatch, model,
         check_nccl_versions("2.27.7", {"http://a:1": "2.27.7", "http://b:2": "2.21.5"})
     line = str(refused.value)
     assert "\n" not in line and "NCCL 2.27.7" in line and "http://b:2 NCCL 2.21.5" in line
-    assert "tools/setup.sh --sglang" in line and "rollout.weight_sync=disk" in line
-    with caplog.at_level(logging.WARNING, logger=weight_sync.__name__):
+    assert "tools/setup.sh --sglang" in line and "rollout.weight_sync.method=disk" in line
+    with caplog.at_level(logging.WARNING, logger=nccl.__name__):
         check_nccl_versions("2.27.7", {"http://attached:1": None})
     assert "cannot check the NCCL version of SGLang server(s) ['http://attached:1']" in caplog.text
 
     # through the sync: a launched server's probe answers, the trainer's NCCL stands in on CPU
-    monkeypatch.setattr(weight_sync, "trainer_nccl_version", lambda: "2.27.7")
+    monkeypatch.setattr(distributed, "trainer_nccl_version", lambda: "2.27.7")
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]  # never asked: nobody listens
     engine = SGLangEngine(urls, nccl_version_probes=[lambda: "2.27.7", lambda: "2.21.5"])
     sync = DistributedSync(engine, bucket_bytes=1 << 20, dtype=torch.float32, backend="nccl")
@@ -158,7 +159,7 @@ def test_a_run_whose_server_refuses_a_bucket_stops_with_its_message(demo_cache, 
             f"train.run_dir={tmp_path / 'run'}",
             "train.progress=false",
             "rollout.engine=sglang",
-            f"rollout.sglang_urls=[{url}]",
+            f"rollout.server.urls=[{url}]",
             timeout=300,
         )
     finally:

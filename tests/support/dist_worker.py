@@ -332,8 +332,9 @@ def tensor_sync_checks(model, hf_config, out: Path) -> None:
     import re
 
     from moe_rl.models.weight_buckets import HFWeights
-    from moe_rl.rollout.sglang import SGLangEngine
-    from moe_rl.rollout.weight_sync import TensorSync, deserialize_sglang_payload
+    from moe_rl.rollout.sglang.engine import SGLangEngine
+    from moe_rl.rollout.weight_sync.cuda_ipc import deserialize_sglang_payload
+    from moe_rl.rollout.weight_sync.tensor import TensorSync
 
     class Capturing(SGLangEngine):
         def __init__(self) -> None:

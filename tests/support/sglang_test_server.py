@@ -63,8 +63,8 @@ import torch
 from moe_rl.rollout.local import LocalEngine
 from moe_rl.rollout.settings import SimulatedMismatch
 from moe_rl.rollout.types import SamplingParams
-from moe_rl.rollout.sglang import FLATTENED_BUCKETS_SINCE, sglang_version
-from moe_rl.rollout.weight_sync import deserialize_sglang_payload
+from moe_rl.rollout.sglang.weight_updates import FLATTENED_BUCKETS_SINCE, sglang_version
+from moe_rl.rollout.weight_sync.cuda_ipc import deserialize_sglang_payload
 from moe_rl.routing.encoding import encode_routed_experts
 from parallel.weight_update_group import join_weight_update_group, leave_weight_update_group
 

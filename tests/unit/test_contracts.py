@@ -7,7 +7,7 @@ import pytest
 
 from moe_rl.rollout import contracts
 from moe_rl.rollout.local import LocalEngine
-from moe_rl.rollout.sglang import SGLangEngine
+from moe_rl.rollout.sglang.engine import SGLangEngine
 
 CAPABILITIES = [
     obj
@@ -48,7 +48,9 @@ def test_sglang_declares_what_its_syncs_and_placement_need() -> None:
 
 
 def test_a_sync_refuses_an_engine_without_its_capability() -> None:
-    from moe_rl.rollout.weight_sync import DistributedSync, InProcessSync, TensorSync
+    from moe_rl.rollout.weight_sync.distributed import DistributedSync
+    from moe_rl.rollout.weight_sync.in_process import InProcessSync
+    from moe_rl.rollout.weight_sync.tensor import TensorSync
 
     class DiskOnly:
         def update_weights_from_disk(self, model_path: str, weight_version: str) -> None: ...

@@ -29,7 +29,7 @@ from moe_rl.rollout.single_turn import SingleTurnSampler
 from moe_rl.rollout.types import RolloutEngine, RolloutError, Sample, SampleStatus, SamplingParams, Truncation
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
-from moe_rl.trainer.objective import PolicyObjective
+from moe_rl.trainer.objective import UPDATE_REPORT, PolicyObjective
 from moe_rl.trainer.packing import fixed_plan
 
 import multi_turn_fns
@@ -498,9 +498,10 @@ def test_the_loss_counts_the_policys_tokens_only() -> None:
     logp = -torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(0))
     old = logp - 0.3 * torch.rand(mb.mask.shape, generator=torch.Generator().manual_seed(1))
     mb.old_logp = old
-    loss, metrics = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)(
+    loss, outputs = PolicyObjective(AlgorithmConfig(loss="grpo"), batch.num_tokens, batch.num_seqs)(
         torch.stack([logp, torch.zeros_like(logp)], -1), mb
     )
+    metrics = outputs[UPDATE_REPORT].metrics
     hand, count = 0.0, 0
     for row, s in enumerate(exp.samples):
         for k, (_token, policy) in enumerate(zip(s.output_ids, s.output_mask())):

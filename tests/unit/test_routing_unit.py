@@ -49,7 +49,7 @@ def test_routing_is_kept_in_the_smallest_type_and_decodes_as_sglangs_int32(
 
     import numpy as np
 
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
 
     assert expert_index_dtype(num_experts) == dtype
     gen = torch.Generator().manual_seed(num_experts)

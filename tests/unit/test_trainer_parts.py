@@ -14,7 +14,8 @@ import torch
 from moe_rl.algorithms import policy_loss
 from moe_rl.config import AlgorithmConfig, ConfigError, load_config
 from moe_rl.rollout.types import RolloutEngine, Sample
-from moe_rl.rollout.weight_sync import DiskSync, InProcessSync
+from moe_rl.rollout.weight_sync.disk import DiskSync
+from moe_rl.rollout.weight_sync.in_process import InProcessSync
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.batch import build_train_batch
 from moe_rl.trainer.packing import fixed_plan
@@ -389,7 +390,7 @@ def test_config_sections_are_the_layout_and_optimizer_types() -> None:
 
 
 def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
-    from moe_rl.rollout.server import ServerSettings, check_server_gpus
+    from moe_rl.rollout.sglang.server import ServerSettings, check_server_gpus
 
     check_server_gpus([], [])  # a CPU machine
     check_server_gpus([8, 9], ["0", "1", "2", "3"])
@@ -409,7 +410,7 @@ def test_a_launched_server_never_shares_the_trainers_gpus() -> None:
 def test_a_server_launched_without_cuda_gets_sglangs_cpu_backend(monkeypatch) -> None:
     """No CUDA: SGLang's CPU flags and environment, no deterministic inference (it needs
     CUDA kernels), the configured Python and extra flags last (they win)."""
-    from moe_rl.rollout.server import CPU_SERVER_ARGS
+    from moe_rl.rollout.sglang.server import CPU_SERVER_ARGS
     from moe_rl.experience.builders import server_settings
 
     cfg = load_config(

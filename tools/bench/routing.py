@@ -56,7 +56,7 @@ def routing_data(repeats: int) -> dict:
     Qwen3-30B-A3B's shape."""
     import base64
 
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
     from moe_rl.routing.replay import engine_routing_to_replay
 
     t, l, k, e = (QWEN3_30B[x] for x in ("tokens", "layers", "top_k", "experts"))

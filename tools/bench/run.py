@@ -67,7 +67,7 @@ def matmul_peak(n: int, repeats: int) -> float:
 
 def client_overhead(requests: int) -> dict:
     """The SGLang client's own cost per /generate against a server that answers at once."""
-    from moe_rl.rollout.sglang import SGLangEngine
+    from moe_rl.rollout.sglang.engine import SGLangEngine
     from moe_rl.rollout.types import SamplingParams
     from parallel.launch import free_port
 

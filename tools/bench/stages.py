@@ -75,7 +75,11 @@ STAGES = [
     ("finite-grad check", 3, "parallel.optim:_grads_finite"),
     ("optimizer step", 3, None),  # the optimizer's own step(), wrapped on the instance
     ("after-update routing pass", 2, "moe_rl.trainer.trainer:Trainer.measure_routing_after_update"),
-    ("weight sync (push)", 2, "moe_rl.rollout.weight_sync:InProcessSync.push"),
+    (
+        "weight sync (push)",
+        2,
+        "moe_rl.rollout.weight_sync.in_process:InProcessSync.push|moe_rl.rollout.weight_sync:InProcessSync.push",
+    ),
     ("metric reductions", 2, None),  # the reduce_* functions together
     ("padding frac", 2, "moe_rl.trainer.trainer:padding_frac"),
     ("log-ratio histogram values", 2, "moe_rl.trainer.trainer:log_ratio_values"),

@@ -214,8 +214,8 @@ def worker(hf_dir: str, url: str, bucket_mb: float, syncs: int, out: str) -> Non
     from moe_rl.models.architectures import load_hf_config, model_dims
     from moe_rl.models.builder import build_model, make_transformer_config
     from moe_rl.models.weight_buckets import HFWeights
-    from moe_rl.rollout.sglang import SGLangEngine
-    from moe_rl.rollout.weight_sync import DistributedSync
+    from moe_rl.rollout.sglang.engine import SGLangEngine
+    from moe_rl.rollout.weight_sync.distributed import DistributedSync
     from parallel.collectives import all_gather_objects, barrier, rank
     from parallel.distributed import destroy_distributed, init_distributed
     from parallel.layout import ParallelLayout
@@ -263,7 +263,7 @@ def measure(args: argparse.Namespace) -> dict:
     import httpx
 
     from moe_rl.models.tiny import save_tiny_checkpoint
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from parallel.launch import free_port, spawn_local
 
     tmp = Path(tempfile.mkdtemp())

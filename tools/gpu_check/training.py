@@ -257,7 +257,7 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
     """2 colocated steps against the SGLang-protocol stand-in on the same device: the trainer's
     state offloaded around each rollout, CUDA-IPC tensor weight sync, R3 from the server."""
     from moe_rl.config import load_config
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from moe_rl.models.demo_model import demo_model_dir
     from parallel.launch import free_port
 

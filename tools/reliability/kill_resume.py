@@ -127,7 +127,7 @@ def compare(a: Path, b: Path) -> list[str]:
 
 
 def start_server(model_dir: str, log_dir: Path):
-    from moe_rl.rollout.server import ServerSettings, SGLangServer
+    from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from parallel.launch import free_port
 
     command = [sys.executable, "-W", "ignore", str(ROOT / "tests" / "support" / "sglang_test_server.py")]

@@ -15,7 +15,7 @@ from moe_rl.rollout.types import Sample, SamplingParams
 
 
 class TurnRequests(Protocol):
-    """What :class:`HttpTurns` asks of its engine (:class:`~moe_rl.rollout.sglang.SGLangEngine`)."""
+    """What :class:`HttpTurns` asks of its engine (:class:`~moe_rl.rollout.sglang.engine.SGLangEngine`)."""
 
     def take_server(self) -> int:
         """The next server in turn."""
@@ -38,7 +38,7 @@ class TurnRequests(Protocol):
 
 
 class HttpTurns:
-    """:class:`TurnSource` of an :class:`~moe_rl.rollout.sglang.SGLangEngine`: one request per turn, each on the
+    """:class:`TurnSource` of an :class:`~moe_rl.rollout.sglang.engine.SGLangEngine`: one request per turn, each on the
     server of the first request whose tokens it starts with (a sample's first turn, or
     its prompt's first sample), so a prompt's samples and turns share that server's prefix
     cache; a request that continues none takes the next server."""

@@ -107,13 +107,13 @@ def check_server_gpus(server_gpus: Sequence[int | str], trainer_gpus: Sequence[i
         return  # no GPUs on this machine
     if not server_gpus:
         raise ValueError(
-            f"rollout.launch_server on a GPU machine needs rollout.server_gpus (GPUs for SGLang); the trainer uses GPUs "
+            f"rollout.server.launch on a GPU machine needs rollout.server.gpus (GPUs for SGLang); the trainer uses GPUs "
             f"{list(trainer_gpus)} on this node"
         )
     shared = sorted(set(map(str, server_gpus)) & set(map(str, trainer_gpus)))
     if shared:
         raise ValueError(
-            f"rollout.server_gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}"
+            f"rollout.server.gpus={list(server_gpus)} overlaps the trainer's GPUs {list(trainer_gpus)} on this node: {shared}"
         )
 
 
@@ -128,7 +128,7 @@ def _check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError:
             raise RolloutError(
-                f"port {port} on {host} is already in use (another server?): choose another rollout.server_port"
+                f"port {port} on {host} is already in use (another server?): choose another rollout.server.port"
             ) from None
 
 
@@ -192,7 +192,7 @@ class SGLangServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RolloutError(
-                    f"SGLang server on {self.url} not healthy after {timeout_s:.0f}s (rollout.server_start_timeout_s); "
+                    f"SGLang server on {self.url} not healthy after {timeout_s:.0f}s (rollout.server.start_timeout_s); "
                     f"log {self.log_path}, its tail:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
