@@ -60,3 +60,7 @@ for distributed_optimizer in (False, True):
     ]
 if dist.get_rank() == 0:
     print(json.dumps(result), flush=True)
+sys.stdout.flush()
+# skip interpreter teardown: gloo's threads still alive then abort a rank now and then under
+# load ("terminate called without an active exception"), after the results are out
+os._exit(0)
