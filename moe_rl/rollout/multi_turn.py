@@ -49,6 +49,7 @@ from torch import Tensor
 
 from moe_rl.rollout.transcript import Transcript, TranscriptError, Turn
 from moe_rl.rollout.types import (
+    GroupCallback,
     RolloutEngine,
     RolloutError,
     Sample,
@@ -56,7 +57,6 @@ from moe_rl.rollout.types import (
     SamplingParams,
     TurnSource,
     Truncation,
-    GroupCallback,
     run_groups,
     sample_seed,
 )

@@ -171,7 +171,7 @@ class RolloutEngine(ABC):
         (derived from ``seed``), so a GRPO group never repeats one sampling stream.
         ``on_group(i, result[i])`` once per group, before this returns: as soon as the
         group's last sample is done where the engine can tell (the rest still generating),
-        else all at the end (:func:`hand_over_groups`)."""
+        else all at the end."""
 
     @abstractmethod
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
@@ -210,15 +210,6 @@ T = TypeVar("T")
 # the generating thread (an event loop's, for SGLang and multi-turn rollouts), so it must
 # return at once: hand the work to another thread, never do it there.
 GroupCallback = Callable[[int, list[Sample]], None]
-
-
-def hand_over_groups(groups: list[list[Sample]], on_group: GroupCallback | None) -> list[list[Sample]]:
-    """``groups``, each handed to ``on_group`` first: an engine that cannot tell when a
-    group is done hands every group over at the end."""
-    if on_group is not None:
-        for i, group in enumerate(groups):
-            on_group(i, group)
-    return groups
 
 
 async def run_groups(

@@ -18,10 +18,10 @@ from torch import Tensor
 from moe_rl.rollout.sglang.control import ServerControl
 from moe_rl.rollout.sglang.turns import HttpTurns
 from moe_rl.rollout.types import (
+    GroupCallback,
     RolloutError,
     Sample,
     SamplingParams,
-    GroupCallback,
     StaleWeightsError,
     TurnSource,
     run_groups,
