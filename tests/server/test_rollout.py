@@ -331,7 +331,7 @@ def test_a_group_is_scored_while_a_later_one_still_generates(servers, monkeypatc
     async def held(*args, rid: str, **kwargs):
         if rid.split("-")[3] == "1":  # moe-rl-{seed}-{prompt}-{sample}
             for _ in range(3000):  # 30 s, then the hold gives up (and the order below fails)
-                if SCORED:
+                if "scored" in SCORED:
                     break
                 await asyncio.sleep(0.01)
         sample = await request(*args, rid=rid, **kwargs)
