@@ -127,6 +127,7 @@ def build_scorer(cfg: Config) -> RewardScorer:
         timeout_s=cfg.reward.timeout_s,
         workers=cfg.reward.workers,
         keep_special_tokens=cfg.reward.keep_special_tokens,
+        score_as_finished=cfg.reward.score_as_finished,
     )
 
 

@@ -8,7 +8,9 @@ rewards are dropped and more prompts sampled, up to ``rollout.dynamic_sampling.m
 
 from __future__ import annotations
 
+import functools
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -47,30 +49,52 @@ def generate_and_score(
     seed: int,
     return_routing: bool = False,
 ) -> SampledRound:
-    """``group_size`` responses to each problem, scored (training and evaluation alike).
-    A multi-turn sample whose generate function failed scores 0 in every reward."""
+    """``group_size`` responses to each problem, scored (training and evaluation alike): at
+    the end, or (``scorer.score_as_finished``) each group as soon as it is done, while the
+    rest still generate. A multi-turn sample whose generate function failed scores 0 in every reward."""
     encoded = formatter.encode_all(problems)
-    groups = sampler.sample(
-        problems, [ids for ids, _ in encoded], group_size, sampling, seed=seed, routed=return_routing
+    prompts = [ids for ids, _ in encoded]
+    inputs = functools.partial(
+        _reward_inputs,
+        tokenizer=formatter.tokenizer,
+        keep_special_tokens=scorer.keep_special_tokens,
+        max_new_tokens=sampling.max_new_tokens,
     )
-    samples = [s for g in groups for s in g]
-    texts = _response_texts(samples, formatter.tokenizer, scorer.keep_special_tokens)
-    inputs = [
-        RewardInput(
-            problems[i // group_size].prompt,
-            text,
-            problems[i // group_size].answer,
-            s.policy_token_count,
-            sampling.max_new_tokens,
-            s.reward_metadata(),
+    if scorer.score_as_finished:
+        pending: dict[int, Future] = {}
+
+        def score_group(i: int, group: list[Sample]) -> None:  # on the generating thread: hand over, return
+            if i in pending:
+                raise RuntimeError(f"the sampler handed over group {i} twice")
+            pending[i] = scorer.submit(inputs([problems[i]] * len(group), group))
+
+        groups = sampler.sample(
+            problems, prompts, group_size, sampling, seed=seed, routed=return_routing, on_group=score_group
         )
-        for i, (s, text) in enumerate(zip(samples, texts))
-    ]
-    rewards = scorer.score(inputs)
+        for i, group in enumerate(groups):  # any the sampler did not hand over (it must not, but scores stay whole)
+            if i not in pending:
+                score_group(i, group)
+        rewards = scorer.gather([pending[i] for i in range(len(groups))])
+        samples = [s for g in groups for s in g]
+    else:
+        groups = sampler.sample(problems, prompts, group_size, sampling, seed=seed, routed=return_routing)
+        samples = [s for g in groups for s in g]
+        rewards = scorer.score(inputs([problems[i // group_size] for i in range(len(samples))], samples))
     failed = [i for i, s in enumerate(samples) if s.status is SampleStatus.FAILED]
     if failed:
         rewards.values[failed] = 0.0
     return SampledRound(problems, samples, rewards, sum(t for _, t in encoded))
+
+
+def _reward_inputs(
+    problems: list[Problem], samples: list[Sample], *, tokenizer, keep_special_tokens: bool, max_new_tokens: int
+) -> list[RewardInput]:
+    """What the rewards see of each sample (``samples[k]`` answers ``problems[k]``)."""
+    texts = _response_texts(samples, tokenizer, keep_special_tokens)
+    return [
+        RewardInput(p.prompt, text, p.answer, s.policy_token_count, max_new_tokens, s.reward_metadata())
+        for p, s, text in zip(problems, samples, texts)
+    ]
 
 
 def _response_texts(samples: list[Sample], tokenizer, keep_special_tokens: bool = False) -> list[str]:

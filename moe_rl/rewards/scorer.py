@@ -3,7 +3,9 @@
 It runs every configured reward function on every sample, in a thread of the first rank or
 in worker processes (:mod:`moe_rl.rewards.pool`); a function that raises, runs past its
 timeout or returns NaN/Inf scores 0 for that sample, is counted per reward and per kind,
-and never stops the run.
+and never stops the run. Samples may also be handed over while others still generate
+(:meth:`RewardScorer.submit`, a feeder thread drives the reward thread or the pool) and
+collected together at the end (:meth:`RewardScorer.gather`), with the same results.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -32,6 +35,7 @@ from moe_rl.rewards.base import (
 
 log = logging.getLogger(__name__)
 
+Outcome = tuple[float, str | None]  # a reward call's value, and its failure kind (None: it did not fail)
 WARM_UP_TIMEOUT_S = 120.0  # the rewards' warm-up (lazy imports, parser tables) may take this long
 
 
@@ -45,8 +49,10 @@ class RewardScorer:
         timeout_s: float = 10.0,
         workers: int = 0,
         keep_special_tokens: bool = False,
+        score_as_finished: bool = False,
     ) -> None:
         self.keep_special_tokens = keep_special_tokens  # the text it scores keeps special tokens
+        self.score_as_finished = score_as_finished  # its callers submit each group as it finishes
         if not specs:
             raise ValueError("at least one reward is needed")
         names = [s.name for s in specs]
@@ -67,6 +73,8 @@ class RewardScorer:
         self.failure_totals: dict[str, Counter] = {n: Counter() for n in names}
         self._pool = None
         self._thread: _RewardThread | None = None
+        # scores what submit() hands over, one submission at a time, in order; made at the first
+        self._feeder: ThreadPoolExecutor | None = None
         if workers > 0:
             from moe_rl.rewards.pool import RewardPool
 
@@ -78,8 +86,26 @@ class RewardScorer:
     def score(self, samples: Sequence[RewardInput]) -> RewardBatch:
         """Every reward of every sample: in worker processes (``workers > 0``, in parallel,
         a hung call's worker killed at the timeout), or one call at a time in a thread."""
-        columns: list[list[float]] = []
-        failures: dict[str, Counter] = {n: Counter() for n in self.names}
+        if self._feeder is not None:  # scoring has begun on the feeder: it keeps the thread or pool to itself
+            return self.gather([self.submit(samples)])
+        return self._table(self._outcomes(samples))
+
+    def submit(self, samples: Sequence[RewardInput]) -> Future[list[list[Outcome]]]:
+        """Start scoring ``samples`` in the background and return at once (e.g. a group whose
+        responses are done while others still generate); :meth:`gather` collects them.
+        Submissions are scored one after another, each exactly as :meth:`score` would."""
+        if self._feeder is None:
+            self._feeder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-reward-feed")
+        return self._feeder.submit(self._outcomes, list(samples))
+
+    def gather(self, pending: Sequence[Future[list[list[Outcome]]]]) -> RewardBatch:
+        """The rewards of the samples of every submission in ``pending``, in that order:
+        the table :meth:`score` gives for all of them at once (failures counted alike)."""
+        parts = [p.result() for p in pending]
+        return self._table([[o for part in parts for o in part[k]] for k in range(len(self.specs))])
+
+    def _outcomes(self, samples: Sequence[RewardInput]) -> list[list[Outcome]]:
+        """Each reward's (value, failure kind) for each sample: ``[reward][sample]``."""
         if self._pool is not None:
             tasks = [(spec.fn, spec.kwargs, sample) for spec in self.specs for sample in samples]
             outcomes = iter(self._pool.score(tasks))
@@ -87,10 +113,16 @@ class RewardScorer:
             outcomes = self._call_all(
                 [(fn, sample, spec.kwargs) for spec, fn in zip(self.specs, self._fns) for sample in samples]
             )
-        for spec in self.specs:
+        return [[next(outcomes) for _ in samples] for _ in self.specs]
+
+    def _table(self, outcomes: list[list[Outcome]]) -> RewardBatch:
+        """The reward table of ``outcomes`` (``[reward][sample]``), conditionals applied;
+        failures counted (the first of each kind per reward logged)."""
+        columns: list[list[float]] = []
+        failures: dict[str, Counter] = {n: Counter() for n in self.names}
+        for spec, column_outcomes in zip(self.specs, outcomes):
             column = []
-            for _ in samples:
-                value, failure = next(outcomes)
+            for value, failure in column_outcomes:
                 if failure is not None:
                     failures[spec.name][failure] += 1
                     if self.failure_totals[spec.name][failure] == 0:
@@ -106,7 +138,7 @@ class RewardScorer:
             values = conditional_reward(values, self.names.index(c.target), self.names.index(c.condition), c.threshold)
         return RewardBatch(values=values, names=list(self.names), weights=list(self.weights), failures=failures)
 
-    def _call_all(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> Iterator[tuple[float, str | None]]:
+    def _call_all(self, calls: list[tuple[RewardFn, RewardInput, dict]]) -> Iterator[Outcome]:
         """Each call's (value, failure kind), in order, run one at a time on the scorer's
         reward thread. The calls are queued together and this thread sleeps until all have
         run (one hand-off and one wake-up per batch: a wake-up per call cost more than the
@@ -135,7 +167,10 @@ class RewardScorer:
             calls = calls[late + 1 :]
 
     def close(self) -> None:
-        """Stop the worker processes (if any)."""
+        """Stop the feeder thread and the worker processes (if any)."""
+        if self._feeder is not None:
+            self._feeder.shutdown(wait=True, cancel_futures=True)
+            self._feeder = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -43,6 +43,11 @@ class RewardConfig:
     # tokens (chat and tool markers, EOS excepted); default: decoded with them skipped, as
     # TRL, verl and SGLang's own text give it
     keep_special_tokens: bool = False
+    # score each group (a prompt's group_size responses) as soon as its last response is
+    # done, in the background while the rest still generate; the step then waits only for
+    # the rewards still left. Same rewards and advantages as scoring after the whole batch
+    # (advantages still wait for every group); off: everything scored after generation
+    score_as_finished: bool = False
 
     def validate(self) -> None:
         from moe_rl.rewards import check_reward_function

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import re
 import time
-from typing import AsyncIterator, Iterator, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.contracts import InProcessWeightReceiver
 from moe_rl.rollout.mismatch import MismatchSimulation
 from moe_rl.rollout.settings import SimulatedMismatch
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
+from moe_rl.rollout.types import GroupCallback, RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
 
 
 class LocalEngine(RolloutEngine, InProcessWeightReceiver):
@@ -190,19 +190,34 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         *,
         seed: int,
         return_routed_experts: bool = False,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]:
+        """Prompts of one length decode as one batch; ``on_group`` gets a prompt's samples
+        when its batch ends (a group never spans two batches: its rows share a prompt)."""
         if n < 1:
             raise ValueError(f"n={n} samples per prompt must be >= 1")
         rows = [list(p) for p in prompts for _ in range(n)]
         seeds = [sample_seed(seed, i, j, n) for i in range(len(prompts)) for j in range(n)]
-        samples = self.generate_seeded(rows, seeds, params, return_routed_experts)
+
+        def hand_over(batch_rows: list[int], batch: list[Sample]) -> None:
+            assert on_group is not None
+            done = dict(zip(batch_rows, batch))
+            for i in sorted({r // n for r in batch_rows}):
+                on_group(i, [done[r] for r in range(i * n, (i + 1) * n)])
+
+        samples = self.generate_seeded(rows, seeds, params, return_routed_experts, hand_over if on_group else None)
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def generate_seeded(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams, routed: bool
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        params: SamplingParams,
+        routed: bool,
+        on_batch: Callable[[list[int], list[Sample]], None] | None = None,
     ) -> list[Sample]:
         """One sample of each prompt with its own seed; prompts of one length share a batch
-        (no padding: the numerics of a batch of one)."""
+        (no padding: the numerics of a batch of one), ``on_batch(rows, samples)`` as each ends."""
         params.validate()
         start = time.perf_counter()
         mismatch = self._active_mismatch()
@@ -215,6 +230,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             )
             for i, sample in zip(indices, samples):
                 out[i] = sample
+            if on_batch is not None:
+                on_batch(indices, samples)
         self.seconds_generating += time.perf_counter() - start
         done = [sample for sample in out if sample is not None]
         assert len(done) == len(out)  # every prompt is in one length's batch

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from moe_rl.rollout.transcript import Transcript, TranscriptError, Turn
 from moe_rl.rollout.types import (
+    GroupCallback,
     RolloutEngine,
     RolloutError,
     Sample,
@@ -288,10 +289,12 @@ class MultiTurnSampler:
         *,
         seed: int,
         routed: bool,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]:
+        """Every transcript a task of one event loop; ``on_group`` as each problem's last one ends."""
         params.validate()
         try:
-            return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed))
+            return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed, on_group))
         except KeyboardInterrupt as e:  # asyncio lets it through at once, from any sample
             raise KeyboardInterrupt(
                 str(e)
@@ -300,13 +303,14 @@ class MultiTurnSampler:
             ) from None
 
     async def _sample_all(
-        self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool
+        self, problems, prompts, n: int, params: SamplingParams, seed: int, routed: bool, on_group: GroupCallback | None
     ) -> list[list[Sample]]:
         async with self.engine.turns(return_routed_experts=routed) as source:
             return await run_groups(
                 lambda i, j: self._one(source, problems[i], prompts[i], params, sample_seed(seed, i, j, n), routed),
                 len(prompts),
                 n,
+                on_group,
             )
 
     async def _one(

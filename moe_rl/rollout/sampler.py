@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from moe_rl.rollout.types import Sample, SamplingParams
+from moe_rl.rollout.types import GroupCallback, Sample, SamplingParams
 
 
 class Sampler(Protocol):
     """``n`` samples of each problem (its prompt ``prompts[i]``), group-major, sample j of
-    problem i seeded ``sample_seed(seed, i, j, n)``."""
+    problem i seeded ``sample_seed(seed, i, j, n)``. ``on_group(i, samples)`` once per
+    problem, before ``sample`` returns, as soon as its ``n`` samples are done (the rest
+    still generating) or, where the engine cannot tell, at the end: how the experience
+    collector scores rewards as groups finish (``reward.score_as_finished``)."""
 
     def sample(
         self,
@@ -22,4 +25,5 @@ class Sampler(Protocol):
         *,
         seed: int,
         routed: bool,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from moe_rl.rollout.types import RolloutEngine, Sample, SamplingParams
+from moe_rl.rollout.types import GroupCallback, RolloutEngine, Sample, SamplingParams
 
 
 class SingleTurnSampler:
@@ -22,5 +22,8 @@ class SingleTurnSampler:
         *,
         seed: int,
         routed: bool,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]:
-        return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
+        if on_group is None:  # engines written before the hand-over take no on_group
+            return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed)
+        return self.engine.generate(prompts, n, params, seed=seed, return_routed_experts=routed, on_group=on_group)

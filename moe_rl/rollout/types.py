@@ -165,9 +165,13 @@ class RolloutEngine(ABC):
         *,
         seed: int,
         return_routed_experts: bool = False,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]:
         """``result[i][j]``: sample j of prompt i; sample j of every group gets its own seed
-        (derived from ``seed``), so a GRPO group never repeats one sampling stream."""
+        (derived from ``seed``), so a GRPO group never repeats one sampling stream.
+        ``on_group(i, result[i])`` once per group, before this returns: as soon as the
+        group's last sample is done where the engine can tell (the rest still generating),
+        else all at the end."""
 
     @abstractmethod
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
@@ -202,16 +206,38 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
 
 
 T = TypeVar("T")
+# (group index, its samples): a group handed over once all its samples are done. It runs on
+# the generating thread (an event loop's, for SGLang and multi-turn rollouts), so it must
+# return at once: hand the work to another thread, never do it there.
+GroupCallback = Callable[[int, list[Sample]], None]
 
 
-async def run_groups(make: Callable[[int, int], Awaitable[T]], groups: int, n: int) -> list[list[T]]:
-    """``result[i][j] = await make(i, j)``, all at once; if one fails, the rest are
-    cancelled (and awaited) before the error propagates."""
+async def run_groups(
+    make: Callable[[int, int], Awaitable[T]],
+    groups: int,
+    n: int,
+    on_group: Callable[[int, list[T]], None] | None = None,
+) -> list[list[T]]:
+    """``result[i][j] = await make(i, j)``, all at once; ``on_group(i, result[i])`` as soon
+    as group i's last member is done (while the others still run). If one fails (or
+    ``on_group`` raises), the rest are cancelled (and awaited) before the error propagates."""
     tasks = [[asyncio.ensure_future(make(i, j)) for j in range(n)] for i in range(groups)]
+    waiting: list[asyncio.Future[Any]] = list(itertools.chain.from_iterable(tasks))
     try:
-        return [[await t for t in group] for group in tasks]
+        if on_group is None:
+            return [[await t for t in group] for group in tasks]
+        handed = [asyncio.ensure_future(_hand_over(i, group, on_group)) for i, group in enumerate(tasks)]
+        waiting += handed
+        return [await h for h in handed]
     except BaseException:
-        for t in itertools.chain.from_iterable(tasks):
+        for t in waiting:
             t.cancel()
-        await asyncio.gather(*itertools.chain.from_iterable(tasks), return_exceptions=True)
+        await asyncio.gather(*waiting, return_exceptions=True)
         raise
+
+
+async def _hand_over(index: int, members: Sequence[Awaitable[T]], on_group: Callable[[int, list[T]], None]) -> list[T]:
+    """Group ``index``'s results once every member is done, handed to ``on_group`` first."""
+    results = [await t for t in members]
+    on_group(index, results)
+    return results

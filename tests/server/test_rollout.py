@@ -4,6 +4,7 @@ against the trainer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -307,6 +308,54 @@ def test_a_prompts_samples_share_a_server_within_its_request_limit(servers) -> N
     assert [st["max_in_flight"] for st in stats] == [1, 1]
     for server in servers:
         control(server, "/_test/faults", {})
+
+
+SCORED: list[str] = []  # what the reward below saw, in order, with the requests' answers
+
+
+def _records_scoring(sample) -> float:
+    SCORED.append("scored")
+    return 1.0
+
+
+def test_a_group_is_scored_while_a_later_one_still_generates(servers, monkeypatch) -> None:
+    """Scoring as groups finish: prompt 1's requests are held until a reward has run, so
+    the sampler must hand prompt 0's group to the scorer while prompt 1 is unanswered."""
+    from moe_rl.rewards import RewardInput, RewardScorer, RewardSpec
+    from moe_rl.rollout.single_turn import SingleTurnSampler
+
+    SCORED.clear()
+    engine = engine_for(servers)
+    request = engine._request
+
+    async def held(*args, rid: str, **kwargs):
+        if rid.split("-")[3] == "1":  # moe-rl-{seed}-{prompt}-{sample}
+            for _ in range(3000):  # 30 s, then the hold gives up (and the order below fails)
+                if "scored" in SCORED:
+                    break
+                await asyncio.sleep(0.01)
+        sample = await request(*args, rid=rid, **kwargs)
+        SCORED.append(f"answered {rid}")
+        return sample
+
+    monkeypatch.setattr(engine, "_request", held)
+    scorer = RewardScorer([RewardSpec("r", f"{__name__}:_records_scoring")], score_as_finished=True)
+    pending = {}
+    groups = SingleTurnSampler(engine).sample(
+        [None, None],
+        PROMPTS,
+        2,
+        PARAMS,
+        seed=3,
+        routed=False,
+        on_group=lambda i, g: pending.setdefault(i, scorer.submit([RewardInput("q", "a", None)] * len(g))),
+    )
+    rewards = scorer.gather([pending[0], pending[1]])
+    scorer.close()
+    assert sorted(pending) == [0, 1] and [len(g) for g in groups] == [2, 2] and rewards.values.shape == (4, 1)
+    first_scored = SCORED.index("scored")
+    assert all(e.startswith("answered moe-rl-3-0-") for e in SCORED[:first_scored])  # only prompt 0 was answered
+    assert sum(e.startswith("answered moe-rl-3-1-") for e in SCORED[first_scored:]) == 2
 
 
 def test_more_requests_in_flight_than_httpxs_default_pool(servers) -> None:

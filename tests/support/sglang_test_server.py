@@ -10,7 +10,11 @@ when it exceeds the input); seed 42 for requests without
 ``sampling_seed`` under ``--enable-deterministic-inference``. ``--precision bf16`` (not an
 SGLang flag) rounds its weights to bf16 and computes in fp32, like ``rollout.precision``,
 so that its routing and log-probs drift from the trainer's as a real engine's do;
-``--simulate-mismatch JSON`` (not an SGLang flag either) simulates the local engine's larger
+``--token-delay-s S`` (not an SGLang flag) holds each /generate reply ``S`` seconds per
+output token after generating it (outside the model's lock, so requests overlap as in a
+batching server): a response's time grows with its length, as on a real engine (e.g.
+``tools/bench/streaming_rewards.py``'s long-tailed lengths); the fault ``token_delay_s``
+sets it too. ``--simulate-mismatch JSON`` (not an SGLang flag either) simulates the local engine's larger
 mismatch (``rollout.simulate_mismatch``'s fields, e.g. ``{"router_flip_frac": 0.1, "logit_kl":
 7.5e-4}``), calibrated at start on a warm-up generation of random prompts and again after every
 weight update on what it generated.
@@ -30,7 +34,7 @@ memory is released, or after released weights until a full update, /generate fai
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
-/generate), ``die_after`` (exit the process when the Nth next /generate arrives),
+/generate), ``token_delay_s`` (as ``--token-delay-s``), ``die_after`` (exit the process when the Nth next /generate arrives),
 ``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once),
 ``refuse_buckets`` (answer the next N ``/update_weights_from_distributed`` HTTP 400 at once,
 never entering the broadcast, as a server that does not take the request's ``load_format``),
@@ -343,6 +347,9 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(0.01)
         with st.lock:
             (sample,) = st.engine.generate_seeded([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
+        token_delay_s = float(st.faults.get("token_delay_s", st.args.token_delay_s))
+        if token_delay_s:  # a length-proportional decode time, other requests running meanwhile
+            time.sleep(token_delay_s * len(sample.output_ids))
         meta = {
             "id": body.get("rid") or f"req-{st.generate_requests}",
             "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]}
@@ -578,6 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     # not SGLang's: the local engine's simulated mismatch (rollout.simulate_mismatch's fields as JSON)
     p.add_argument("--simulate-mismatch", type=json.loads, default=None)
+    # not SGLang's: seconds each reply is held per output token (a decode time that grows with length)
+    p.add_argument("--token-delay-s", type=float, default=0.0)
     args, _unknown = p.parse_known_args(argv)
     Handler.state = State(args)
     ThreadingHTTPServer.request_queue_size = 256  # a client's burst of concurrent requests is not refused

@@ -18,6 +18,7 @@ from torch import Tensor
 from moe_rl.rollout.sglang.control import ServerControl
 from moe_rl.rollout.sglang.turns import HttpTurns
 from moe_rl.rollout.types import (
+    GroupCallback,
     RolloutError,
     Sample,
     SamplingParams,
@@ -69,14 +70,18 @@ class GenerationClient(ServerControl):
         *,
         seed: int,
         return_routed_experts: bool = False,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Sample]]:
+        """Every sample its own request; ``on_group`` as each prompt's last request is answered."""
         params.validate()
         if return_routed_experts and (self.num_layers is None or self.top_k is None):
             raise ValueError("routed experts need num_layers and top_k of the served model")
         expected = self.weight_version
-        return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts, expected))
+        return asyncio.run(self._generate(prompts, n, params, seed, return_routed_experts, expected, on_group))
 
-    async def _generate(self, prompts, n, params, seed, routed, expected_version: str) -> list[list[Sample]]:
+    async def _generate(
+        self, prompts, n, params, seed, routed, expected_version: str, on_group: GroupCallback | None
+    ) -> list[list[Sample]]:
         async with self._client() as client:
             slots = self._server_slots()
             servers = [self.take_server() for _ in prompts]  # a prompt's samples on one server
@@ -89,6 +94,7 @@ class GenerationClient(ServerControl):
                 ),
                 len(prompts),
                 n,
+                on_group,
             )
 
     def _client(self) -> httpx.AsyncClient:
