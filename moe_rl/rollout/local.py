@@ -26,7 +26,16 @@ from moe_rl.routing.hf_routing import RouterCapture
 from moe_rl.rollout.contracts import InProcessWeightReceiver
 from moe_rl.rollout.mismatch import MismatchSimulation
 from moe_rl.rollout.settings import SimulatedMismatch
-from moe_rl.rollout.types import GroupCallback, RolloutEngine, Sample, SamplingParams, TurnSource, sample_seed
+from moe_rl.rollout.types import (
+    GenerationRequest,
+    GroupCallback,
+    GroupProgress,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    TurnSource,
+    sample_seed,
+)
 
 
 class LocalEngine(RolloutEngine, InProcessWeightReceiver):
@@ -224,7 +233,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         if mismatch is not None and not mismatch.calibrated:
             self._calibrate_mismatch(mismatch, prompts, seeds, params)
         out: list[Sample | None] = [None] * len(prompts)
-        for indices in _by_length(prompts, seeds):
+        for indices in _by_length(prompts):
             samples = self.generate_rows(
                 [list(prompts[i]) for i in indices], [seeds[i] for i in indices], params, routed
             )
@@ -235,6 +244,49 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         self.seconds_generating += time.perf_counter() - start
         done = [sample for sample in out if sample is not None]
         assert len(done) == len(out)  # every prompt is in one length's batch
+        self.tokens_generated += sum(len(s.output_ids) for s in done)
+        return done
+
+    def generate_requests(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: Sequence[SamplingParams],
+        *,
+        routed: bool,
+        groups_needed: int,
+        on_group: GroupCallback | None = None,
+    ) -> list[Sample]:
+        """Requests of one length and settings decode as one batch, batch after batch; the
+        decoding stops at the step in which the ``groups_needed``-th group is done (a
+        deterministic point: the same requests stop at the same tokens)."""
+        for p in set(params):
+            p.validate()
+        start = time.perf_counter()
+        mismatch = self._active_mismatch()
+        if mismatch is not None and not mismatch.calibrated:
+            self._calibrate_mismatch(mismatch, [r.token_ids for r in requests], [r.seed for r in requests], params[0])
+        groups = GroupProgress([r.group for r in requests], groups_needed)
+        out: list[Sample | None] = [None] * len(requests)
+        for indices in _by_length([r.token_ids for r in requests], params):
+            if groups.enough():
+                break
+            batch = [requests[i] for i in indices]
+            samples = self.generate_rows(
+                [r.token_ids for r in batch],
+                [r.seed for r in batch],
+                params[indices[0]],
+                routed,
+                offsets=[r.generated for r in batch],
+                stop=lambda finished: groups.finish([indices[j] for j in finished]),
+                routing_from=[r.routing_from for r in batch],
+            )
+            for i, sample in zip(indices, samples):
+                out[i] = sample
+            if on_group is not None:
+                for g in groups.take_done():
+                    on_group(g, [s for s, r in zip(out, requests) if r.group == g])  # type: ignore[misc]
+        self.seconds_generating += time.perf_counter() - start
+        done = [s if s is not None else r.not_started(self._version) for s, r in zip(out, requests)]
         self.tokens_generated += sum(len(s.output_ids) for s in done)
         return done
 
@@ -250,7 +302,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         whose tokens route unlike responses'), which is then discarded."""
         if not mismatch.has_samples:
             mismatch.calibrate(prompts, params.temperature)
-            for rows in _by_length(prompts, seeds):
+            for rows in _by_length(prompts):
                 self.generate_rows([list(prompts[i]) for i in rows], [seeds[i] for i in rows], params, False)
             mismatch.take_scalars()  # the trial's figures are not the run's
         mismatch.calibrate(prompts, params.temperature)
@@ -266,10 +318,21 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
 
     @torch.no_grad()
     def generate_rows(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, routed: bool
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams,
+        routed: bool,
+        *,
+        offsets: Sequence[int] = (),
+        stop: Callable[[list[int]], bool] | None = None,
+        routing_from: Sequence[int] = (),
     ) -> list[Sample]:
         """One sample per row: ``prompts[r]`` (all of one length) sampled with ``seeds[r]``
-        (SGLang's per-request ``sampling_seed``)."""
+        (SGLang's per-request ``sampling_seed``), its draws from output index ``offsets[r]``
+        on (a continued partial response). ``stop(rows)`` after each step with the rows
+        that finished in it: ``True`` ends the batch there, the unfinished rows
+        ``"abort"``. ``routing_from[r]``: the first position of row ``r``'s routed experts."""
         if not prompts[0]:
             raise ValueError("empty prompt")
         n, prompt_len = len(seeds), len(prompts[0])
@@ -280,7 +343,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         simulating = mismatch is not None
         tracked = routed or simulating
         with self._routers.attached() if tracked else contextlib.nullcontext():
-            d = self._decode(prompts, seeds, params, tracked, simulating)
+            d = self._decode(prompts, seeds, params, tracked, simulating, offsets, stop)
         # outside inference mode from here: the tensors made below (kept by the mismatch, or
         # returned) are ordinary ones
         samples = []
@@ -300,7 +363,8 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             if routed:
                 assert full_routing is not None
                 # its own storage, not the batch's
-                routed_j = full_routing[j, : prompt_len + len(d.outputs[j]) - 1].to(self._index_dtype, copy=True)
+                first = routing_from[j] if routing_from else 0
+                routed_j = full_routing[j, first : prompt_len + len(d.outputs[j]) - 1].to(self._index_dtype, copy=True)
             samples.append(
                 Sample(
                     prompt_ids=list(prompts[j]),
@@ -316,14 +380,23 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
 
     @torch.inference_mode()
     def _decode(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, tracked: bool, simulating: bool
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams,
+        tracked: bool,
+        simulating: bool,
+        offsets: Sequence[int] = (),
+        stop: Callable[[list[int]], bool] | None = None,
     ) -> _Decoded:
         """The prefill and decode steps (in inference mode: no autograd bookkeeping per
         operation; the tensors it returns are read outside it, never changed in place);
-        ``simulating``: keep what the simulated mismatch observes."""
+        ``simulating``: keep what the simulated mismatch observes; ``offsets``, ``stop``:
+        as :meth:`generate_rows`."""
         n, prompt_len = len(seeds), len(prompts[0])
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+        row_offsets = np.array(offsets or [0] * n, dtype=np.uint64)
         ids = torch.tensor(prompts, device=self.model.device)
         # the last position's logits only: the prompt's others are never read (at a 151k
         # vocabulary, prompt_len x 151k floats a row)
@@ -331,7 +404,9 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         d = _Decoded(n, fed=[ids], routing=[self._routers.take(n, prompt_len)[0]] if tracked else [])
         for step in range(params.max_new_tokens):
             if step % _UNIFORM_STEPS == 0:
-                uniforms = _uniform_steps(row_seeds, step, min(_UNIFORM_STEPS, params.max_new_tokens - step))
+                uniforms = _uniform_steps(
+                    row_seeds, step, min(_UNIFORM_STEPS, params.max_new_tokens - step), row_offsets
+                )
             logits = _last_logits(step_out, params.temperature)
             logp = torch.log_softmax(logits, dim=-1)
             next_tokens = _draw(_filtered_probs(logits, params.top_p, params.top_k), uniforms[:, step % _UNIFORM_STEPS])
@@ -340,7 +415,10 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
                 live = torch.tensor([r is None for r in d.reasons], device=drawn_logp.device)
                 d.drawn.append(next_tokens)
                 d.drawn_logps.append(drawn_logp.masked_fill(~live, float("nan")))
-            d.add(next_tokens.tolist(), drawn_logp.tolist(), stop_ids)
+            finished = d.add(next_tokens.tolist(), drawn_logp.tolist(), stop_ids)
+            if stop is not None and step < params.max_new_tokens - 1 and stop(finished):
+                d.abort()
+                break
             if d.finished() or step == params.max_new_tokens - 1:
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
@@ -371,13 +449,22 @@ class _Decoded:
         self.drawn: list[Tensor] = []
         self.drawn_logps: list[Tensor] = []
 
-    def add(self, tokens: list[int], token_logps: list[float], stop_ids: set[int]) -> None:
-        """One step's draws; a finished row's draw is fed back and ignored."""
+    def add(self, tokens: list[int], token_logps: list[float], stop_ids: set[int]) -> list[int]:
+        """One step's draws (a finished row's draw is fed back and ignored); the rows
+        that finished with it."""
+        finished = []
         for j, reason in enumerate(self.reasons):
             if reason is None:
                 self.outputs[j].append(tokens[j])
                 self.logprobs[j].append(token_logps[j])
-                self.reasons[j] = "stop" if tokens[j] in stop_ids else None
+                if tokens[j] in stop_ids:
+                    self.reasons[j] = "stop"
+                    finished.append(j)
+        return finished
+
+    def abort(self) -> None:
+        """The unfinished rows end here, with what they drew."""
+        self.reasons = [r or "abort" for r in self.reasons]
 
     def finished(self) -> bool:
         return all(r is not None for r in self.reasons)
@@ -430,12 +517,14 @@ class _BatchingTurns:
                 future.set_result(sample)
 
 
-def _by_length(prompts: Sequence[Sequence[int]], seeds: Sequence[int] = ()) -> list[list[int]]:
-    """The prompts' indices grouped by prompt length (a batch without padding each)."""
-    by_length: dict[int, list[int]] = {}
+def _by_length(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] = ()) -> list[list[int]]:
+    """The prompts' indices grouped by prompt length (a batch without padding each) and,
+    where given, sampling settings."""
+    by_length: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
-        by_length.setdefault(len(p), []).append(i)
+        by_length.setdefault((len(p), params[i] if params else None), []).append(i)
     return list(by_length.values())
+
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -456,9 +545,11 @@ def _uniforms(seeds: np.ndarray, step: int | np.ndarray) -> Tensor:
 _UNIFORM_STEPS = 64  # decode steps whose uniforms are made at once
 
 
-def _uniform_steps(seeds: np.ndarray, first: int, count: int) -> Tensor:
-    """:func:`_uniforms` of steps ``first .. first + count - 1``, ``[rows, count]``."""
-    return _uniforms(seeds[:, None], np.arange(first, first + count, dtype=np.uint64)[None, :])
+def _uniform_steps(seeds: np.ndarray, first: int, count: int, offsets: np.ndarray | None = None) -> Tensor:
+    """:func:`_uniforms` of steps ``first .. first + count - 1`` (each row's shifted by its
+    ``offsets``: the output tokens it already had), ``[rows, count]``."""
+    steps = np.arange(first, first + count, dtype=np.uint64)[None, :]
+    return _uniforms(seeds[:, None], steps if offsets is None else steps + offsets[:, None])
 
 
 def _last_logits(out, temperature: float) -> Tensor:

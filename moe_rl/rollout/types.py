@@ -70,6 +70,15 @@ class Truncation(str, enum.Enum):
         return next((t for t in cls if isinstance(value, str) and value == t.value), None)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Output tokens from ``start`` on (to the next segment's start) came from weights
+    ``weight_version``: a partial rollout continued after a weight update has several."""
+
+    start: int
+    weight_version: str
+
+
 # RewardInput.metadata keys under which reward functions see a sample's typed fields
 FAILED_KEY = "failed"
 RESPONSE_TEXT_KEY = "response_text"
@@ -93,6 +102,9 @@ class Sample:
     sampler's figures (``turns``, ``policy_tokens``, ...); what moe-rl itself decides about
     a sample is typed: ``failure``, ``response_text``, ``truncation``,
     ``dropped_environment_tokens`` (``None``: not a multi-turn sample, or not so).
+    ``segments`` (partial rollouts): which weights produced which output tokens, oldest
+    first; ``weight_version`` is then the first segment's (``()``: all of ``weight_version``).
+    ``output_logprobs`` are each token's own engine's, routing likewise per segment.
     """
 
     prompt_ids: list[int]
@@ -108,6 +120,14 @@ class Sample:
     response_text: str | None = None  # what the rewards score instead of the decoded output
     truncation: Truncation | None = None
     dropped_environment_tokens: int | None = None  # environment tokens after the last policy turn
+    segments: tuple[Segment, ...] = ()
+
+    def token_versions(self) -> list[str]:
+        """The weight version of each output token."""
+        if not self.segments:
+            return [self.weight_version] * len(self.output_ids)
+        ends = [s.start for s in self.segments[1:]] + [len(self.output_ids)]
+        return [s.weight_version for s, end in zip(self.segments, ends) for _ in range(s.start, end)]
 
     @property
     def status(self) -> SampleStatus:
@@ -136,6 +156,30 @@ class Sample:
             FAILED_KEY: self.failure,
         }
         return {**self.meta, **{key: value for key, value in typed.items() if value is not None}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sample to generate or continue: ``token_ids`` is its prompt followed by the
+    ``generated`` output tokens it already has (a partial response: its random stream goes
+    on from there, its routed experts are wanted from the first position not yet forwarded).
+    ``group``: the samples of one group are done together (see ``generate_requests``)."""
+
+    token_ids: list[int]
+    seed: int
+    group: int
+    generated: int = 0
+
+    @property
+    def routing_from(self) -> int:
+        """The first position whose routed experts the request returns: the partial
+        response's last token was drawn but never forwarded."""
+        return len(self.token_ids) - 1 if self.generated else 0
+
+    def not_started(self, weight_version: str) -> Sample:
+        """What the request returns when it never ran: no tokens, aborted."""
+        prompt = self.token_ids[: len(self.token_ids) - self.generated]
+        return Sample(prompt, [], [], "abort", weight_version, self.seed)
 
 
 class TurnSource(Protocol):
@@ -177,6 +221,22 @@ class RolloutEngine(ABC):
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load the HF directory ``model_path`` (on a file system the engine sees)."""
 
+    def generate_requests(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: Sequence[SamplingParams],
+        *,
+        routed: bool,
+        groups_needed: int,
+        on_group: GroupCallback | None = None,
+    ) -> list[Sample]:
+        """Partial rollouts: ``result[r]`` for ``requests[r]`` (its new tokens only, with
+        ``params[r]``), stopped once ``groups_needed`` groups have every member done: the
+        others end ``finish_reason="abort"`` with the tokens they had (none if not
+        started). ``on_group(g, samples)`` as group ``g`` is done. ``routed``: each
+        sample's routed experts from its request's ``routing_from``."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve partial rollouts")
+
     def returns_routed_experts(self) -> bool:
         """Whether ``generate(..., return_routed_experts=True)`` gets the routing."""
         return False
@@ -210,6 +270,33 @@ T = TypeVar("T")
 # the generating thread (an event loop's, for SGLang and multi-turn rollouts), so it must
 # return at once: hand the work to another thread, never do it there.
 GroupCallback = Callable[[int, list[Sample]], None]
+
+
+class GroupProgress:
+    """Which groups of a partial-rollout call have every member done, and whether enough are."""
+
+    def __init__(self, group_of: Sequence[int], needed: int) -> None:
+        self.group_of, self.needed = list(group_of), needed
+        self.left = {g: self.group_of.count(g) for g in set(self.group_of)}
+        self.done: list[int] = []
+        self._handed = 0
+
+    def finish(self, requests: Sequence[int]) -> bool:
+        """``requests`` are done; whether enough groups are now."""
+        for r in requests:
+            g = self.group_of[r]
+            self.left[g] -= 1
+            if self.left[g] == 0:
+                self.done.append(g)
+        return self.enough()
+
+    def enough(self) -> bool:
+        return len(self.done) >= self.needed
+
+    def take_done(self) -> list[int]:
+        """The groups done since the last call."""
+        new, self._handed = self.done[self._handed :], len(self.done)
+        return new
 
 
 async def run_groups(

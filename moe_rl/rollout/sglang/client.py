@@ -18,7 +18,9 @@ from torch import Tensor
 from moe_rl.rollout.sglang.control import ServerControl
 from moe_rl.rollout.sglang.turns import HttpTurns
 from moe_rl.rollout.types import (
+    GenerationRequest,
     GroupCallback,
+    GroupProgress,
     RolloutError,
     Sample,
     SamplingParams,
@@ -61,6 +63,8 @@ class GenerationClient(ServerControl):
         self.check_weight_version = check_weight_version
         self._rr = itertools.count()
         self.retries = 0
+        self._aborting: set[str] = set()  # request ids this client aborted: their replies keep what they had
+        self._calls = itertools.count()  # partial-rollout calls (their request ids)
 
     def generate(
         self,
@@ -97,6 +101,94 @@ class GenerationClient(ServerControl):
                 on_group,
             )
 
+    def generate_requests(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: Sequence[SamplingParams],
+        *,
+        routed: bool,
+        groups_needed: int,
+        on_group: GroupCallback | None = None,
+    ) -> list[Sample]:
+        """Every request its own ``/generate``; once ``groups_needed`` groups are done the
+        requests still running are aborted (``/abort_request`` by ``rid``: each replies with
+        the tokens it had) and those not yet sent are not sent."""
+        for p in set(params):
+            p.validate()
+        if routed and (self.num_layers is None or self.top_k is None):
+            raise ValueError("routed experts need num_layers and top_k of the served model")
+        expected = self.weight_version
+        return asyncio.run(self._generate_requests(requests, params, routed, expected, groups_needed, on_group))
+
+    async def _generate_requests(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: Sequence[SamplingParams],
+        routed: bool,
+        expected: str,
+        groups_needed: int,
+        on_group: GroupCallback | None,
+    ) -> list[Sample]:
+        call = next(self._calls)
+        rids = [f"moe-rl-partial-{call}-{k}-{r.seed}" for k, r in enumerate(requests)]
+        server_of = {g: self.take_server() for g in dict.fromkeys(r.group for r in requests)}
+        progress = GroupProgress([r.group for r in requests], groups_needed)
+        results: list[Sample | None] = [None] * len(requests)
+        running: dict[str, int] = {}  # sent, not answered: rid -> server
+        async with self._client() as client:
+            slots = self._server_slots()
+
+            async def stop_the_rest() -> None:
+                aborting = [(rid, server) for rid, server in running.items() if rid not in self._aborting]
+                self._aborting.update(rid for rid, _ in aborting)
+                await asyncio.gather(
+                    *(client.post(self.urls[server] + "/abort_request", json={"rid": rid}) for rid, server in aborting),
+                    return_exceptions=True,
+                )
+
+            async def one(k: int) -> None:
+                r, rid, server = requests[k], rids[k], server_of[requests[k].group]
+                async with slots[server]:
+                    if progress.enough():  # never sent
+                        return
+                    running[rid] = server
+                    self._unfinished.add(rid)
+                    try:
+                        sample = results[k] = await self._post_with_retries(
+                            client,
+                            "/generate",
+                            self._payload(r.token_ids, r.seed, params[k], routed, rid, r.routing_from),
+                            functools.partial(
+                                self._parse,
+                                r.token_ids,
+                                r.seed,
+                                routed=routed,
+                                expected_version=expected,
+                                routing_from=r.routing_from,
+                                rid=rid,
+                            ),
+                            server=server,
+                        )
+                    finally:
+                        running.pop(rid, None)
+                        self._unfinished.discard(rid)
+                        self._aborting.discard(rid)
+                if sample.finish_reason != "abort" and progress.finish([k]) and not progress.done[groups_needed:]:
+                    await stop_the_rest()  # (once: when the needed-th group is done)
+                if on_group is not None:
+                    for g in progress.take_done():
+                        on_group(g, [s for s, q in zip(results, requests) if q.group == g])  # type: ignore[misc]
+
+            tasks = [asyncio.ensure_future(one(k)) for k in range(len(requests))]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        return [s if s is not None else r.not_started(expected) for s, r in zip(results, requests)]
+
     def _client(self) -> httpx.AsyncClient:
         """A client whose pool has a connection for every request that may be in flight."""
         total = self.concurrency_per_server * len(self.urls)
@@ -130,7 +222,21 @@ class GenerationClient(ServerControl):
         """One ``/generate`` request (``n=1``) to server ``server`` first; its routed experts
         from position ``routing_from`` (SGLang's ``routed_experts_start_len``: earlier
         positions came with an earlier turn)."""
-        payload = {
+        payload = self._payload(prompt, seed, params, routed, rid, routing_from)
+        parse = functools.partial(
+            self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from
+        )
+        self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
+        sample = await self._post_with_retries(client, "/generate", payload, parse, server=server, slots=slots)
+        self._unfinished.discard(rid)
+        return sample
+
+    @staticmethod
+    def _payload(
+        prompt: Sequence[int], seed: int, params: SamplingParams, routed: bool, rid: str, routing_from: int
+    ) -> dict:
+        """A ``/generate`` request body (``n=1``)."""
+        payload: dict[str, Any] = {
             "input_ids": list(prompt),
             "sampling_params": params.to_sglang(seed),
             "return_logprob": True,
@@ -141,13 +247,7 @@ class GenerationClient(ServerControl):
             payload["return_routed_experts"] = True
             if routing_from:
                 payload["routed_experts_start_len"] = routing_from
-        parse = functools.partial(
-            self._parse, list(prompt), seed, routed=routed, expected_version=expected_version, routing_from=routing_from
-        )
-        self._unfinished.add(rid)  # until answered: close() aborts what an interrupt left running
-        sample = await self._post_with_retries(client, "/generate", payload, parse, server=server, slots=slots)
-        self._unfinished.discard(rid)
-        return sample
+        return payload
 
     @contextlib.asynccontextmanager
     async def turns(self, *, return_routed_experts: bool) -> AsyncIterator[TurnSource]:
@@ -204,11 +304,20 @@ class GenerationClient(ServerControl):
         raise RolloutError(f"{path} failed after {self.max_retries + 1} attempts; last error: {last}")
 
     def _parse(
-        self, prompt: list[int], seed: int, reply: dict, *, routed: bool, expected_version: str, routing_from: int = 0
+        self,
+        prompt: list[int],
+        seed: int,
+        reply: dict,
+        *,
+        routed: bool,
+        expected_version: str,
+        routing_from: int = 0,
+        rid: str = "",
     ) -> Sample:
         """A ``/generate`` reply as a :class:`Sample`; ``_Retryable`` for an error body, an
-        aborted request or a malformed reply; final errors for stale weights or missing
-        routing (the server's configuration, which a retry cannot change)."""
+        aborted request (unless this client aborted ``rid``: then what it had) or a
+        malformed reply; final errors for stale weights or missing routing (the server's
+        configuration, which a retry cannot change)."""
         if not isinstance(reply, dict) or "error" in reply or reply.get("object") == "error":
             raise _Retryable(f"error reply: {str(reply)[:200]}")
         try:
@@ -223,13 +332,15 @@ class GenerationClient(ServerControl):
             version = str(meta.get("weight_version", ""))
             encoded = meta.get("routed_experts") if routed else None
             routed_experts = (
-                self._decode_routing(encoded, len(prompt) + len(output_ids) - 1 - routing_from) if encoded else None
+                self._decode_routing(encoded, len(prompt) + len(output_ids) - 1 - routing_from)
+                if encoded and output_ids
+                else None
             )
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise _Retryable(f"malformed /generate reply ({type(e).__name__}: {e})") from None
-        if finish == "abort":
+        if finish == "abort" and rid not in self._aborting:
             raise _Retryable("the server aborted the request")
-        if routed and routed_experts is None:
+        if routed and routed_experts is None and output_ids:
             raise RolloutError(
                 "the server returned no routed_experts: start it with --enable-return-routed-experts (routing replay r3 needs them)"
             )
