@@ -349,6 +349,11 @@ def validate(c: Config) -> None:
             "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout "
             "so that the importance ratio uses the policy that generated them"
         )
+    if c.rollout.partial.enabled and c.algorithm.old_logprobs != "rollout":
+        raise ConfigError(
+            "rollout.partial.enabled=true trains on responses continued across weight updates: set "
+            "algorithm.old_logprobs=rollout so that each token's importance ratio uses the weights that drew it"
+        )
     c.reward.validate()
     c.model.validate()
     c.data.validate([r.name for r in c.reward.rewards])

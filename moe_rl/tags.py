@@ -14,6 +14,22 @@ RESPONSE_LENGTH_MEAN = "response/length_mean"
 RESPONSE_LENGTH_MAX = "response/length_max"
 RESPONSE_FINISHED_FRAC = "response/finished_frac"
 ROLLOUT_POLICY_LAG = "rollout/policy_lag"  # updates between the weights that sampled and the weights trained (async: 1)
+# partial rollouts (rollout.partial): the trained samples whose tokens came from more than one weight
+# version, carried responses started over (rollout.max_staleness), groups left for a later step
+PARTIAL_SAMPLE_FRAC = "rollout/partial/sample_frac"
+PARTIAL_RESTARTED = "rollout/partial/restarted"
+PARTIAL_CARRIED_GROUPS = "rollout/partial/carried_groups"
+PARTIAL_CARRIED_TOKENS = "rollout/partial/carried_tokens"
+# how many weight versions the trained response tokens are behind the weights they train (mean, max)
+TOKEN_STALENESS_MEAN = "rollout/staleness/token_mean"
+TOKEN_STALENESS_MAX = "rollout/staleness/token_max"
+
+
+def tokens_at_staleness(versions_behind: int) -> str:
+    """``rollout/staleness/tokens_<k>``: the share of trained response tokens ``k`` versions behind."""
+    return f"rollout/staleness/tokens_{versions_behind}"
+
+
 DATA_TRUNCATED_PROMPTS = "data/truncated_prompts"
 DATA_SKIPPED_LINES = "data/skipped_lines"
 DATA_KEPT_GROUP_FRAC = "data/kept_group_frac"  # dynamic sampling: groups with unequal rewards / groups sampled

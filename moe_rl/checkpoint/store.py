@@ -64,7 +64,7 @@ from moe_rl.checkpoint.catalog import (
     rng_file,
     rng_rank,
 )
-from moe_rl.checkpoint.verify import SUMS, manifest_of, sealed, summing_writer
+from moe_rl.checkpoint.verify import ROLLOUT_CARRY, SUMS, manifest_of, sealed, summing_writer
 from moe_rl.disk import OutOfSpace, nearly_full, space_error
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, rank, world_size
@@ -184,10 +184,14 @@ class Checkpointer:
         self._pruning: threading.Thread | None = None  # deleting checkpoints beyond keep_last (first rank)
         self._writing: Path | None = None  # the temporary directory of the last save started
 
-    def save(self, step: int, state: TrainingState, extra: dict, *, hf_weights: bool = False) -> Path:
+    def save(
+        self, step: int, state: TrainingState, extra: dict, *, hf_weights: bool = False, rollout_carry: object = None
+    ) -> Path:
         """Stage this rank's state and start writing ``step_<step>``; returns its final
         path (complete once :meth:`wait`, or a :meth:`poll` that finds it written, commits
-        it). ``hf_weights``: also write the weights as a HF directory, ``model/``. A lack of
+        it). ``hf_weights``: also write the weights as a HF directory, ``model/``;
+        ``rollout_carry`` (first rank, partial rollouts): the responses carried into the
+        next step, plain data and tensors, in ``rollout/carry.pt``. A lack of
         space while writing it raises :class:`OutOfSpace` (here or from a later
         :meth:`poll` / :meth:`wait`); nothing is committed then."""
         self.wait()
@@ -199,11 +203,18 @@ class Checkpointer:
         )
         self._writing = tmp
         with _space_named(tmp):
-            self._start_save(step, state, extra, hf_weights, tmp, final)
+            self._start_save(step, state, extra, hf_weights, tmp, final, rollout_carry)
         return final
 
     def _start_save(
-        self, step: int, state: TrainingState, extra: dict, hf_weights: bool, tmp: Path, final: Path
+        self,
+        step: int,
+        state: TrainingState,
+        extra: dict,
+        hf_weights: bool,
+        tmp: Path,
+        final: Path,
+        rollout_carry: object = None,
     ) -> None:
         """:meth:`save`'s work: this rank's files staged in ``tmp``, its writer started."""
         from megatron.core import dist_checkpointing
@@ -214,6 +225,9 @@ class Checkpointer:
             (tmp / "hf").mkdir()
             (tmp / SUMS).mkdir()
             write_config_files(self.hf_config, tmp / "hf", self.tokenizer_dir)
+            if rollout_carry is not None:
+                (tmp / ROLLOUT_CARRY).parent.mkdir()
+                torch.save(rollout_carry, tmp / ROLLOUT_CARRY)
         barrier()
         if hf_weights:
             export_hf_weights(
@@ -304,6 +318,12 @@ class Checkpointer:
                 daemon=True,
             )
             self._pruning.start()
+
+
+def load_rollout_carry(path: Path) -> object | None:
+    """What :meth:`Checkpointer.save` kept as ``rollout_carry`` (``None``: nothing)."""
+    carry = path / ROLLOUT_CARRY
+    return torch.load(carry, weights_only=True) if carry.is_file() else None
 
 
 def load_checkpoint(

@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 from moe_rl.disk import space_error
 
-SUMMED = ("dist", "rng", "hf", "model")  # the folders the manifest covers
-TRAINING_STATE = ("dist", "rng", "hf")  # what a resume (and an export) reads of them
+SUMMED = ("dist", "rng", "hf", "model", "rollout")  # the folders the manifest covers
+TRAINING_STATE = ("dist", "rng", "hf", "rollout")  # what a resume (and an export) reads of them
+ROLLOUT_CARRY = "rollout/carry.pt"  # partial rollouts: the responses carried into the next step
 SUMS = "sums"  # the writers' reports in a temporary checkpoint, merged into meta.json at commit
 _CHUNK = 8 << 20
 _THREADS = 4  # zlib.crc32 and file reads release the GIL

@@ -21,6 +21,7 @@ from moe_rl.data.tasks import Task
 from moe_rl.models.architectures import architecture_of, hf_dtype
 from moe_rl.rewards import ConditionalSpec, RewardScorer, RewardSpec
 from moe_rl.rollout.multi_turn import MultiTurnSampler, load_generate_fn
+from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.sampler import Sampler
 from moe_rl.rollout.single_turn import SingleTurnSampler
 from moe_rl.rollout.settings import PRECISIONS, MultiTurnConfig, RolloutConfig, ServerConfig
@@ -67,6 +68,16 @@ def build_collector(
         scorer=scorer,
         sampling=sampling_params(cfg, formatter.tokenizer.eos_token_id),
         return_routing=use_engine_routing(cfg, engine),
+        partial=build_partial_rollout(cfg.rollout, engine),
+    )
+
+
+def build_partial_rollout(rollout: RolloutConfig, engine: RolloutEngine) -> PartialRollout | None:
+    """The carry of partial rollouts (``rollout.partial.enabled``), else ``None``."""
+    if not rollout.partial.enabled:
+        return None
+    return PartialRollout(
+        engine, rollout.group_size, rollout.prompts_per_step, rollout.partial.extra_groups, rollout.max_staleness
     )
 
 

@@ -8,6 +8,7 @@ rewards are dropped and more prompts sampled, up to ``rollout.dynamic_sampling.m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from concurrent.futures import Future
@@ -20,6 +21,7 @@ from moe_rl.algorithms import compute_advantages
 from moe_rl.data.prompts import PromptFormatter
 from moe_rl.data.tasks import Problem, Task
 from moe_rl.rewards import RewardBatch, RewardInput, RewardScorer
+from moe_rl.rollout.partial import PartialRollout, PartialStep
 from moe_rl.rollout.sampler import Sampler
 from moe_rl.rollout.settings import RolloutConfig
 from moe_rl.rollout.types import RolloutEngine, Sample, SampleStatus, SamplingParams, StaleWeightsError
@@ -80,10 +82,14 @@ def generate_and_score(
         groups = sampler.sample(problems, prompts, group_size, sampling, seed=seed, routed=return_routing)
         samples = [s for g in groups for s in g]
         rewards = scorer.score(inputs([problems[i // group_size] for i in range(len(samples))], samples))
+    return SampledRound(problems, samples, _failed_score_zero(samples, rewards), sum(t for _, t in encoded))
+
+
+def _failed_score_zero(samples: list[Sample], rewards: RewardBatch) -> RewardBatch:
     failed = [i for i, s in enumerate(samples) if s.status is SampleStatus.FAILED]
     if failed:
         rewards.values[failed] = 0.0
-    return SampledRound(problems, samples, rewards, sum(t for _, t in encoded))
+    return rewards
 
 
 def _reward_inputs(
@@ -122,10 +128,53 @@ class ExperienceCollector:
     scorer: RewardScorer
     sampling: SamplingParams
     return_routing: bool  # ask the engine for routed experts (R3, or routing metrics)
+    partial: PartialRollout | None = None  # partial rollouts: the groups carried between steps
+
+    def _sample_partial(self, step: int) -> tuple[SampledRound, dict[str, float]]:
+        """Step ``step``'s groups with partial rollouts (carried ones continued, fresh
+        prompts started) and rewards, scored once generation ends; the carry's figures."""
+        assert self.partial is not None
+        problems = self.task.problems(self.seed, step, self.partial.fresh_groups_wanted())
+        encoded = self.formatter.encode_all(problems)
+        got = self.partial.sample(
+            problems,
+            [ids for ids, _ in encoded],
+            self.sampling,
+            seed=self.seed * 100_003 + step,
+            step=step,
+            routed=self.return_routing,
+        )
+        samples = [s for g in got.groups for s in g]
+        inputs = _reward_inputs(
+            [p for p in got.problems for _ in range(self.rollout.group_size)],
+            samples,
+            tokenizer=self.formatter.tokenizer,
+            keep_special_tokens=self.scorer.keep_special_tokens,
+            max_new_tokens=self.sampling.max_new_tokens,
+        )
+        rewards = _failed_score_zero(samples, self.scorer.score(inputs))
+        sampled = SampledRound(got.problems, samples, rewards, sum(t for _, t in encoded))
+        return sampled, partial_scalars(samples, step, got)
+
+    def partial_state(self, step: int) -> list[dict] | None:
+        """The carried groups step ``step``'s generation starts from, as plain data (for a
+        checkpoint after ``step`` steps); ``None`` without partial rollouts."""
+        if self.partial is None:
+            return None
+        return [{**g, "problem": dataclasses.asdict(g["problem"])} for g in self.partial.state_for(step)]
+
+    def load_partial_state(self, state: list[dict]) -> None:
+        """What :meth:`partial_state` gave (a resumed run)."""
+        if self.partial is not None:
+            self.partial.load_state([{**g, "problem": _problem(g["problem"])} for g in state])
 
     def collect(self, step: int) -> tuple[Experience, dict[str, float]]:
         """The step's experience and its rollout-side scalars (rewards, advantages, lengths)."""
         r = self.rollout
+        if self.partial is not None:
+            sampled, carry = self._sample_partial(step)
+            exp = self._experience([sampled], [(0, g) for g in range(r.prompts_per_step)])
+            return exp, {**self._scalars(exp, [sampled], r.prompts_per_step), **carry}
         rounds, kept = [], []  # kept: (round, group) of the groups trained on
         for k in range(r.dynamic_sampling.max_rounds if r.dynamic_sampling.enabled else 1):
             rounds.append(self._sample(step, k))
@@ -139,14 +188,17 @@ class ExperienceCollector:
                 "step %d: every sampled group had equal rewards (zero advantage) in %d rounds", step + 1, len(rounds)
             )
             kept = [(0, g) for g in range(r.prompts_per_step)]
-        kept = kept[: r.prompts_per_step]
+        exp = self._experience(rounds, kept[: r.prompts_per_step])
+        return exp, self._scalars(exp, rounds, kept_by_filter)
+
+    def _experience(self, rounds: list[SampledRound], kept: list[tuple[int, int]]) -> Experience:
+        """The groups ``kept`` ((round, group) pairs) with their advantages."""
         samples, values = self._select(rounds, kept)
         rewards = rounds[0].rewards
         advantages = compute_advantages(
-            self.advantage, values, r.group_size, weights=rewards.weights, valid=self._valid(samples)
+            self.advantage, values, self.rollout.group_size, weights=rewards.weights, valid=self._valid(samples)
         )
-        exp = Experience(samples, values, rewards.names, advantages)
-        return exp, self._scalars(exp, rounds, kept_by_filter)
+        return Experience(samples, values, rewards.names, advantages)
 
     def _sample(self, step: int, round_: int) -> SampledRound:
         """Round ``round_`` of step ``step``: the task's problems for (seed, step), from
@@ -226,6 +278,28 @@ def response_scalars(samples: list[Sample]) -> dict[str, float]:
         tags.RESPONSE_LENGTH_MAX: float(max((s.policy_token_count for s in samples), default=0)),
         tags.RESPONSE_FINISHED_FRAC: float(sum(s.finish_reason == "stop" for s in samples) / n),
     }
+
+
+def partial_scalars(samples: list[Sample], step: int, got: PartialStep) -> dict[str, float]:
+    """``rollout/partial/*`` and ``rollout/staleness/*`` of step ``step``'s trained samples
+    (weight version ``str(v)``: ``step - v`` versions behind the weights they train)."""
+    behind = [step - int(v) for s in samples for v, m in zip(s.token_versions(), s.output_mask()) if m]
+    tokens = max(len(behind), 1)
+    return {
+        tags.PARTIAL_SAMPLE_FRAC: sum(len(s.segments) > 1 for s in samples) / max(len(samples), 1),
+        tags.PARTIAL_RESTARTED: float(got.restarted),
+        tags.PARTIAL_CARRIED_GROUPS: float(got.carried),
+        tags.PARTIAL_CARRIED_TOKENS: float(got.carried_tokens),
+        tags.TOKEN_STALENESS_MEAN: sum(behind) / tokens,
+        tags.TOKEN_STALENESS_MAX: float(max(behind, default=0)),
+        **{tags.tokens_at_staleness(k): behind.count(k) / tokens for k in sorted(set(behind))},
+    }
+
+
+def _problem(d: dict) -> Problem:
+    """A :class:`Problem` from its ``dataclasses.asdict``."""
+    messages = d.get("messages")
+    return Problem(d["prompt"], d["answer"], tuple(messages) if messages is not None else None)
 
 
 def policy_lag(exp: Experience, step: int, max_lag: int) -> float:

@@ -184,6 +184,21 @@ class DynamicSamplingConfig:
         require_positive("rollout.dynamic_sampling.max_rounds", self.max_rounds)
 
 
+@dataclass
+class PartialConfig:
+    """``rollout.partial``: partial rollouts (:mod:`moe_rl.rollout.partial`, single-turn)."""
+
+    # a step's generation ends once rollout.prompts_per_step groups are done; the responses still
+    # running are stopped with their tokens and continued in the next step, after the weight update
+    enabled: bool = False
+    # groups generated beyond prompts_per_step (new prompts while fewer are carried over): the
+    # longest responses then no longer hold up a step
+    extra_groups: int = 4
+
+    def validate(self) -> None:
+        require_positive("rollout.partial.extra_groups", self.extra_groups, allow_zero=True)
+
+
 # keys that moved into a section (rollout.KEY -> rollout.NEW.PLACE): they keep working, with one warning
 MOVED_KEYS = {
     "sglang_urls": "server.urls",
@@ -233,6 +248,10 @@ class RolloutConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # DAPO's
     # local engine: a simulated train-inference mismatch (routers perturbed on the inference side)
     simulate_mismatch: SimulatedMismatch = field(default_factory=SimulatedMismatch)
+    partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts
+    # partial rollouts: the most weight versions a trained token may be behind the weights it
+    # trains (older carried responses start over); async rollouts alone are always 1 behind
+    max_staleness: int = 2
 
     def validate(self) -> None:
         require_choice("rollout.engine", self.engine, ENGINES)
@@ -248,13 +267,32 @@ class RolloutConfig:
         self.weight_sync.validate()
         self.multi_turn.validate()
         self.dynamic_sampling.validate()
+        self.partial.validate()
         self._validate_placement()
+        self._validate_partial()
         for key in ("group_size", "prompts_per_step", "max_new_tokens", "temperature"):
             require_positive(f"rollout.{key}", getattr(self, key))
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k={self.top_k} must be -1 (off) or >= 1")
+
+    def _validate_partial(self) -> None:
+        if not self.partial.enabled:
+            return
+        least = 2 if self.async_rollouts else 1
+        if self.max_staleness < least:
+            raise ConfigError(
+                f"rollout.max_staleness={self.max_staleness}: with rollout.partial.enabled=true a continued response's "
+                f"first tokens are {least} version(s) behind the weights it trains{' (async rollouts)' if least > 1 else ''}; "
+                f"set it to {least} or more"
+            )
+        for what, on in (
+            ("rollout.multi_turn.generate_fn", bool(self.multi_turn.generate_fn)),
+            ("rollout.dynamic_sampling.enabled=true", self.dynamic_sampling.enabled),
+        ):
+            if on:
+                raise ConfigError(f"rollout.partial.enabled=true does not combine with {what} (not supported yet)")
 
     def _validate_placement(self) -> None:
         if self.colocate and self.engine != "sglang":

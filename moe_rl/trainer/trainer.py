@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -26,7 +27,13 @@ from moe_rl import tags
 from moe_rl.algorithms.rollout_correction import rollout_correction
 from moe_rl.checkpoint.run_dir import check_run_dir, hold_run_dir
 from moe_rl.checkpoint.catalog import CheckpointMismatch, layout_problem, remove_stale_temporaries, select_checkpoint
-from moe_rl.checkpoint.store import Checkpointer, TrainingState, load_checkpoint, optimizer_settings_for
+from moe_rl.checkpoint.store import (
+    Checkpointer,
+    TrainingState,
+    load_checkpoint,
+    load_rollout_carry,
+    optimizer_settings_for,
+)
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import CHAT_TEXT_HINT, PromptFormatter
 from moe_rl.data.tasks import Task, make_task
@@ -205,7 +212,10 @@ class Trainer:
         self.background = BackgroundRollout(self.collector) if self.collector and cfg.rollout.async_rollouts else None
         if self.background:
             self._closing.callback(self.background.close)
-        self.max_policy_lag = 1 if cfg.rollout.async_rollouts else 0
+        # partial rollouts: a continued response's first tokens as old as rollout.max_staleness allows
+        self.max_policy_lag = (
+            cfg.rollout.max_staleness if cfg.rollout.partial.enabled else 1 if cfg.rollout.async_rollouts else 0
+        )
         self.evaluator = (
             build_evaluator(
                 cfg, eval_task, formatter, self.collector.sampler, self.collector.scorer, progress=cfg.train.progress
@@ -299,6 +309,9 @@ class Trainer:
             return 0
         path, meta = found
         load_checkpoint(path, meta, self.training_state, self.cfg.parallel)
+        carry = load_rollout_carry(path) if self.collector else None
+        if self.collector and carry is not None:
+            self.collector.load_partial_state(cast(list, carry))
         if is_first_rank():
             log.info("resumed from %s (step %d)", path, meta["step"])
         return int(meta["step"])
@@ -546,7 +559,13 @@ class Trainer:
         extra = {"scalars": scalars, "fingerprint": self.cfg.fingerprint()}
         export = step == train.steps or bool(train.export_every and step % train.export_every == 0)
         with self.placement.trainer_resident(lambda: self.weight_sync.push(self.policy.weights, str(step))):
-            return self.checkpointer.save(step, self.training_state, extra, hf_weights=export)
+            return self.checkpointer.save(
+                step,
+                self.training_state,
+                extra,
+                hf_weights=export,
+                rollout_carry=self.collector.partial_state(step) if self.collector else None,
+            )
 
     def close(self) -> None:
         """Stop the engine and any server this run started; close the logs (idempotent)."""
