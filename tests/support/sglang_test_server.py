@@ -54,6 +54,7 @@ last ``/_test/faults``); per weight update request its group and whether it came
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -118,6 +119,7 @@ class State:
         self.generate_requests = 0
         self.aborts = 0
         self.aborted: list[dict] = []  # the abort requests' bodies
+        self.running: dict[str, threading.Event] = {}  # /generate rids being answered -> set when aborted
         self.groups: dict[str, object] = {}  # weight-update process groups by name
         self.received: dict[str, torch.Tensor] = {}  # broadcast weights not yet loaded
         self.version_after_update: str | None = None
@@ -255,9 +257,14 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
         if path == "/flush_cache":
             return self._send(200, b"Cache flushed.\n", content_type="text/plain")
-        if path == "/abort_request":
+        if path == "/abort_request":  # as SGLang: every running rid that starts with it; an empty reply
             st.aborts += 1
             st.aborted.append(body)
+            rid = str(body.get("rid") or "")
+            with st.count_lock:
+                for running, event in st.running.items():
+                    if body.get("abort_all") or (rid and running.startswith(rid)):
+                        event.set()
             return self._send(200, b"")
         if path == "/_test/faults":
             st.faults = body
@@ -349,12 +356,16 @@ class Handler(BaseHTTPRequestHandler):
             (sample,) = st.engine.generate_seeded([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
         token_delay_s = float(st.faults.get("token_delay_s", st.args.token_delay_s))
         if token_delay_s:  # a length-proportional decode time, other requests running meanwhile
-            time.sleep(token_delay_s * len(sample.output_ids))
+            sample = _decode_time(st, body.get("rid"), sample, token_delay_s)
+        if sample.finish_reason == "abort":
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        elif sample.finish_reason == "stop":
+            finish = {"type": "stop", "matched": sample.output_ids[-1]}
+        else:
+            finish = {"type": "length", "length": len(sample.output_ids)}
         meta = {
             "id": body.get("rid") or f"req-{st.generate_requests}",
-            "finish_reason": {"type": "stop", "matched": sample.output_ids[-1]}
-            if sample.finish_reason == "stop"
-            else {"type": "length", "length": len(sample.output_ids)},
+            "finish_reason": finish,
             "prompt_tokens": len(ids),
             "completion_tokens": len(sample.output_ids),
             "cached_tokens": 0,
@@ -367,10 +378,37 @@ class Handler(BaseHTTPRequestHandler):
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(sample.output_logprobs, sample.output_ids)
             ]
-        if body.get("return_routed_experts"):  # from routed_experts_start_len (earlier positions came before)
+        if body.get("return_routed_experts") and sample.output_ids:  # from routed_experts_start_len
             meta["routed_experts"] = encode_routed_experts(sample.routed_experts[start_len:])
         reply = {"text": "", "output_ids": sample.output_ids, "meta_info": meta}
         return 200, _inject_reply_fault(st.faults, reply, sample)
+
+
+def _decode_time(st: State, rid: str | None, sample, token_delay_s: float):
+    """Hold the reply ``token_delay_s`` per output token; an ``/abort_request`` meanwhile cuts
+    the sample to the tokens decoded by then (as SGLang replies to an aborted request: the
+    tokens, log-probs and routed experts it had, ``finish_reason`` abort)."""
+    aborted = threading.Event()
+    if rid:
+        with st.count_lock:
+            st.running[rid] = aborted
+    try:
+        start = time.monotonic()
+        if not aborted.wait(token_delay_s * len(sample.output_ids)):
+            return sample
+        kept = min(int((time.monotonic() - start) / token_delay_s), len(sample.output_ids) - 1)
+    finally:
+        if rid:
+            with st.count_lock:
+                st.running.pop(rid, None)
+    positions = len(sample.prompt_ids) + kept - 1
+    return dataclasses.replace(
+        sample,
+        output_ids=sample.output_ids[:kept],
+        output_logprobs=sample.output_logprobs[:kept],
+        finish_reason="abort",
+        routed_experts=None if sample.routed_experts is None else sample.routed_experts[:positions],
+    )
 
 
 def warm_up(engine: LocalEngine, prompts: int = 32, length: int = 6, tokens: int = 16) -> None:

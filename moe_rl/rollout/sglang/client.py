@@ -130,7 +130,8 @@ class GenerationClient(ServerControl):
         on_group: GroupCallback | None,
     ) -> list[Sample]:
         call = next(self._calls)
-        rids = [f"moe-rl-partial-{call}-{k}-{r.seed}" for k, r in enumerate(requests)]
+        # SGLang aborts every request whose rid starts with the one named: none may start another's
+        rids = [f"moe-rl-partial-{call}-{k}-{r.seed}." for k, r in enumerate(requests)]
         server_of = {g: self.take_server() for g in dict.fromkeys(r.group for r in requests)}
         progress = GroupProgress([r.group for r in requests], groups_needed)
         results: list[Sample | None] = [None] * len(requests)
