@@ -394,7 +394,7 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         ``simulating``: keep what the simulated mismatch observes; ``offsets``, ``stop``:
         as :meth:`generate_rows`."""
         n, prompt_len = len(seeds), len(prompts[0])
-        stop_ids = self.eos_ids | set(params.stop_token_ids)
+        stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         row_seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
         row_offsets = np.array(offsets or [0] * n, dtype=np.uint64)
         ids = torch.tensor(prompts, device=self.model.device)

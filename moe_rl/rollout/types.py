@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks, tests)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -45,6 +46,8 @@ class SamplingParams:
         out = asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["sampling_seed"] = seed
+        if not self.ignore_eos:  # (SGLang's default: the request body as before the field existed)
+            del out["ignore_eos"]
         return out
 
 

@@ -349,6 +349,7 @@ class Handler(BaseHTTPRequestHandler):
             top_p=float(sp.get("top_p", 1.0)),
             top_k=top_k,
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
         )
         while st.paused.is_set():
             time.sleep(0.01)
