@@ -119,6 +119,50 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(
     assert same_weights(tmp_path / final, straight_run / final)
 
 
+PARTIAL = [
+    "rollout.partial.enabled=true",
+    "algorithm.old_logprobs=rollout",
+    "rollout.max_new_tokens=24",  # long enough for responses to be stopped and carried
+    "routing.replay=r3",
+    "train.steps=6",
+    "train.save_every=3",
+]
+
+
+def test_kill_9_during_a_partial_rollout_resumes_like_an_uninterrupted_run(base, tmp_path: Path) -> None:
+    """Partial rollouts: step 3's checkpoint holds the responses carried into step 4 (tokens,
+    versions, log-probs, routing); a run killed while step 4 continues them resumes there
+    and trains what the uninterrupted run trained, to the same final weights."""
+    import torch
+
+    straight = tmp_path / "straight"
+    out = run("train", *base, *PARTIAL, f"train.run_dir={straight}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        cmd("train", *base, *PARTIAL, f"train.run_dir={killed}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    saved = killed / "checkpoints" / "step_000003"
+    wait_for(lambda: (saved / "meta.json").is_file())  # committed while step 4 runs
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(rows(killed)) < 6, "the run ended before it was killed"
+    carry = torch.load(saved / "rollout" / "carry.pt", weights_only=True)
+    assert any(s["output_ids"] for g in carry for s in g["samples"]), "nothing was carried into step 4"
+    out = run("train", *base, *PARTIAL, f"train.run_dir={killed}")
+    assert out.returncode == 0 and "resumed from" in out.stderr, out.stderr[-2000:]
+    uninterrupted, resumed = rows(straight), rows(killed)
+    assert uninterrupted[4]["rollout/partial/sample_frac"] > 0, "step 4 trained no continued response"
+    for step in (4, 5, 6):
+        for key in (*COMPARED, "rollout/partial/sample_frac", "rollout/staleness/token_mean"):
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
+    final = Path("checkpoints") / "step_000006" / "model"
+    assert same_weights(killed / final, straight / final)
+
+
 def test_kill_9_during_a_checkpoint_write_keeps_the_last_good_one(
     base, straight_run, uninterrupted, tmp_path: Path
 ) -> None:
