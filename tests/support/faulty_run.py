@@ -13,6 +13,8 @@ kill the run while its writers are still at work.
 on a full disk (``ENOSPC``), as does every write of the run after it.
 ``--full-disk-at-save-step N``: the checkpoint writers of step N's save and later fail
 with ``ENOSPC`` (a full disk under the checkpoint).
+``--kill-in-partial-rollout-of-step N``: the run SIGKILLs itself once step N's partial
+rollout has continued its carried responses by some tokens (``rollout.partial``).
 ``--pretend-transformer-engine``: the model saves and asks for what Transformer Engine's
 layers hold besides the local ones (an ``_extra_state`` entry per core attention), and
 checkpoints record ``transformer_impl=transformer_engine``.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -129,12 +132,34 @@ def pretend_transformer_engine() -> None:
     checkpoint.transformer_impl_of = lambda model: "transformer_engine"
 
 
+def kill_in_partial_rollout(step: int) -> None:
+    from moe_rl.rollout.partial import PartialRollout
+
+    original = PartialRollout.sample
+
+    def sample(self, *args, **kwargs):
+        if kwargs["step"] + 1 == step:  # the engine works on step N's carry: let it generate, then die
+            self.engine.generate_requests = _dying(self.engine.generate_requests)
+        return original(self, *args, **kwargs)
+
+    PartialRollout.sample = sample
+
+
+def _dying(generate):
+    def generate_then_die(*args, **kwargs):
+        generate(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return generate_then_die
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nan-steps", default="")
     parser.add_argument("--checkpoint-delay-s", type=float, default=0.0)
     parser.add_argument("--writer-delay-s", type=float, default=0.0)
     parser.add_argument("--pretend-transformer-engine", action="store_true")
+    parser.add_argument("--kill-in-partial-rollout-of-step", type=int, default=0)
     parser.add_argument("--full-disk-at-log-step", type=int, default=0)
     parser.add_argument("--full-disk-at-save-step", type=int, default=0)
     args, rest = parser.parse_known_args()
@@ -150,4 +175,6 @@ if __name__ == "__main__":
         delay_checkpoint_writers(args.writer_delay_s)
     if args.pretend_transformer_engine:
         pretend_transformer_engine()
+    if args.kill_in_partial_rollout_of_step:
+        kill_in_partial_rollout(args.kill_in_partial_rollout_of_step)
     sys.exit(main([a for a in rest if a != "--"]))
