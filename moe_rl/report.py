@@ -424,6 +424,36 @@ def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) ->
             + "".join(f"{_f3(reward.get(st))} | " for st in fixed_steps)
             + f"{_pct(s['any_layer'])} | {_pct(s['replayed'])} |"
         )
+    return lines + staleness_table(data)
+
+
+def staleness_table(data: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+    """How stale the tokens each run trained on were (runs with partial or async rollouts;
+    empty when none had stale tokens)."""
+    stale = {
+        name: s
+        for name, s in data.items()
+        if any(s.get(tags.TOKEN_STALENESS_MAX, {}).values()) or any(s.get(tags.ROLLOUT_POLICY_LAG, {}).values())
+    }
+    if not stale:
+        return []
+    lines = [
+        "",
+        "Staleness trained on: weight versions between the weights that drew a response token and the weights it "
+        f"trained (`{tags.TOKEN_STALENESS_MEAN}`, `{tags.TOKEN_STALENESS_MAX}`; async rollouts without partial ones: "
+        f"`{tags.ROLLOUT_POLICY_LAG}`), and the responses continued across versions (`{tags.PARTIAL_SAMPLE_FRAC}`).",
+        "",
+        "| run | token staleness (mean) | most | continued responses (%) |",
+        "|---|---|---|---|",
+    ]
+    for name, s in stale.items():
+        mean = s.get(tags.TOKEN_STALENESS_MEAN) or s.get(tags.ROLLOUT_POLICY_LAG, {})
+        most = s.get(tags.TOKEN_STALENESS_MAX) or s.get(tags.ROLLOUT_POLICY_LAG, {})
+        partial = s.get(tags.PARTIAL_SAMPLE_FRAC, {})
+        lines.append(
+            f"| {name} | {_f3(_mean(mean, sorted(mean)))} | {_f3(max(most.values()))} | "
+            + (f"{_pct(_mean(partial, sorted(partial)))} |" if partial else "— |")
+        )
     return lines
 
 

@@ -181,3 +181,23 @@ def test_the_train_batch_holds_each_tokens_own_behaviour_logprob_and_routing() -
 def test_partial_settings_that_cannot_work_are_refused_in_one_line(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_the_compare_report_shows_the_staleness_each_run_trained_on() -> None:
+    from moe_rl import tags
+    from moe_rl.report import staleness_table
+
+    data = {
+        "partial": {
+            tags.TOKEN_STALENESS_MEAN: {1: 0.0, 2: 0.8},
+            tags.TOKEN_STALENESS_MAX: {1: 0.0, 2: 1.0},
+            tags.PARTIAL_SAMPLE_FRAC: {1: 0.0, 2: 0.5},
+        },
+        "async": {tags.ROLLOUT_POLICY_LAG: {1: 0.0, 2: 1.0, 3: 1.0}},
+        "plain": {tags.ROLLOUT_POLICY_LAG: {1: 0.0, 2: 0.0}},
+    }
+    rows = {line.split("|")[1].strip(): line for line in staleness_table(data) if line.startswith("| ")}
+    assert set(rows) == {"run", "partial", "async"}  # a run that never trained a stale token is left out
+    assert [c.strip() for c in rows["partial"].split("|")[2:5]] == ["0.400", "1.000", "25.00"]
+    assert [c.strip() for c in rows["async"].split("|")[2:5]] == ["0.667", "1.000", "—"]
+    assert staleness_table({"plain": data["plain"]}) == []
