@@ -526,7 +526,6 @@ def _by_length(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams
     return list(by_length.values())
 
 
-
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 

@@ -62,7 +62,13 @@ class PartialRollout:
         return max(0, self.groups_per_step + self.extra_groups - len(self.carried))
 
     def sample(
-        self, problems: Sequence[Any], prompts: Sequence[list[int]], params: SamplingParams, *, seed: int, step: int,
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        step: int,
         routed: bool,
     ) -> PartialStep:
         """Step ``step``'s groups (``step`` is also the version its weights will have):
@@ -140,8 +146,10 @@ def joined(earlier: Sample, later: Sample) -> Sample:
     if not earlier.output_ids:
         return dataclasses.replace(later, prompt_ids=earlier.prompt_ids, seed=earlier.seed)
     first = earlier.segments or (Segment(0, earlier.weight_version),)
-    segments = first if first[-1].weight_version == later.weight_version else (
-        *first, Segment(len(earlier.output_ids), later.weight_version)
+    segments = (
+        first
+        if first[-1].weight_version == later.weight_version
+        else (*first, Segment(len(earlier.output_ids), later.weight_version))
     )
     routing = None
     if earlier.routed_experts is not None and later.routed_experts is not None:

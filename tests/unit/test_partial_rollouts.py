@@ -111,7 +111,9 @@ def test_each_segment_keeps_its_own_weights_tokens_logprobs_and_routing(engine, 
     fresh = LocalEngine(model_dir)
     fresh.update_weights(new_weights, "1")
     (again,) = fresh.generate_requests([cont], [rest], routed=True, groups_needed=1)
-    assert again.output_ids == second.output_ids and torch.equal(whole.routed_experts[p + m - 1 :], again.routed_experts)
+    assert again.output_ids == second.output_ids and torch.equal(
+        whole.routed_experts[p + m - 1 :], again.routed_experts
+    )
     assert whole.routed_experts.shape[0] == p + len(whole.output_ids) - 1
 
 
@@ -159,7 +161,9 @@ def test_the_train_batch_holds_each_tokens_own_behaviour_logprob_and_routing() -
     second = Sample([1, 2, 3, 4, 5, 6], [7, 8, 9], [-1.0, -2.0, -3.0], "stop", "4", 1, routing[5:])
     whole = joined(first, second)
     exp = Experience([whole, whole], torch.ones(2, 1), ["r"], torch.tensor([1.0, -1.0]))
-    batch = build_train_batch(exp, 0, [[0, 1]], seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=True)
+    batch = build_train_batch(
+        exp, 0, [[0, 1]], seq_len_multiple=1, pad_id=0, device=torch.device("cpu"), with_routing=True
+    )
     (mb,) = batch.micro_batches
     assert mb.rollout_logp[0, 3:8].tolist() == [-0.5, -0.25, -1.0, -2.0, -3.0]
     assert torch.equal(mb.routed_experts[0].to(torch.uint8), routing)
@@ -169,13 +173,27 @@ def test_the_train_batch_holds_each_tokens_own_behaviour_logprob_and_routing() -
     "overrides, message",
     [
         (["rollout.partial.enabled=true"], "algorithm.old_logprobs=rollout"),
-        (["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.max_staleness=0"], "max_staleness"),
         (
-            ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.async_rollouts=true", "rollout.max_staleness=1"],
+            ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.max_staleness=0"],
+            "max_staleness",
+        ),
+        (
+            [
+                "rollout.partial.enabled=true",
+                "algorithm.old_logprobs=rollout",
+                "rollout.async_rollouts=true",
+                "rollout.max_staleness=1",
+            ],
             "2 or more",
         ),
-        (["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.dynamic_sampling.enabled=true"], "dynamic_sampling"),
-        (["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.partial.extra_groups=-1"], "extra_groups"),
+        (
+            ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.dynamic_sampling.enabled=true"],
+            "dynamic_sampling",
+        ),
+        (
+            ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.partial.extra_groups=-1"],
+            "extra_groups",
+        ),
     ],
 )
 def test_partial_settings_that_cannot_work_are_refused_in_one_line(overrides, message) -> None:
