@@ -354,6 +354,11 @@ def validate(c: Config) -> None:
             "rollout.partial.enabled=true trains on responses continued across weight updates: set "
             "algorithm.old_logprobs=rollout so that each token's importance ratio uses the weights that drew it"
         )
+    if c.rollout.partial.enabled and c.reward.score_as_finished:
+        raise ConfigError(
+            "rollout.partial.enabled=true scores a step's rewards once its groups are chosen: reward.score_as_finished "
+            "does not combine with it yet (set it false)"
+        )
     c.reward.validate()
     c.model.validate()
     c.data.validate([r.name for r in c.reward.rewards])

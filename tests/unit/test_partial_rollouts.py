@@ -191,6 +191,10 @@ def test_the_train_batch_holds_each_tokens_own_behaviour_logprob_and_routing() -
             "dynamic_sampling",
         ),
         (
+            ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "reward.score_as_finished=true"],
+            "score_as_finished",
+        ),
+        (
             ["rollout.partial.enabled=true", "algorithm.old_logprobs=rollout", "rollout.partial.extra_groups=-1"],
             "extra_groups",
         ),
