@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import demo_model_dir, demo_weights_on, require_real_sglang
-from moe_rl.rollout.partial import joined
+from moe_rl.rollout.partial import PartialRollout, joined
 from moe_rl.rollout.sglang.engine import SGLangEngine
 from moe_rl.rollout.types import GenerationRequest, SamplingParams, Segment
 
@@ -86,3 +86,34 @@ def test_requests_never_sent_return_no_tokens(server, demo_cache) -> None:
     )
     assert first.finish_reason == "length" and len(first.output_ids) == QUICK.max_new_tokens
     assert second.finish_reason == "abort" and second.output_ids == [] and second.prompt_ids == LONG_PROMPT
+
+
+def test_a_carried_response_past_the_staleness_bound_starts_over_on_the_server(stand_in_sglang, demo_cache) -> None:
+    """PartialRollout over the stand-in: responses stopped at step 0 and carried over two
+    weight updates are too old for step 2 under ``max_staleness=1``: generated anew there,
+    every trained token of step 2's weights."""
+    server = stand_in_sglang
+    httpx.post(server.url + "/_test/faults", json={"token_delay_s": 0.005}, timeout=10)
+    try:
+        engine = SGLangEngine([server.url], num_layers=2, top_k=2, num_experts=8)
+        engine.update_weights_from_disk(demo_model_dir(demo_cache), "0")
+        rollout = PartialRollout(engine, group_size=4, groups_per_step=1, extra_groups=3, max_staleness=1)
+        long_tailed = SamplingParams(max_new_tokens=64, temperature=1.0, ignore_eos=True, stop_token_ids=(5, 9))
+        prompts = [SHORT_PROMPT, LONG_PROMPT, SHORT_PROMPT[::-1], LONG_PROMPT[::-1]]
+        rollout.sample(list(range(4)), prompts, long_tailed, seed=1, step=0, routed=True)
+        started = sum(1 for g in rollout.carried for s in g.samples if s.output_ids and s.finish_reason == "abort")
+        assert started > 0, "no response was stopped with tokens"
+        kept = sum(1 for g in rollout.carried for s in g.samples if s.output_ids)  # stopped ones and done ones
+        engine.update_weights_from_disk(demo_model_dir(demo_cache), "1")
+        engine.update_weights_from_disk(demo_model_dir(demo_cache), "2")
+        got = rollout.sample([], [], long_tailed, seed=1, step=2, routed=True)
+        assert got.restarted == kept
+        for group in got.groups:
+            for s in group:
+                assert (
+                    set(s.token_versions()) == {"2"}
+                    and s.routed_experts.shape[0] == len(s.prompt_ids) + len(s.output_ids) - 1
+                )
+    finally:
+        httpx.post(server.url + "/_test/faults", json={}, timeout=10)
+        demo_weights_on(server, demo_cache)
