@@ -2,7 +2,7 @@
 groups are done continues, after a weight update, to what it would have been uninterrupted
 where the weights did not change; each segment keeps its own version, log-probs and
 routing; the staleness bound starts old responses over; the carry survives a checkpoint.
-(Against the SGLang stand-in and the real server: tests/server/test_partial_rollouts.py;
+(Against the SGLang stand-in and the real server: tests/server/test_partial_rollouts_sglang.py;
 kill -9 during a partial run: tests/e2e/test_reliability.py.)"""
 
 from __future__ import annotations
