@@ -92,9 +92,10 @@ class GenerationClient(ServerControl):
             request = functools.partial(
                 self._request, client, slots, params=params, routed=routed, expected_version=expected_version
             )
+            # (every rid ends in ".": SGLang aborts all the rids that start with the one named)
             return await run_groups(
                 lambda i, j: request(
-                    prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}", server=servers[i]
+                    prompts[i], sample_seed(seed, i, j, n), rid=f"moe-rl-{seed}-{i}-{j}.", server=servers[i]
                 ),
                 len(prompts),
                 n,

@@ -60,7 +60,7 @@ class HttpTurns:
         self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0
     ) -> Sample:
         params.validate()
-        rid = f"moe-rl-turn-{seed}-{next(self._ids)}"
+        rid = f"moe-rl-turn-{seed}-{next(self._ids)}."  # (none the start of another: SGLang aborts by prefix)
         return await self.engine._request(
             self.client,
             self.slots,
