@@ -254,7 +254,6 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
         *,
         routed: bool,
         groups_needed: int,
-        on_group: GroupCallback | None = None,
     ) -> list[Sample]:
         """Requests of one length and settings decode as one batch, batch after batch; the
         decoding stops at the step in which the ``groups_needed``-th group is done (a
@@ -282,9 +281,6 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
             )
             for i, sample in zip(indices, samples):
                 out[i] = sample
-            if on_group is not None:
-                for g in groups.take_done():
-                    on_group(g, [s for s, r in zip(out, requests) if r.group == g])  # type: ignore[misc]
         self.seconds_generating += time.perf_counter() - start
         done = [s if s is not None else r.not_started(self._version) for s, r in zip(out, requests)]
         self.tokens_generated += sum(len(s.output_ids) for s in done)

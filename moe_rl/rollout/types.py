@@ -231,13 +231,11 @@ class RolloutEngine(ABC):
         *,
         routed: bool,
         groups_needed: int,
-        on_group: GroupCallback | None = None,
     ) -> list[Sample]:
         """Partial rollouts: ``result[r]`` for ``requests[r]`` (its new tokens only, with
         ``params[r]``), stopped once ``groups_needed`` groups have every member done: the
         others end ``finish_reason="abort"`` with the tokens they had (none if not
-        started). ``on_group(g, samples)`` as group ``g`` is done. ``routed``: each
-        sample's routed experts from its request's ``routing_from``."""
+        started). ``routed``: each sample's routed experts from its request's ``routing_from``."""
         raise NotImplementedError(f"{type(self).__name__} does not serve partial rollouts")
 
     def returns_routed_experts(self) -> bool:
@@ -282,7 +280,6 @@ class GroupProgress:
         self.group_of, self.needed = list(group_of), needed
         self.left = {g: self.group_of.count(g) for g in set(self.group_of)}
         self.done: list[int] = []
-        self._handed = 0
 
     def finish(self, requests: Sequence[int]) -> bool:
         """``requests`` are done; whether enough groups are now."""
@@ -295,11 +292,6 @@ class GroupProgress:
 
     def enough(self) -> bool:
         return len(self.done) >= self.needed
-
-    def take_done(self) -> list[int]:
-        """The groups done since the last call."""
-        new, self._handed = self.done[self._handed :], len(self.done)
-        return new
 
 
 async def run_groups(

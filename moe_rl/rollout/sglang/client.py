@@ -109,7 +109,6 @@ class GenerationClient(ServerControl):
         *,
         routed: bool,
         groups_needed: int,
-        on_group: GroupCallback | None = None,
     ) -> list[Sample]:
         """Every request its own ``/generate``; once ``groups_needed`` groups are done the
         requests still running are aborted (``/abort_request`` by ``rid``: each replies with
@@ -119,7 +118,7 @@ class GenerationClient(ServerControl):
         if routed and (self.num_layers is None or self.top_k is None):
             raise ValueError("routed experts need num_layers and top_k of the served model")
         expected = self.weight_version
-        return asyncio.run(self._generate_requests(requests, params, routed, expected, groups_needed, on_group))
+        return asyncio.run(self._generate_requests(requests, params, routed, expected, groups_needed))
 
     async def _generate_requests(
         self,
@@ -128,7 +127,6 @@ class GenerationClient(ServerControl):
         routed: bool,
         expected: str,
         groups_needed: int,
-        on_group: GroupCallback | None,
     ) -> list[Sample]:
         call = next(self._calls)
         # SGLang aborts every request whose rid starts with the one named: none may start another's
@@ -177,9 +175,6 @@ class GenerationClient(ServerControl):
                         self._aborting.discard(rid)
                 if sample.finish_reason != "abort" and progress.finish([k]) and not progress.done[groups_needed:]:
                     await stop_the_rest()  # (once: when the needed-th group is done)
-                if on_group is not None:
-                    for g in progress.take_done():
-                        on_group(g, [s for s, q in zip(results, requests) if q.group == g])  # type: ignore[misc]
 
             tasks = [asyncio.ensure_future(one(k)) for k in range(len(requests))]
             try:
