@@ -50,7 +50,10 @@ def test_an_aborted_request_continues_after_a_weight_update_to_its_uninterrupted
     assert whole.finish_reason == "length" and len(whole.output_ids) == GREEDY.max_new_tokens
 
     long, quick = reference, GenerationRequest(SHORT_PROMPT, seed=4, group=1)
-    first, done = engine.generate_requests([long, quick], [GREEDY, QUICK], routed=True, groups_needed=1)
+    for _ in range(3):  # a real server loses an abort that reaches it before the request (docs/sglang.md)
+        first, done = engine.generate_requests([long, quick], [GREEDY, QUICK], routed=True, groups_needed=1)
+        if first.finish_reason == "abort":
+            break
     assert done.finish_reason == "length" and len(done.output_ids) == QUICK.max_new_tokens
     m = len(first.output_ids)
     assert first.finish_reason == "abort" and 0 < m < GREEDY.max_new_tokens, (first.finish_reason, m)

@@ -353,11 +353,22 @@ class Handler(BaseHTTPRequestHandler):
         )
         while st.paused.is_set():
             time.sleep(0.01)
-        with st.lock:
-            (sample,) = st.engine.generate_seeded([ids], [int(seed)], params, bool(body.get("return_routed_experts")))
         token_delay_s = float(st.faults.get("token_delay_s", st.args.token_delay_s))
-        if token_delay_s:  # a length-proportional decode time, other requests running meanwhile
-            sample = _decode_time(st, body.get("rid"), sample, token_delay_s)
+        rid, arrived, aborted = body.get("rid"), time.monotonic(), threading.Event()
+        if rid:  # abortable from here (its computing below is its decoding)
+            with st.count_lock:
+                st.running[rid] = aborted
+        try:
+            with st.lock:
+                (sample,) = st.engine.generate_seeded(
+                    [ids], [int(seed)], params, bool(body.get("return_routed_experts"))
+                )
+            if token_delay_s:  # a length-proportional decode time, other requests running meanwhile
+                sample = _decode_time(sample, token_delay_s, aborted, arrived)
+        finally:
+            if rid:
+                with st.count_lock:
+                    st.running.pop(rid, None)
         if sample.finish_reason == "abort":
             finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         elif sample.finish_reason == "stop":
@@ -385,23 +396,14 @@ class Handler(BaseHTTPRequestHandler):
         return 200, _inject_reply_fault(st.faults, reply, sample)
 
 
-def _decode_time(st: State, rid: str | None, sample, token_delay_s: float):
-    """Hold the reply ``token_delay_s`` per output token; an ``/abort_request`` meanwhile cuts
-    the sample to the tokens decoded by then (as SGLang replies to an aborted request: the
-    tokens, log-probs and routed experts it had, ``finish_reason`` abort)."""
-    aborted = threading.Event()
-    if rid:
-        with st.count_lock:
-            st.running[rid] = aborted
-    try:
-        start = time.monotonic()
-        if not aborted.wait(token_delay_s * len(sample.output_ids)):
-            return sample
-        kept = min(int((time.monotonic() - start) / token_delay_s), len(sample.output_ids) - 1)
-    finally:
-        if rid:
-            with st.count_lock:
-                st.running.pop(rid, None)
+def _decode_time(sample, token_delay_s: float, aborted: threading.Event, arrived: float):
+    """Hold the reply ``token_delay_s`` per output token; an ``/abort_request`` since it
+    arrived (during its computing too) cuts the sample to the tokens "decoded" by then at that
+    rate (as SGLang replies to an aborted request: the tokens, log-probs and routed experts it
+    had, ``finish_reason`` abort)."""
+    if not aborted.wait(token_delay_s * len(sample.output_ids)):
+        return sample
+    kept = min(int((time.monotonic() - arrived) / token_delay_s), len(sample.output_ids) - 1)
     positions = len(sample.prompt_ids) + kept - 1
     return dataclasses.replace(
         sample,
