@@ -412,10 +412,13 @@ class LocalEngine(RolloutEngine, InProcessWeightReceiver):
                 d.drawn.append(next_tokens)
                 d.drawn_logps.append(drawn_logp.masked_fill(~live, float("nan")))
             finished = d.add(next_tokens.tolist(), drawn_logp.tolist(), stop_ids)
-            if stop is not None and step < params.max_new_tokens - 1 and stop(finished):
+            last = step == params.max_new_tokens - 1
+            if last:  # the rows still going end at the limit ("length"): done too
+                finished += [j for j, reason in enumerate(d.reasons) if reason is None]
+            if stop is not None and stop(finished) and not last:
                 d.abort()
                 break
-            if d.finished() or step == params.max_new_tokens - 1:
+            if d.finished() or last:
                 break  # the last sampled token is never fed back (as in SGLang)
             step_out = self.model(next_tokens[:, None], use_cache=True, **self._cache_kwargs(step_out))
             if simulating:

@@ -223,3 +223,14 @@ def test_the_compare_report_shows_the_staleness_each_run_trained_on() -> None:
     assert [c.strip() for c in rows["partial"].split("|")[2:5]] == ["0.400", "1.000", "25.00"]
     assert [c.strip() for c in rows["async"].split("|")[2:5]] == ["0.667", "1.000", "—"]
     assert staleness_table({"plain": data["plain"]}) == []
+
+
+def test_rows_ending_at_the_limit_count_as_done_so_later_batches_do_not_start(engine) -> None:
+    """A batch whose rows all end at max_new_tokens completes its groups: with enough groups
+    done, the next batch (another prompt length) is never started."""
+    limit = dataclasses.replace(PARAMS, max_new_tokens=3, stop_token_ids=(), ignore_eos=True)
+    requests = [GenerationRequest(PROMPTS[0], seed=s, group=0) for s in range(2)]
+    requests += [GenerationRequest(PROMPTS[0] + [5], seed=s, group=1) for s in range(2)]  # a batch of its own
+    outs = engine.generate_requests(requests, [limit] * 4, routed=False, groups_needed=1)
+    assert [s.finish_reason for s in outs] == ["length", "length", "abort", "abort"]
+    assert [len(s.output_ids) for s in outs] == [3, 3, 0, 0]
