@@ -76,7 +76,7 @@ def test_smoke_run_of_the_scale_stages(tmp_path: Path) -> None:
     )
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out.returncode == 0, out.stdout[-3000:]
-    assert result["stage_set"] == "scale" and list(result["verdicts"]) == gpu_check.stages_of("full", scale=True)
+    assert result["stage_set"] == "scale" and list(result["verdicts"]) == gpu_check.stages_of("full", stage_set="scale")
     assert set(result["verdicts"].values()) == {OK}
     figures = {name: stage["figures"] for name, stage in result["stages"].items()}
     assert figures["slice"]["one_rank_vs_allgather_max_logp_diff"] == 0.0

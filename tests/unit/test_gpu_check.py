@@ -81,9 +81,33 @@ def test_what_travels_fits_and_the_stage_limits_fit_the_device() -> None:
         limits = sum(gpu_check.limit_of(n, mode) for n in gpu_check.stages_of(mode))
         assert limits <= gpu_check.BUDGET_S[mode] and gpu_check.BUDGET_S[mode] + install_s <= 60 * minutes, mode
     assert gpu_check.stages_of("quick") == ["env", "kernels", "logprob", "parity", "train", "trainer"]
-    scale = sum(gpu_check.limit_of(n, "full", scale=True) for n in gpu_check.stages_of("full", scale=True))
+    scale = sum(gpu_check.limit_of(n, "full", "scale") for n in gpu_check.stages_of("full", stage_set="scale"))
     assert scale <= gpu_check.SCALE_BUDGET_S and gpu_check.SCALE_BUDGET_S + install_s <= 60 * 8
-    assert gpu_check.stages_of("full", scale=True) == ["env", "slice", "long_context", "sync", "checkpoint", "peer"]
+    assert gpu_check.stages_of("full", stage_set="scale") == [
+        "env",
+        "slice",
+        "long_context",
+        "sync",
+        "checkpoint",
+        "peer",
+    ]
+    # --all: one command within the device's 10 minutes (install and start-up on top), both
+    # sets once each (env once), every stage able to run whole within the budget
+    both = gpu_check.stages_of("full", stage_set="all")
+    assert both == gpu_check.stages_of("full") + gpu_check.stages_of("full", stage_set="scale")[1:]
+    assert gpu_check.ALL_BUDGET_S + install_s <= 60 * 9.5
+    assert all(gpu_check.limit_of(n, "full", "all") <= gpu_check.ALL_BUDGET_S for n in both)
+    assert [gpu_check.limit_of(n, "full", "all") for n in ("trainer", "slice")] == [65, 120]
+
+
+def test_stages_past_the_budget_are_named_for_a_second_command(tmp_path: Path, capsys) -> None:
+    """--budget below what a stage needs: no stage starts, each is SKIPPED for want of time,
+    the run is not green, and its last line is the --only to run them later."""
+    code = gpu_check.main(["--all", "--budget", "4", "--out-dir", str(tmp_path), "--only", "trainer,slice"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 1 and result["budget_s"] == 4 and result["not_run"] == ["trainer", "slice"]
+    assert set(result["verdicts"].values()) == {SKIPPED}
+    assert capsys.readouterr().out.splitlines()[-1].endswith("no time left: --all --only trainer,slice")
 
 
 def test_checks_fail_on_nan_and_a_stage_of_skips_says_skipped() -> None:

@@ -26,9 +26,12 @@ each check is ok, FAILED, or SKIPPED where it cannot run here (no CUDA, no Trans
 
 ``--scale`` runs the real-shape stages instead (8 minutes): ``env``, then ``slice``,
 ``long_context``, ``sync`` and ``checkpoint`` on a slice of Qwen3-30B-A3B, and ``peer`` (TRL side by
-side on the GPU) (``gpu_check/scale.py``).
+side on the GPU) (``gpu_check/scale.py``). ``--all`` runs both sets in one command (9 minutes: the
+lent machine's 15 minutes hold one start and one such command, with a short second one for
+what did not fit); ``--budget`` sets the seconds the stages may take together.
 
-    python -m tools.gpu_check.check [--mode smoke|quick|full] [--scale] [--only a,b] [--out-dir DIR] [--in-process]
+    python -m tools.gpu_check.check [--mode smoke|quick|full] [--scale | --all] [--budget S] [--only a,b]
+        [--out-dir DIR] [--in-process]
 """
 
 from __future__ import annotations
@@ -65,37 +68,43 @@ STAGES = {
 SCALE_STAGES = {
     "env": ("tools.gpu_check.check", 15),
     "slice": ("tools.gpu_check.scale", 120),
-    "long_context": ("tools.gpu_check.scale", 60),
-    "sync": ("tools.gpu_check.scale", 40),
-    "checkpoint": ("tools.gpu_check.scale", 65),
+    "long_context": ("tools.gpu_check.scale", 50),
+    "sync": ("tools.gpu_check.scale", 35),
+    "checkpoint": ("tools.gpu_check.scale", 80),
     "peer": ("tools.gpu_check.scale", 150),
 }
 # what the stages may take together; gpu_check.sh's install (30 s at most) and start-up come on
 # top: 8 minutes for full, 4 for quick, 8 for --scale. Smoke (CPU, tiny sizes) has no budget.
+# --all runs the check's stages, then the scale ones (their env once) in one command, within
+# the device's 10 minutes a command: what does not fit is SKIPPED ("no time left"), for a
+# second command with --only. --budget replaces the default (what the session has left).
 BUDGET_S = {"full": 450, "quick": 205, "smoke": None}
 SCALE_BUDGET_S = 450
+ALL_BUDGET_S = 540
 SMOKE_LIMIT_S = 600
+NO_TIME = "no time left"  # why a stage the budget could not fit was SKIPPED
+STAGE_SETS = ("check", "scale", "all")
 
 
-def stages_of(mode: str, only: list[str] | None = None, scale: bool = False) -> list[str]:
-    if scale:
-        names = list(SCALE_STAGES)
-    else:
-        names = [n for n, (_, _, quick) in STAGES.items() if mode != "quick" or quick is not None]
+def stages_of(mode: str, only: list[str] | None = None, stage_set: str = "check") -> list[str]:
+    check = [n for n, (_, _, quick) in STAGES.items() if mode != "quick" or quick is not None]
+    names = {"check": check, "scale": list(SCALE_STAGES), "all": check + list(SCALE_STAGES)[1:]}[stage_set]
     return [n for n in names if only is None or n in only]
 
 
-def limit_of(name: str, mode: str, scale: bool = False) -> float:
+def limit_of(name: str, mode: str, stage_set: str = "check") -> float:
     if mode == "smoke":
         return SMOKE_LIMIT_S
-    if scale:
+    if stage_set == "scale" or name not in STAGES:
         return SCALE_STAGES[name][1]
     _, full, quick = STAGES[name]
     return {"full": full, "quick": quick}[mode]
 
 
-def budget_of(mode: str, scale: bool = False) -> float | None:
-    return SCALE_BUDGET_S if scale and mode != "smoke" else BUDGET_S[mode]
+def budget_of(mode: str, stage_set: str = "check") -> float | None:
+    if mode == "smoke":
+        return None
+    return {"check": BUDGET_S[mode], "scale": SCALE_BUDGET_S, "all": ALL_BUDGET_S}[stage_set]
 
 
 def module_of(name: str) -> str:
@@ -212,21 +221,21 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 
 def run_all(args: argparse.Namespace) -> dict:
-    budget = budget_of(args.mode, args.scale)
+    budget = args.budget if args.budget is not None else budget_of(args.mode, args.stage_set)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": args.mode, "budget_s": budget}
-    results["stage_set"] = "scale" if args.scale else "check"
+    results["stage_set"] = args.stage_set
     results |= {"verdicts": {}, "stages": {}, "ok": True}
     out = args.out_dir / "gpu_check.json"
     start = time.perf_counter()
-    for name in stages_of(args.mode, args.only, args.scale):
+    for name in stages_of(args.mode, args.only, args.stage_set):
         left = None if budget is None else budget - (time.perf_counter() - start)
-        full_limit = limit_of(name, args.mode, args.scale)
+        full_limit = limit_of(name, args.mode, args.stage_set)
         limit = full_limit if left is None else min(full_limit, left)
         if limit < 5:
             result = {
                 "verdict": SKIPPED,
                 "seconds": 0.0,
-                "checks": [{"name": name, "verdict": SKIPPED, "why": "no time left"}],
+                "checks": [{"name": name, "verdict": SKIPPED, "why": NO_TIME}],
             }
         elif args.in_process:
             print(f"[gpu_check] {name} (in this process)", flush=True)
@@ -240,8 +249,12 @@ def run_all(args: argparse.Namespace) -> dict:
         results["ok"] = FAILED not in results["verdicts"].values()
         out.write_text(json.dumps(results, indent=1, default=str))  # after every stage: nothing lost on a kill
     results["seconds"] = round(time.perf_counter() - start, 1)
+    results["not_run"] = [n for n, r in results["stages"].items() if r["checks"][0].get("why") == NO_TIME]
     out.write_text(json.dumps(results, indent=1, default=str))
     print(f"[gpu_check] {'ok' if results['ok'] else 'FAILED'}: {results['verdicts']}; wrote {out}", flush=True)
+    if results["not_run"]:
+        again = f"--{args.stage_set} " if args.stage_set != "check" else ""
+        print(f"[gpu_check] not run, no time left: {again}--only {','.join(results['not_run'])}", flush=True)
     return results
 
 
@@ -252,22 +265,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "gpu_check")
     p.add_argument("--install-report", type=Path, help="tools/gpu_check/install.py's report")
     p.add_argument("--in-process", action="store_true", help="every stage in this process, no time limits")
-    p.add_argument("--scale", action="store_true", help="the real-shape stages (tools/gpu_check/scale.py)")
+    sets = p.add_mutually_exclusive_group()
+    sets.add_argument("--scale", dest="stage_set", action="store_const", const="scale", help="the real-shape stages")
+    sets.add_argument(
+        "--all", dest="stage_set", action="store_const", const="all", help="the check's, then the scale ones"
+    )
+    p.add_argument("--budget", type=float, help="seconds the stages may take together (default: the mode's)")
     p.add_argument("--stage", choices=sorted(set(STAGES) | set(SCALE_STAGES)), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
+    p.set_defaults(stage_set="check")
     args = p.parse_args(argv)
     if args.stage:
         args.result.write_text(
             json.dumps(run_stage(args.stage, args.mode, args.install_report, args.limit), default=str)
         )
         return 0
-    valid = SCALE_STAGES if args.scale else STAGES
+    if args.stage_set == "all" and args.mode == "quick":
+        p.error("--all runs the full stages: leave --quick out")
+    if args.budget is not None and args.budget <= 0:
+        p.error(f"--budget must be a positive number of seconds, not {args.budget:g}")
+    valid = stages_of(args.mode, None, args.stage_set)
     unknown = set(args.only or []) - set(valid)
     if unknown:
-        p.error(f"unknown stages {sorted(unknown)}; stages{' (--scale)' if args.scale else ''}: {', '.join(valid)}")
+        p.error(
+            f"unknown stages {sorted(unknown)}; stages of --mode {args.mode} ({args.stage_set}): {', '.join(valid)}"
+        )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    return 0 if run_all(args)["ok"] else 1
+    results = run_all(args)
+    return 0 if results["ok"] and not results["not_run"] else 1  # (a stage left out is not green)
 
 
 if __name__ == "__main__":

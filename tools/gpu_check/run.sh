@@ -2,9 +2,10 @@
 # One command on a GPU machine with no network (the lent H200): install what it lacks from
 # wheels/ (carried with the tree), then run tools/gpu_check/check.py's stages; gpu_check.json and
 # gpu_check.log go to $OUT when it is set (the folder the device tool brings back), else to
-# runs/gpu_check/. Within 8 minutes on one H200 (--quick: 4; --scale, the real-shape stages: 8).
+# runs/gpu_check/. Within 8 minutes on one H200 (--quick: 4; --scale, the real-shape stages: 8;
+# --all, both sets in one command: 9, what does not fit SKIPPED for a second command with --only).
 #
-#   bash tools/gpu_check/run.sh [--quick | --smoke] [--scale] [--only STAGE,...] [--in-process]
+#   bash tools/gpu_check/run.sh [--quick | --smoke] [--scale | --all] [--budget S] [--only STAGE,...] [--in-process]
 #   bash tools/gpu_check/run.sh --dry-run [--packages LIST]   # what it would install; nothing runs
 #
 # --smoke: tiny sizes, any machine (CPU: the CUDA-only checks say SKIPPED). --dry-run plans
