@@ -256,6 +256,8 @@ def stage_prepare(mode: str, checks: Checks, work: Path) -> dict:
 def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
     """2 colocated steps against the SGLang-protocol stand-in on the same device: the trainer's
     state offloaded around each rollout, CUDA-IPC tensor weight sync, R3 from the server."""
+    import httpx
+
     from moe_rl.config import load_config
     from moe_rl.rollout.sglang.server import ServerSettings, SGLangServer
     from moe_rl.models.demo_model import demo_model_dir
@@ -287,6 +289,7 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
         ]
         run += ["routing.replay=r3", "train.steps=2", f"train.run_dir={work / 'run'}"]
         code = moe_rl("train", *TINY_RUN, *cache, *run, log=work / "train.log", timeout=200)
+        served = httpx.get(server.url + "/_test/weights_digest", timeout=60).json()["digest"] if code == 0 else None
     finally:
         server.stop()
     rows = metric_rows(work / "run")
@@ -297,6 +300,14 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
         "==",
         2,
     )
+    final = work / "run" / "checkpoints" / "step_000002" / "model"
+    if code == 0:  # the last sync delivered step 2's weights as the trainer sent them (bf16 on CUDA)
+        checks.check(
+            "weights the stand-in holds equal step 2's checkpoint in the synced precision",
+            served == _stand_in().weights_digest(_synced_weights(final)),
+            "==",
+            True,
+        )
     keep = (
         "train/loss",
         "train/logp_mismatch_max",
@@ -306,6 +317,30 @@ def stage_colocated(mode: str, checks: Checks, work: Path) -> dict:
     return {"last": {k: rows.get(2, {}).get(k) for k in keep}} | (
         {} if code == 0 else {"error": tail(work / "train.log")}
     )
+
+
+def _stand_in():
+    """tests/support/sglang_test_server.py as a module (its weights digest)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "sglang_test_server", ROOT / "tests" / "support" / "sglang_test_server.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _synced_weights(model_dir: Path):
+    """The checkpoint's HF weights as the stand-in holds them after a sync: fp32, with the
+    values of the precision the trainer's parameters have (bf16 on CUDA)."""
+    import torch
+
+    from moe_rl.rollout.local import LocalEngine
+
+    precision = torch.bfloat16 if cuda() else None
+    return LocalEngine(str(model_dir), weight_precision=precision).model
 
 
 # ----------------------------------------------------------------------- rates
