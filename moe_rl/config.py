@@ -48,7 +48,7 @@ __all__ = [
 @dataclass
 class TrainConfig:
     steps: int = 30  # RL steps
-    seed: int = 1  # data order, sampling seeds, initial weights of the built-in model
+    seed: int = 1  # data order, sampling seeds (not the built-in model: one model whatever the seed)
     run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, samples.jsonl, tensorboard/, logs/
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept
@@ -93,10 +93,8 @@ class Config:
 
     def demo_model(self) -> DemoModelSettings:
         """What the built-in model (``model.hf_dir`` unset) is made of: its shape, the
-        warm start's data and settings, the seed of its first weights."""
-        return DemoModelSettings(
-            self.model, self.warm_start, self.data.max_operand, self.data.held_out, self.train.seed
-        )
+        warm start's data and settings."""
+        return DemoModelSettings(self.model, self.warm_start, self.data.max_operand, self.data.held_out)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run that wrote its checkpoints

@@ -27,7 +27,7 @@ from parallel.layout import ParallelLayout
 
 def demo_model_dir(demo: DemoModelSettings) -> Path:
     """Where the built-in model of ``demo`` is cached, under a key of the settings that
-    shape it (unchanged since models were first cached: the seed is not part of it)."""
+    shape it (unchanged since models were first cached)."""
     # not the parallel layout: every layout trains the same model (the warm start itself runs
     # under whichever layout asks first; layouts differ only by float error)
     key = json.dumps(
@@ -122,8 +122,14 @@ def _family_settings(m: ModelConfig) -> dict:
     return families[m.architecture]
 
 
+# The built-in model's first weights, whatever the run's train.seed: it stands for a pretrained
+# checkpoint, and its cache key has no seed (a run with another seed reused whichever model was
+# cached first). 1, train.seed's default, keeps every model cached so far.
+FIRST_WEIGHTS_SEED = 1
+
+
 def _raw_checkpoint(demo: DemoModelSettings, path: Path) -> None:
-    save_tiny_checkpoint(path, demo.model.architecture, seed=demo.seed, **_demo_settings(demo.model))
+    save_tiny_checkpoint(path, demo.model.architecture, seed=FIRST_WEIGHTS_SEED, **_demo_settings(demo.model))
     demo_tokenizer().save_pretrained(path)
 
 

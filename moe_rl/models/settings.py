@@ -96,10 +96,10 @@ class WarmStartConfig:
 class DemoModelSettings:
     """The run settings the built-in model is made of (:mod:`moe_rl.models.demo_model`):
     its shape, the warm start's, the arithmetic problems it is warm-started on (never the
-    held-out ones) and the seed of its first weights."""
+    held-out ones). Its first weights come from one fixed seed (``demo_model.FIRST_WEIGHTS_SEED``):
+    it stands for a pretrained model, the same whatever the run's ``train.seed``."""
 
     model: ModelConfig
     warm_start: WarmStartConfig
     max_operand: int
     held_out: int
-    seed: int

@@ -372,3 +372,19 @@ def test_the_readme_config_reference_is_the_codes() -> None:
     assert tool.page_copy(page) == tables, (
         "docs/config-reference.md is stale: python -m tools.dev.config_reference --write"
     )
+
+
+def test_the_built_in_model_is_one_model_whatever_the_seed(tmp_path: Path) -> None:
+    """train.seed varies the run (data order, sampling), not the built-in model it starts from:
+    its cache key has no seed, so seeded first weights made a run's model depend on which
+    seed happened to fill the cache first."""
+    from safetensors.torch import load_file
+
+    from moe_rl.models.demo_model import _raw_checkpoint, demo_model_dir
+
+    demos = [load_config(None, [f"train.seed={seed}"]).demo_model() for seed in (1, 2)]
+    assert demos[0] == demos[1] and demo_model_dir(demos[0]) == demo_model_dir(demos[1])
+    for seed, demo in zip((1, 2), demos):
+        _raw_checkpoint(demo, tmp_path / str(seed))
+    first, second = (load_file(tmp_path / str(seed) / "model.safetensors") for seed in (1, 2))
+    assert first.keys() == second.keys() and all(first[k].equal(second[k]) for k in first)
