@@ -167,20 +167,16 @@ def _gdpo_over_valid(
     r: Tensor, groups: ValidGroups, w: Tensor, eps: float, process_group: dist.ProcessGroup | None = None
 ) -> Tensor:
     """GDPO over groups of unequal sizes: each reward normalised within its group (GRPO on
-    that column), weight-summed, then normalised over every valid sample of this batch
-    (one rank's: the collector's whole batch)."""
-    if process_group is not None and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        raise NotImplementedError("gdpo over a validity mask takes its batch statistics on one rank only")
+    that column), weight-summed, then normalised over every valid sample of the batch (this
+    rank's and ``process_group``'s)."""
     out = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     one = torch.ones(1, dtype=r.dtype, device=r.device)
     for size, indices in groups.items():
         columns = [grpo_advantages(r[indices, j].unsqueeze(1), size, one, eps) for j in range(r.shape[1])]
         out[indices] = torch.stack(columns, dim=1) @ w
     kept = [i for indices in groups.values() for i in indices]
-    if len(kept) < 2:
-        return torch.zeros_like(out)
     summed = out[kept]
-    mean, std, constant = _batch_moments(summed, None)
+    mean, std, constant = _batch_moments(summed, process_group)  # (collective: every rank, kept or not)
     if constant:
         return torch.zeros_like(out)
     out[kept] = (summed - mean) / (std + eps)
@@ -201,18 +197,22 @@ def gdpo_advantages(
 
 
 def _batch_moments(x: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor, bool]:
-    """Mean, Bessel std and "all values equal" of ``x`` over this rank and ``group``."""
+    """Mean, Bessel std and "all values equal" of ``x`` over this rank and ``group`` (fewer
+    than 2 values in all: constant; a rank may hold none)."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if x.numel() < 2:
-            return x.mean(), x.new_zeros(()), True
+            return x.new_zeros(()), x.new_zeros(()), True
         return x.mean(), x.std(), bool(x.amax() == x.amin())
     xd = x.double()
     stats = torch.stack([xd.sum(), (xd**2).sum(), xd.new_tensor(float(x.numel()))])
     dist.all_reduce(stats, group=group)
-    extremes = torch.stack([xd.amax(), -xd.amin()])
+    lowest = xd.new_tensor(-torch.inf)  # (a rank without values leaves the extremes to the others)
+    extremes = torch.stack([xd.amax(), -xd.amin()]) if x.numel() else torch.stack([lowest, lowest])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     total, total_sq, n = stats.tolist()
+    if n < 2:
+        return x.new_zeros(()), x.new_zeros(()), True
     mean = total / n
-    var = max(total_sq - total * mean, 0.0) / (n - 1) if n > 1 else 0.0
-    constant = n < 2 or extremes[0].item() == -extremes[1].item()
+    var = max(total_sq - total * mean, 0.0) / (n - 1)
+    constant = extremes[0].item() == -extremes[1].item()
     return x.new_tensor(mean), x.new_tensor(var**0.5), constant
