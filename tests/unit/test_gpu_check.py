@@ -110,6 +110,25 @@ def test_stages_past_the_budget_are_named_for_a_second_command(tmp_path: Path, c
     assert capsys.readouterr().out.splitlines()[-1].endswith("no time left: --all --only trainer,slice")
 
 
+def test_a_stage_the_budget_cut_short_is_not_run_and_one_out_of_its_own_time_failed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Both stages end at their limits: trainer had its whole 65 s (FAILED), slice only what
+    was left of a 100 s budget, less than its 120 (SKIPPED "no time left", for a second call)."""
+    limits = {}
+
+    def ends_at_its_limit(name, mode, limit, install_report):
+        limits[name] = limit
+        why = {"name": "stage finished", "verdict": FAILED, "why": f"over its {limit:.0f} s limit"}
+        return {"verdict": FAILED, "checks": [why], "timed_out": True, "seconds": 0.0}
+
+    monkeypatch.setattr(gpu_check, "run_child", ends_at_its_limit)
+    code = gpu_check.main(["--all", "--budget", "100", "--out-dir", str(tmp_path), "--only", "trainer,slice"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert limits["trainer"] == 65 and 99 < limits["slice"] < 100
+    assert code == 1 and result["verdicts"] == {"trainer": FAILED, "slice": SKIPPED} and result["not_run"] == ["slice"]
+
+
 def test_checks_fail_on_nan_and_a_stage_of_skips_says_skipped() -> None:
     checks = Checks()
     checks.skip("te", "absent")

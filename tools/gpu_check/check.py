@@ -208,6 +208,7 @@ def run_child(name: str, mode: str, limit: float, install_report: Path | None) -
     if result is None:
         why = f"over its {limit:.0f} s limit" if code is None else f"the stage's process exited {code}"
         result = {"verdict": FAILED, "checks": [{"name": "stage finished", "verdict": FAILED, "why": why}]}
+        result["timed_out"] = code is None
         print(check_line(result["checks"][0]), flush=True)
     return result | {"seconds": round(time.perf_counter() - start, 1)}
 
@@ -218,6 +219,11 @@ def _kill_group(child: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     child.wait()
+
+
+def _out_of_time(result: dict) -> bool:
+    """Whether a stage ended at its limit: killed there, or a command it ran stopped just before."""
+    return bool(result.get("timed_out")) or any("TimeoutExpired" in str(c.get("why", "")) for c in result["checks"])
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -243,6 +249,8 @@ def run_all(args: argparse.Namespace) -> dict:
         else:
             print(f"[gpu_check] {name} (limit {limit:.0f} s)", flush=True)
             result = run_child(name, args.mode, limit, args.install_report)
+            if limit < full_limit and _out_of_time(result):  # the budget, not the stage, ran out
+                result |= {"verdict": SKIPPED, "checks": [{"name": name, "verdict": SKIPPED, "why": NO_TIME}]}
         result["limit_s"] = round(limit)
         results["stages"][name], results["verdicts"][name] = result, result["verdict"]
         print(f"[gpu_check] {name}: {result['verdict']} in {result['seconds']} s (limit {round(limit)})", flush=True)
