@@ -50,10 +50,7 @@ def test_an_aborted_request_continues_after_a_weight_update_to_its_uninterrupted
     assert whole.finish_reason == "length" and len(whole.output_ids) == GREEDY.max_new_tokens
 
     long, quick = reference, GenerationRequest(SHORT_PROMPT, seed=4, group=1)
-    for _ in range(3):  # a real server loses an abort that reaches it before the request (docs/sglang.md)
-        first, done = engine.generate_requests([long, quick], [GREEDY, QUICK], routed=True, groups_needed=1)
-        if first.finish_reason == "abort":
-            break
+    first, done = engine.generate_requests([long, quick], [GREEDY, QUICK], routed=True, groups_needed=1)
     assert done.finish_reason == "length" and len(done.output_ids) == QUICK.max_new_tokens
     m = len(first.output_ids)
     assert first.finish_reason == "abort" and 0 < m < GREEDY.max_new_tokens, (first.finish_reason, m)
@@ -117,6 +114,28 @@ def test_a_carried_response_past_the_staleness_bound_starts_over_on_the_server(s
                     set(s.token_versions()) == {"2"}
                     and s.routed_experts.shape[0] == len(s.prompt_ids) + len(s.output_ids) - 1
                 )
+    finally:
+        httpx.post(server.url + "/_test/faults", json={}, timeout=10)
+        demo_weights_on(server, demo_cache)
+
+
+def test_an_abort_that_arrives_before_its_request_is_sent_again(stand_in_sglang, demo_cache) -> None:
+    """The long request reaches the server after its abort (a late connection, a retry's
+    backoff), which SGLang drops (the rid unknown): the abort is repeated until the request
+    answers, so it stops early instead of running its 200 tokens (a second without it)."""
+    server = stand_in_sglang
+    late = {"token_delay_s": 0.005, "late_seeds": {"3": 0.15}}  # the quick one is done in ~0.06 s
+    httpx.post(server.url + "/_test/faults", json=late, timeout=10)
+    try:
+        engine = SGLangEngine([server.url], num_layers=2, top_k=2, num_experts=8)
+        engine.update_weights_from_disk(demo_model_dir(demo_cache), "p1")
+        long, quick = GenerationRequest(LONG_PROMPT, seed=3, group=0), GenerationRequest(SHORT_PROMPT, 4, 1)
+        before = len(httpx.get(server.url + "/_test/stats", timeout=10).json()["aborted"])
+        first, done = engine.generate_requests([long, quick], [GREEDY, QUICK], routed=True, groups_needed=1)
+        assert done.finish_reason == "length" and len(done.output_ids) == QUICK.max_new_tokens
+        assert first.finish_reason == "abort" and len(first.output_ids) < GREEDY.max_new_tokens // 2
+        aborted = httpx.get(server.url + "/_test/stats", timeout=10).json()["aborted"][before:]
+        assert len(aborted) >= 2 and {a["rid"] for a in aborted} == {aborted[0]["rid"]}, aborted  # one, repeated
     finally:
         httpx.post(server.url + "/_test/faults", json={}, timeout=10)
         demo_weights_on(server, demo_cache)

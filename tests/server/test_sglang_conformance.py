@@ -5,6 +5,9 @@ be made to show; what it answers must be what the real one answers."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
@@ -136,6 +139,33 @@ def test_control_endpoints(server):
     assert httpx.get(server.url + "/no_such_route", timeout=30).status_code == 404
     destroyed = post(server, "/destroy_weights_update_group", {"group_name": "never-made"})
     assert destroyed.status_code == 400 and destroyed.json()["success"] is False
+
+
+def test_an_abort_before_its_request_is_dropped_and_one_after_it_stops_it(server):
+    """What the client's repeated aborts rely on: an ``/abort_request`` for a rid the server
+    does not know yet is dropped (the request, sent after it, runs to its end), and leaves
+    nothing behind: a repeat once the request runs stops it with the tokens it had."""
+    long = {"max_new_tokens": 240, "temperature": 1.0, "top_k": 1, "ignore_eos": True}
+    stand_in = httpx.post(server.url + "/_test/faults", json={"token_delay_s": 0.005}, timeout=10).status_code == 200
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            finishes = []
+            for rid, repeat in (("conformance-early.", False), ("conformance-repeated.", True)):
+                assert post(server, "/abort_request", {"rid": rid}).status_code == 200
+                reply = pool.submit(
+                    post, server, "/generate", {"input_ids": PROMPT, "sampling_params": long, "rid": rid}
+                )
+                while repeat and not reply.done():
+                    time.sleep(0.05)
+                    post(server, "/abort_request", {"rid": rid})
+                body = reply.result().json()
+                finishes.append((body["meta_info"]["finish_reason"]["type"], len(body["output_ids"])))
+    finally:
+        if stand_in:
+            httpx.post(server.url + "/_test/faults", json={}, timeout=10)
+    (early, n_early), (repeated, n_repeated) = finishes
+    assert (early, n_early) == ("length", 240)
+    assert repeated == "abort" and n_repeated < 240, finishes
 
 
 def test_update_from_disk_sets_the_version_and_refuses_a_bad_path(server, demo_cache):

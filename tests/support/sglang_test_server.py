@@ -34,7 +34,9 @@ memory is released, or after released weights until a full update, /generate fai
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
 ``fail_status`` + ``fail_count`` (answer the next N /generate with that status),
 ``malformed_count`` (N replies that are not JSON), ``delay_s`` (sleep before each
-/generate), ``token_delay_s`` (as ``--token-delay-s``), ``die_after`` (exit the process when the Nth next /generate arrives),
+/generate), ``token_delay_s`` (as ``--token-delay-s``), ``late_seeds`` (``{seed: S}``: a
+/generate with that ``sampling_seed`` registers its rid S seconds late, as a request still on
+its way: an ``/abort_request`` before then is dropped, as SGLang drops one for an unknown rid), ``die_after`` (exit the process when the Nth next /generate arrives),
 ``refuse_weight_groups`` (refuse the next N ``/init_weights_update_group`` at once),
 ``refuse_buckets`` (answer the next N ``/update_weights_from_distributed`` HTTP 400 at once,
 never entering the broadcast, as a server that does not take the request's ``load_format``),
@@ -354,6 +356,8 @@ class Handler(BaseHTTPRequestHandler):
         while st.paused.is_set():
             time.sleep(0.01)
         token_delay_s = float(st.faults.get("token_delay_s", st.args.token_delay_s))
+        late_s = float((st.faults.get("late_seeds") or {}).get(str(seed), 0))
+        time.sleep(late_s)  # before its rid is known: an abort meanwhile finds nothing, as in SGLang
         rid, arrived, aborted = body.get("rid"), time.monotonic(), threading.Event()
         if rid:  # abortable from here (its computing below is its decoding)
             with st.count_lock:

@@ -33,6 +33,12 @@ from moe_rl.routing.encoding import decode_routed_experts, repeats_an_expert
 
 log = logging.getLogger(__name__)
 
+# SGLang drops an abort whose rid it has not registered yet (a request still on its way:
+# a new connection, a retry's backoff); a repeat of one that took effect is a no-op there.
+# So aborts are sent again, these many seconds apart (doubling), until each request answered.
+ABORT_REPEAT_S = 0.1
+ABORT_REPEAT_MAX_S = 2.0
+
 
 class _Retryable(Exception):
     """A failure the next attempt, on the next server, may not repeat."""
@@ -111,8 +117,8 @@ class GenerationClient(ServerControl):
         groups_needed: int,
     ) -> list[Sample]:
         """Every request its own ``/generate``; once ``groups_needed`` groups are done the
-        requests still running are aborted (``/abort_request`` by ``rid``: each replies with
-        the tokens it had) and those not yet sent are not sent."""
+        requests still running are aborted (``/abort_request`` by ``rid``, repeated until each
+        replied with the tokens it had) and those not yet sent are not sent."""
         for p in set(params):
             p.validate()
         if routed and (self.num_layers is None or self.top_k is None):
@@ -139,12 +145,17 @@ class GenerationClient(ServerControl):
             slots = self._server_slots()
 
             async def stop_the_rest() -> None:
-                aborting = [(rid, server) for rid, server in running.items() if rid not in self._aborting]
-                self._aborting.update(rid for rid, _ in aborting)
-                await asyncio.gather(
-                    *(client.post(self.urls[server] + "/abort_request", json={"rid": rid}) for rid, server in aborting),
-                    return_exceptions=True,
-                )
+                """Abort every request still running, again until each has answered."""
+                pause = ABORT_REPEAT_S
+                while running:
+                    aborting = list(running.items())
+                    self._aborting.update(rid for rid, _ in aborting)
+                    await asyncio.gather(
+                        *(client.post(self.urls[s] + "/abort_request", json={"rid": rid}) for rid, s in aborting),
+                        return_exceptions=True,
+                    )
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, ABORT_REPEAT_MAX_S)
 
             async def one(k: int) -> None:
                 r, rid, server = requests[k], rids[k], server_of[requests[k].group]
