@@ -60,7 +60,7 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
 
 def use_one_rank_dispatchers(model: torch.nn.Module) -> int:
     """Give each MoE layer of ``model`` whose allgather dispatcher serves a one-rank expert
-    group with dropless routing, and whose experts take their counts on the device
+    group with dropless routing and megatron's unfused permutation, and whose experts take their counts on the device
     (:class:`GroupedExperts`), a :class:`OneRankTokenDispatcher` on the same groups (once, at
     build: nothing branches on the dispatcher later). How many layers got one."""
     swapped = 0
@@ -71,6 +71,7 @@ def use_one_rank_dispatchers(model: torch.nn.Module) -> int:
             and type(old) is MoEAllGatherTokenDispatcher
             and old.tp_size == old.ep_size == 1
             and keeps_every_token(layer.config)
+            and not layer.config.moe_permute_fusion  # (TE's fused unpermute reads its own row map, not our index)
             and getattr(layer.experts, "counts_on_device", False)
         ):
             groups = ProcessGroupCollection(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)

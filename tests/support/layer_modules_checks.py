@@ -174,4 +174,19 @@ def transformer_engine_spec_changes() -> dict:
 
 
 out["transformer_engine_spec"] = transformer_engine_spec_changes()
+
+
+def dispatchers_under_permute_fusion() -> list[str]:
+    """The dispatchers built with TE's fused permutation on (TE's functions stand-ins: only
+    the build runs): megatron's, whose combine hands TE the row map TE's permute made."""
+    from megatron.core.transformer.moe import moe_utils
+
+    fused = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index")
+    fused += ("fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+    with mock.patch.multiple(moe_utils, **{name: lambda *a, **k: None for name in fused}, create=True):
+        model = build_model(hf_config, make_transformer_config(hf_config, layout, moe_permute_fusion=True))
+    return sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
+
+
+out["dispatchers_under_permute_fusion"] = dispatchers_under_permute_fusion()
 print(json.dumps(out))

@@ -71,6 +71,9 @@ def test_the_one_rank_dispatcher_given_at_ep_1_equals_megatrons_allgather_and_al
     assert result["grouped_sdpa_alltoall"]["dispatchers"] == ["MoEAlltoAllTokenDispatcher"]
     for other in ("grouped_sdpa_alltoall", "grouped_sdpa_megatron_allgather"):
         assert result[f"{other}_vs_one_rank"] == {"logp_max_diff": 0.0, "grad_max_diff": 0.0}
+    # with TE's fused permutation (on wherever TE is) megatron's dispatcher stays: its combine
+    # gives TE's unpermute the row map TE's permute made, which the one-rank one has not
+    assert result["dispatchers_under_permute_fusion"] == ["MoEAllGatherTokenDispatcher"]
 
 
 @pytest.mark.distributed
