@@ -205,6 +205,13 @@ def grpo_loss(
     return loss, metrics
 
 
+def _ratio_mask(mask: Tensor, token_weights: Tensor | None) -> Tensor:
+    """The tokens a sequence-level ratio is taken over: ``mask`` less the tokens a correction
+    weighted 0 (IcePop's, a rejected sequence's), which would otherwise still set the ratio,
+    its clip, and get a gradient through it."""
+    return mask if token_weights is None else mask * (token_weights != 0).to(mask.dtype)
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(
     logp: Tensor,
@@ -222,7 +229,8 @@ def gspo_loss(
     """GSPO: clip the length-normalised sequence ratio ``s_i = exp(mean_t logr)``."""
     seq_adv = _per_sequence_advantage("gspo", adv, mask)
     log_ratio = logp - old_logp
-    seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    in_ratio = _ratio_mask(mask, token_weights)
+    seq_ratio = torch.exp(sequence_mean(log_ratio, in_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_seq, clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
     per_token = per_seq.unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
@@ -246,7 +254,8 @@ def gspo_token_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token: ``s_{i,t} = sg[s_i] * pi(o_t) / sg[pi(o_t)]``, token advantages allowed."""
     log_ratio = logp - old_logp
-    seq_ratio = torch.exp(sequence_mean(log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).detach()
+    in_ratio = _ratio_mask(mask, token_weights)
+    seq_ratio = torch.exp(sequence_mean(log_ratio, in_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).detach()
     token_ratio = seq_ratio.unsqueeze(1) * torch.exp(logp - logp.detach())
     per_token, clipped = _clipped_surrogate(token_ratio, adv, eps_low, eps_high)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
@@ -272,7 +281,8 @@ def gmpo_loss(
     sign = torch.sign(seq_adv).unsqueeze(1)
     log_ratio = logp - old_logp
     clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-log_clip, log_clip))
-    geo_ratio = torch.exp(sequence_mean(clipped_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    in_ratio = _ratio_mask(mask, token_weights)
+    geo_ratio = torch.exp(sequence_mean(clipped_log_ratio, in_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = (sign * log_ratio) > log_clip
@@ -297,9 +307,10 @@ def gmpo_seqclip_loss(
     seq_adv = _per_sequence_advantage("gmpo_seqclip", adv, mask)
     sign = torch.sign(seq_adv)
     log_ratio = logp - old_logp
-    log_prod = (log_ratio * mask).sum(-1)
+    in_ratio = _ratio_mask(mask, token_weights)
+    log_prod = (log_ratio * in_ratio).sum(-1)
     clipped_log_prod = sign * torch.minimum(sign * log_prod, sign * log_prod.clamp(-log_clip, log_clip))
-    seq_len = mask.sum(-1).clamp(min=1)
+    seq_len = in_ratio.sum(-1).clamp(min=1)
     geo_ratio = torch.exp((clipped_log_prod / seq_len).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)

@@ -392,3 +392,23 @@ def test_a_correction_configured_from_the_command_line() -> None:
         ],
     )
     assert cfg.algorithm.rollout_correction_params == {"threshold": 1e-3, "seq_agg": "mean"}
+
+
+@pytest.mark.parametrize("loss_name", ["gspo", "gspo_token", "gmpo", "gmpo_seqclip"])
+def test_a_token_weighted_0_is_left_out_of_a_sequence_level_ratio(loss_name: str) -> None:
+    """IcePop's masked token gets no gradient from a sequence-level loss, and its log-ratio
+    does not set the sequence's ratio or clip: the loss is the same whatever it is."""
+    gen = torch.Generator().manual_seed(5)
+    logp = (-torch.rand(2, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = logp.detach() + 0.01 * torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    adv, mask = torch.tensor([1.0, -0.5], dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)
+    weights = torch.ones_like(mask)
+    weights[0, 2] = 0.0  # as IcePop weights a token whose train/rollout ratio is out of its band
+    counts = {"agg": "seq-mean-token-mean", "num_tokens": 10, "num_seqs": 2}
+    losses = []
+    for masked_log_ratio in (-3.0, 2.0):
+        old[0, 2] = logp[0, 2].detach() - masked_log_ratio
+        losses.append(policy_loss(loss_name, logp, old, adv, mask, token_weights=weights, **counts)[0])
+    (grad,) = torch.autograd.grad(losses[0], logp)
+    assert grad[0, 2] == 0 and grad[0].abs().sum() > 0
+    assert losses[0].item() == losses[1].item()
