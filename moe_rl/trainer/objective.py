@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from moe_rl.algorithms import entropy_bonus, kl_penalty, policy_loss
+from moe_rl.algorithms import entropy_bonus, kl_divergence, kl_penalty, loss_defaults, policy_loss
 from moe_rl.algorithms.metric_spec import LOSS_TOKEN_FIGURES, TOKENS
 from moe_rl.config import AlgorithmConfig
 from moe_rl.trainer.batch import PolicyMicroBatch, TrainBatch
@@ -87,14 +87,15 @@ class PolicyObjective:
         loss, reported = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
         metrics = {k: v for k, v in reported.items() if k not in LOSS_TOKEN_FIGURES}
         metrics["pg_loss"] = loss.detach()
-        agg = a.loss_params.get("agg") or "token-mean"
+        agg = a.loss_params.get("agg") or loss_defaults(a.loss)["agg"]  # the KL and entropy terms as the loss
         common = dict(num_tokens=self.num_tokens, num_seqs=self.num_seqs)
         if a.kl_coef > 0:
             if mb.ref_logp is None:
                 raise ValueError("a KL term needs the reference log-probs (compute_reference_logprobs)")
             kl = kl_penalty(logp, mb.ref_logp, mask, a.kl_estimator, agg, **common)
             loss = loss + a.kl_coef * kl
-            metrics["kl_ref"] = kl.detach() * self.num_tokens / mask.sum().clamp(min=1.0)  # no host sync
+            per_token = kl_divergence(logp.detach(), mb.ref_logp, a.kl_estimator)
+            metrics["kl_ref"] = (per_token * mask).sum() / mask.sum().clamp(min=1.0)  # a token mean, whatever agg
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * entropy_bonus(entropy, mask, agg, **common)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)

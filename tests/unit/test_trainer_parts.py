@@ -288,6 +288,27 @@ def test_objective_adds_kl_to_the_reference_and_the_entropy_bonus() -> None:
     )
 
 
+def test_the_kl_term_follows_the_losss_aggregation_and_kl_ref_is_a_token_mean() -> None:
+    """GSPO without an ``agg``: its KL term aggregates as GSPO does (seq-mean-token-mean),
+    and ``kl_ref`` is the token mean of the estimator whatever the aggregation."""
+    batch, mb, logp, entropy = objective_inputs(3)
+    mb.old_logp = logp.detach()
+    mb.ref_logp = logp.detach() - torch.rand(logp.shape, generator=torch.Generator().manual_seed(4))
+    le = torch.stack([logp, entropy], -1)
+    algo = AlgorithmConfig(loss="gspo", kl_coef=0.5, kl_estimator="k1")
+    with_kl, out = PolicyObjective(algo, batch.num_tokens, batch.num_seqs)(le, mb)
+    plain, _ = PolicyObjective(AlgorithmConfig(loss="gspo"), batch.num_tokens, batch.num_seqs)(le, mb)
+    kl = [float(logp[i, t] - mb.ref_logp[i, t]) for i, t in mb.mask.nonzero().tolist()]
+    assert float(out[UPDATE_REPORT].metrics["kl_ref"]) == pytest.approx(sum(kl) / len(kl), rel=1e-5)
+    rows = [
+        [float(logp[i, t] - mb.ref_logp[i, t]) for t in row.nonzero().flatten().tolist()]
+        for i, row in enumerate(mb.mask)
+    ]
+    seq_mean = sum(sum(r) / len(r) for r in rows if r) / batch.num_seqs
+    assert float((with_kl - plain).detach()) == pytest.approx(0.5 * seq_mean, rel=1e-5)
+    assert seq_mean != pytest.approx(sum(kl) / batch.num_tokens, rel=1e-3)  # the two aggregations differ here
+
+
 def test_objective_under_a_rollout_correction_weighs_and_drops_tokens() -> None:
     """A micro-batch's correction: the loss is the policy loss over the kept tokens with
     the correction's weights, normalised by the kept counts (kept_counts, one process),
