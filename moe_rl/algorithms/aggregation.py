@@ -7,6 +7,8 @@ full-batch loss; leave them ``None`` to normalise by this tensor's own counts.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -50,12 +52,10 @@ def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Min and max of ``values`` where ``mask`` is set (0, 0 when nothing is)."""
-    sel = values.detach()[mask.bool()]
-    if sel.numel() == 0:
-        zero = values.new_zeros(())
-        return zero, zero
-    return sel.min(), sel.max()
+    """Min and max of ``values`` where ``mask`` is set (+inf, -inf when nothing is: no
+    value, so that a micro-batch without tokens leaves a step's extremes alone); no host sync."""
+    keep, v = mask.bool(), values.detach()
+    return v.masked_fill(~keep, math.inf).amin(), v.masked_fill(~keep, -math.inf).amax()
 
 
 def _at_least_one(denom: int | float | Tensor, like: Tensor) -> Tensor:

@@ -110,7 +110,7 @@ def reduce_step(update: Sequence[Mapping[str, Tensor]], mismatch: Sequence[Mappi
     per_micro_batch = [{**u, **m} for u, m in itertools.zip_longest(update, mismatch, fillvalue=nothing)]
     reduced = reduce_metrics(per_micro_batch, {**UPDATE_METRICS, **ROLLOUT_MISMATCH_METRICS})
     return {
-        **{name: reduced[name] for name in LOGGED_UPDATE_METRICS},
+        **{name: 0.0 if math.isinf(reduced[name]) else reduced[name] for name in LOGGED_UPDATE_METRICS},  # (none: 0)
         **logp_mismatch_scalars(reduced),
         **offpolicy_scalars(reduced),
     }

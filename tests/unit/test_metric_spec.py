@@ -4,6 +4,8 @@ reductions give the figures a direct computation over all of a step's tokens giv
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -95,6 +97,10 @@ def test_reductions_equal_the_figures_over_all_tokens_at_once() -> None:
         entropy = (-logp * mask).sum() / mask.sum()
         values.append({**metrics, "entropy": entropy, "tokens": mask.sum()})
         values[-1].update(logprob_mismatch(logp, old, mask))  # ("old" as the rollout's log-probs)
+    logp, old, adv, mask = inputs(4, rows=2, width=3)  # a micro-batch without tokens (a rank's padding)
+    _, empty = policy_loss("grpo", logp, old, adv, torch.zeros_like(mask))
+    assert (float(empty["ratio_min"]), float(empty["ratio_max"])) == (math.inf, -math.inf)
+    values.append({**empty, "tokens": torch.tensor(0.0)})
     reduced = reduce_metrics(values, {**UPDATE_METRICS, **ROLLOUT_MISMATCH_METRICS})
 
     flat = lambda f: torch.cat([f(p)[p[3].bool()] for p in parts]).double()  # noqa: E731
