@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -58,5 +57,8 @@ def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return v.masked_fill(~keep, math.inf).amin(), v.masked_fill(~keep, -math.inf).amax()
 
 
-def _at_least_one(denom: int | float | Tensor, like: Tensor) -> Tensor:
-    return torch.as_tensor(denom, dtype=like.dtype, device=like.device).clamp(min=1)
+def _at_least_one(denom: int | float | Tensor, like: Tensor) -> Tensor | float:
+    """``denom``, at least 1; a host number stays one (a device copy of it would sync the stream)."""
+    if isinstance(denom, Tensor):
+        return denom.to(like.dtype).clamp(min=1)
+    return max(float(denom), 1.0)

@@ -43,6 +43,7 @@ class RoutingStats:
         self._value_names: tuple[str, ...] = ()
         self._values: list[Tensor] = []  # per add_drift call: [len(names) + 1, T] (values..., weight)
         self._device: torch.device | None = None  # where the accumulators live (the inputs' device)
+        self._layer_indices: dict[tuple[int, ...], Tensor] = {}  # made once: a host-to-device copy syncs
 
     def _accumulate_on(self, device: torch.device) -> None:
         """The accumulators on ``device`` (moved there, still zeros, at the first input)."""
@@ -50,6 +51,12 @@ class RoutingStats:
             self._device = device
             for name in ("changed", "expert_change", "kl", "tokens", "kl_tokens", "load", "disagreement"):
                 setattr(self, name, getattr(self, name).to(device))
+
+    def _layer_index(self, layer_numbers: Sequence[int]) -> Tensor:
+        key = tuple(layer_numbers)
+        if key not in self._layer_indices:
+            self._layer_indices[key] = torch.tensor(key, dtype=torch.long, device=self._device)
+        return self._layer_indices[key]
 
     def add_drift(
         self,
@@ -62,7 +69,7 @@ class RoutingStats:
     ) -> None:
         """Routings ``a``, ``b`` ``[T, L_local, k]`` of this rank's tokens (``mask`` ``[T]``)."""
         self._accumulate_on(a.device)
-        layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=self._device)
+        layers = self._layer_index(layer_numbers)
         w = mask.to(device=a.device, dtype=torch.float64)
         k = a.shape[-1]
         same = overlap(a, b)  # [T, L]
@@ -109,10 +116,8 @@ class RoutingStats:
         self._accumulate_on(indices.device)
         w = mask.to(device=indices.device, dtype=torch.float64)
         for i, layer in enumerate(layer_numbers):
-            self.load[layer] += torch.bincount(
-                indices[:, i].reshape(-1).long(),
-                weights=w[:, None].expand(-1, indices.shape[-1]).reshape(-1),
-                minlength=self.num_experts,
+            self.load[layer] += _weighted_counts(
+                indices[:, i].reshape(-1).long(), w[:, None].expand(-1, indices.shape[-1]).reshape(-1), self.num_experts
             ).to(self._device)
 
     def reduce(self, pipeline_group: dist.ProcessGroup | None = None, replicas: int = 1) -> dict[str, Tensor]:
@@ -193,6 +198,13 @@ def _one_sided_counts(a: Tensor, b: Tensor, w: Tensor, num_experts: int) -> Tens
 
     def counts(indices: Tensor, weight: Tensor) -> Tensor:
         flat = (indices.long() + offsets).reshape(-1)
-        return torch.bincount(flat, weights=weight.reshape(-1), minlength=l * num_experts).view(l, num_experts)
+        return _weighted_counts(flat, weight.reshape(-1), l * num_experts).view(l, num_experts)
 
     return counts(a, weights) + counts(b, weights) - 2 * counts(a, weights * in_b)
+
+
+def _weighted_counts(flat: Tensor, weights: Tensor, size: int) -> Tensor:
+    """``torch.bincount(flat, weights, minlength=size)`` for indices known to be below
+    ``size``, without bincount's host reads (on CUDA it reads the input's min and max back:
+    two syncs per call, inside the update pass)."""
+    return torch.zeros(size, dtype=weights.dtype, device=flat.device).index_add_(0, flat, weights)

@@ -98,7 +98,7 @@ _KERNELS.impl("empty_strided", _empty_strided, "PrivateUse1")
 # "tolist", "to_host" (.cpu(), .to("cpu")) and "output_size" (ops whose output's size depends
 # on the values: CUDA copies the size to the host first)
 HOST_READS: collections.Counter = collections.Counter()
-_VALUE_SIZED = {torch.ops.aten.masked_select.default, torch.ops.aten.nonzero.default}
+_VALUE_SIZED = {torch.ops.aten.masked_select.default, torch.ops.aten.nonzero.default, torch.ops.aten.bincount.default}
 
 
 def _item(t: "OnDevice"):

@@ -76,8 +76,24 @@ def main() -> dict:
                 "forward_backward": forward_backward,
                 "whole_step": dict(HOST_READS),
             }
+        out["routing_stats"] = routing_stats_reads(gen)
     out["moe_layer_forwards"] = len(layers) * len(batches)
     return out
+
+
+def routing_stats_reads(gen: torch.Generator) -> dict:
+    """The routing monitor's per-micro-batch accumulation (drift and load, from the update
+    pass's hook), its second call on: what it reads back on the host."""
+    from moe_rl.routing.stats import RoutingStats
+
+    stats = RoutingStats(num_layers=4, num_experts=8)
+    a, b = (torch.rand(6, 2, 8, generator=gen).topk(2, -1).indices.to(FAKE_DEVICE) for _ in range(2))
+    mask = torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.bool).to(FAKE_DEVICE)
+    for _ in range(2):  # (the second call's reads: the first makes the layer index)
+        HOST_READS.clear()
+        stats.add_drift([1, 3], a, b, mask)
+        stats.add_load([1, 3], a, mask)
+    return dict(HOST_READS)
 
 
 if __name__ == "__main__":
