@@ -87,7 +87,7 @@ class PolicyObjective:
         loss, reported = policy_loss(a.loss, logp, old, mb.advantages, mask, **params)
         metrics = {k: v for k, v in reported.items() if k not in LOSS_TOKEN_FIGURES}
         metrics["pg_loss"] = loss.detach()
-        agg = a.loss_params.get("agg") or loss_defaults(a.loss)["agg"]  # the KL and entropy terms as the loss
+        agg = str(a.loss_params.get("agg") or loss_defaults(a.loss)["agg"])  # the KL and entropy terms as the loss
         common = dict(num_tokens=self.num_tokens, num_seqs=self.num_seqs)
         if a.kl_coef > 0:
             if mb.ref_logp is None:
