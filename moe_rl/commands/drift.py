@@ -19,7 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from moe_rl.commands._distributed import add_layout_args
 
     p = sub.add_parser("drift", help=HELP, description=HELP)
-    p.add_argument("--a", help="HF model directory, or a routing file (.safetensors) saved by training")
+    p.add_argument(
+        "--a",
+        help="HF model directory (a training checkpoint: its model/), or a routing file (.safetensors, moe_rl.routing.encoding.save_routing)",
+    )
     p.add_argument("--b", help="the same, to compare with --a")
     p.add_argument(
         "--engine",
@@ -108,6 +111,16 @@ def _is_routing_file(path: str) -> bool:
     return Path(path).is_file() and path.endswith(".safetensors")
 
 
+def _tokenizer_of(args: argparse.Namespace) -> str:
+    """Where text prompts are tokenized: ``--tokenizer``, else the first model's HF
+    directory (a training checkpoint's ``model/``: the step directory has no tokenizer)."""
+    from moe_rl.commands.export import model_dir_of
+
+    if args.tokenizer:
+        return args.tokenizer
+    return str(model_dir_of(args.b if _is_routing_file(args.a) else args.a))
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.tensorboard import SummaryWriter
@@ -117,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     from moe_rl.routing.tensorboard import heatmap_figure, log_routing
 
     needs_prompts = not (_is_routing_file(args.a) and _is_routing_file(args.b))
-    prompts = read_prompts(args.prompts, args.tokenizer or args.a, args.max_prompts) if needs_prompts else None
+    prompts = read_prompts(args.prompts, _tokenizer_of(args), args.max_prompts) if needs_prompts else None
     a, b = _routing_of(args.a, prompts), _routing_of(args.b, prompts)
     if a["indices"].shape != b["indices"].shape or not torch.equal(a["layers"], b["layers"]):
         raise ValueError(
