@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from moe_rl.config import ConfigError, load_config
 
-GOOD = Path(__file__).parents[2] / "configs" / "compare" / "demo.yaml"
+ROOT = Path(__file__).parents[2]
+GOOD = ROOT / "configs" / "compare" / "demo.yaml"
 
 
 def test_defaults_and_overrides() -> None:
@@ -388,3 +390,14 @@ def test_the_built_in_model_is_one_model_whatever_the_seed(tmp_path: Path) -> No
         _raw_checkpoint(demo, tmp_path / str(seed))
     first, second = (load_file(tmp_path / str(seed) / "model.safetensors") for seed in (1, 2))
     assert first.keys() == second.keys() and all(first[k].equal(second[k]) for k in first)
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs" / "algorithms").glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_algorithm_preset_is_a_config_of_its_own(preset: Path) -> None:
+    """``moe-rl train --config configs/algorithms/X.yaml`` loads: the preset's algorithm
+    section, everything else the defaults."""
+    raw = yaml.safe_load(preset.read_text())
+    assert set(raw) == {"algorithm"}
+    cfg = load_config(str(preset))
+    assert (cfg.algorithm.advantage, cfg.algorithm.loss) == (raw["algorithm"]["advantage"], raw["algorithm"]["loss"])
+    assert cfg.algorithm.loss_params == raw["algorithm"]["loss_params"]
