@@ -69,11 +69,15 @@ def policy_loss(
         advantages = advantages.unsqueeze(1).expand_as(logp)
     elif advantages.shape != logp.shape:
         raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
-    adv = advantages.detach().to(logp.dtype)
     weights = params.get("token_weights")
     if weights is not None and weights.shape != logp.shape:
         raise ValueError(f"token_weights must be [B, T] like logp; got {tuple(weights.shape)}")
-    return fn(logp, old_logp.detach(), adv, mask.to(logp.dtype), **params)
+    # at least fp32: bf16's step near 1 (2^-8) is coarser than GSPO's clip band (3e-4)
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    if weights is not None:
+        params = {**params, "token_weights": weights.to(dtype)}
+    adv = advantages.detach().to(dtype)
+    return fn(logp.to(dtype), old_logp.detach().to(dtype), adv, mask.to(dtype), **params)
 
 
 def loss_defaults(name: str) -> dict[str, object]:

@@ -309,3 +309,19 @@ def test_shape_errors() -> None:
         policy_loss("grpo", logp, old[:, :-1], adv, mask)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss("grpo", logp, old, adv[:-1], mask)
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_bf16_inputs_compute_in_fp32(name) -> None:
+    """bf16 log-probs (a GPU's) give the loss and gradient of the same values in fp32:
+    near 1 bf16 steps by 2^-8, coarser than GSPO's 3e-4 clip band."""
+    logp, old, adv, mask = make_batch(seed=13)
+    low = logp.detach().to(torch.bfloat16).requires_grad_()
+    loss, metrics = policy_loss(name, low, old.to(torch.bfloat16), adv, mask, num_tokens=50, num_seqs=4)
+    same = low.detach().float().requires_grad_()
+    ref, ref_metrics = policy_loss(name, same, old.to(torch.bfloat16).float(), adv, mask, num_tokens=50, num_seqs=4)
+    assert loss.dtype == torch.float32 and loss.item() == ref.item()
+    assert metrics["clip_frac"].item() == ref_metrics["clip_frac"].item()
+    (grad,) = torch.autograd.grad(loss, low)
+    (ref_grad,) = torch.autograd.grad(ref, same)
+    assert grad.dtype == torch.bfloat16 and torch.equal(grad, ref_grad.to(torch.bfloat16))
