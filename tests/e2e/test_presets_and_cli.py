@@ -22,7 +22,7 @@ def test_presets_exist() -> None:
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_preset_runs_through_the_api(path: Path) -> None:
-    cfg = yaml.safe_load(path.read_text())
+    cfg = yaml.safe_load(path.read_text())["algorithm"]  # (a config of its own: its algorithm section)
     adv = compute_advantages(cfg["advantage"], torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), 2)
     logp = torch.full((4, 3), -1.0, requires_grad=True)
     loss, metrics = policy_loss(
