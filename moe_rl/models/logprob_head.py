@@ -14,7 +14,8 @@ those, ``[batch, seq, 2]`` (log-prob, entropy), when it is called with ``labels`
   they are small (``LogProbConfig.keep_logits_mb``).
 
 Logits are fp32 whatever the activations' dtype (:func:`fp32_logits`): bf16 logits in
-[16, 32) move in steps of 0.125, far above the log-ratio bands the losses clip at.
+[16, 32) move in steps of 0.125, far above the log-ratio bands the losses clip at. The
+output weight's gradient is summed over chunks in fp32, in megatron DDP's ``main_grad``.
 """
 
 from __future__ import annotations
@@ -43,21 +44,68 @@ class LogProbConfig:
     keep_logits_mb: float = 32.0
 
 
-class _LogitsWithFp32Output(torch.autograd.Function):
-    """``hidden @ weight.T`` from bf16/fp16 inputs with fp32 output (the tensor cores
-    accumulate in fp32 anyway; only the rounding of the result to bf16 is skipped); its
-    backward is the low-precision matmul's."""
+class _Fp32Logits(torch.autograd.Function):
+    """``hidden [n, h] @ weight[V, h].T`` in fp32 from bf16/fp16 inputs.
+
+    Forward: ``torch.mm(out_dtype=fp32)`` where torch has it (CUDA: the tensor cores
+    accumulate in fp32 anyway, only the rounding to bf16 is skipped), else both upcast (CPU).
+    Backward: the input gradient in the input's dtype. The weight gradient goes in fp32
+    straight into megatron DDP's ``main_grad`` where the weight has one (megatron's
+    gradient-accumulation-fusion protocol: ``grad_added_to_main_grad``, a dummy gradient,
+    zeroed for a weight shared with the embedding): autograd would otherwise sum the
+    chunks' gradients in bf16, one rounding per chunk. Only the chunk that
+    ``carries_weight_grad`` hands autograd the dummy, so the others allocate nothing.
+    """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, carries_weight_grad: bool) -> Tensor:
         ctx.save_for_backward(hidden, weight)
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        # the parameter itself, for megatron's attributes: a saved tensor comes back as
+        # another object under activation checkpointing, without them
+        ctx.weight_param = weight
+        ctx.carries_weight_grad = carries_weight_grad
+        if has_fp32_output_matmul(weight.device.type, weight.dtype):
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return torch.mm(hidden.float(), weight.float().t())
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         hidden, weight = ctx.saved_tensors
-        grad = grad.to(hidden.dtype)
-        return grad @ weight, grad.t() @ hidden
+        low_precision = has_fp32_output_matmul(weight.device.type, weight.dtype)
+        if low_precision:  # the bf16 matmuls, as for any bf16 linear layer
+            grad = grad.to(hidden.dtype)
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad @ weight if low_precision else (grad @ weight.float()).to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            param = ctx.weight_param
+            if _has_fp32_main_grad(param):
+                _add_fp32_product(param.main_grad, grad.t(), hidden)
+                param.grad_added_to_main_grad = True
+                if ctx.carries_weight_grad:
+                    grad_weight = (torch.zeros_like if getattr(param, "zero_out_wgrad", False) else torch.empty_like)(
+                        weight
+                    )
+            else:
+                grad_weight = (grad.t() @ hidden) if low_precision else (grad.t() @ hidden.float()).to(weight.dtype)
+        return grad_hidden, grad_weight, None
+
+
+def _has_fp32_main_grad(weight: Tensor) -> bool:
+    """Whether megatron DDP gave ``weight`` an fp32 gradient buffer it accepts direct sums in."""
+    main_grad = getattr(weight, "main_grad", None)
+    return main_grad is not None and main_grad.dtype == torch.float32 and hasattr(weight, "grad_added_to_main_grad")
+
+
+def _add_fp32_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` with fp32 accumulation and no fp32 copy of a bf16 ``a`` or ``b`` where
+    torch's ``addmm(out_dtype=fp32)`` runs (CUDA), else through one fp32 product."""
+    if a.dtype == torch.float32:  # the CPU path: the gradient is fp32 already
+        out.addmm_(a, b.float())
+    elif has_fp32_accumulating_addmm(out.device.type, a.dtype):
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
 @functools.cache
@@ -75,17 +123,27 @@ def has_fp32_output_matmul(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    """``hidden [..., h] @ weight[V, h].T`` in fp32: as is for fp32/fp64 inputs; from
-    bf16/fp16 inputs with fp32 output where torch has that matmul (CUDA), else by
-    upcasting both (CPU; an fp32 copy of ``weight`` per call)."""
+@functools.cache
+def has_fp32_accumulating_addmm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(out, a, b, out_dtype=torch.float32, out=out)`` adds a ``dtype``
+    product into an fp32 ``out`` in place here (checked on values: 1 + 1*1 = 2)."""
+    try:
+        out = torch.ones(1, 1, device=device_type)
+        one = torch.ones(1, 1, dtype=dtype, device=device_type)
+        torch.addmm(out, one, one, out_dtype=torch.float32, out=out)
+        return out.item() == 2.0
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def fp32_logits(hidden: Tensor, weight: Tensor, *, carries_weight_grad: bool = True) -> Tensor:
+    """``hidden [..., h] @ weight[V, h].T`` in fp32: as is for fp32/fp64 inputs, else through
+    :class:`_Fp32Logits`. Of several calls on one weight in one backward pass (chunks), one
+    ``carries_weight_grad`` (see there)."""
     if weight.dtype in (torch.float32, torch.float64):
         return torch.matmul(hidden, weight.t())
-    if has_fp32_output_matmul(weight.device.type, weight.dtype):
-        return _LogitsWithFp32Output.apply(hidden.reshape(-1, hidden.shape[-1]), weight).view(
-            *hidden.shape[:-1], weight.shape[0]
-        )
-    return torch.matmul(hidden.float(), weight.float().t())
+    flat = _Fp32Logits.apply(hidden.reshape(-1, hidden.shape[-1]), weight, carries_weight_grad)
+    return flat.view(*hidden.shape[:-1], weight.shape[0])
 
 
 def vocab_parallel_logprobs(
@@ -123,6 +181,7 @@ def vocab_parallel_logprobs(
             config.temperature,
             config.with_entropy,
             group if tp_size > 1 else None,
+            start == 0,
         )
         logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
         logps.append(logp)
@@ -139,8 +198,9 @@ def _chunk_logprobs(
     temperature: float,
     with_entropy: bool,
     group: dist.ProcessGroup | None,
+    carries_weight_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    logits = fp32_logits(hidden, weight)
+    logits = fp32_logits(hidden, weight, carries_weight_grad=carries_weight_grad)
     if temperature != 1.0:
         logits = logits / temperature
     padded = real_rows < weight.shape[0]

@@ -41,6 +41,7 @@ def test_smoke_run_of_the_stages(tmp_path: Path) -> None:
         "grouped_mm weight grad of empty experts",
         "attention calls with a mask tensor (plain + recompute)",
         "log-prob error / bf16 logits' error",
+        "output weight's main_grad vs fp64 (rel), 32 chunks",
         "qwen3_moe bf16 mean |logp - transformers fp32|",
         "last loss / first loss (fixed batch)",
         "resumed weights: max |diff| / their change over the resumed steps",

@@ -188,5 +188,77 @@ def dispatchers_under_permute_fusion() -> list[str]:
     return sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
 
 
+def output_weight_grads_under_ddp() -> dict:
+    """A bf16 output weight wrapped in megatron DDP, its log-probs taken one position per
+    chunk over two micro-batches: its fp32 ``main_grad`` against fp64, and the error of
+    the bf16 sum autograd would give; with the weight also looked up as the input
+    embedding (megatron's tied case, ``zero_out_wgrad``), the embedding's share kept."""
+    from moe_rl.models.logprob_head import LogProbConfig, vocab_parallel_logprobs
+
+    gen = torch.Generator().manual_seed(5)
+    s, b, h, v = 48, 2, 16, 40
+    weight = (torch.randn(v, h, generator=gen) / 4).to(torch.bfloat16)
+    ids, targets = torch.randint(0, v, (2, s, b), generator=gen), torch.randint(0, v, (2, s, b), generator=gen)
+    free_hidden = torch.randn(2, s, b, h, generator=gen).to(torch.bfloat16)
+    probe = torch.randn(2, s, b, generator=gen)
+
+    class Head(torch.nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.weight, self.tied = torch.nn.Parameter(weight.clone()), tied
+
+        def forward(self, mb: int) -> torch.Tensor:
+            hidden = torch.nn.functional.embedding(ids[mb], self.weight) if self.tied else free_hidden[mb]
+            cfg = LogProbConfig(chunk_size=1, keep_logits_mb=0.0)
+            return (vocab_parallel_logprobs(hidden, self.weight, targets[mb], config=cfg)[0] * probe[mb]).sum()
+
+    def reference(tied: bool, through_embedding: bool = True) -> torch.Tensor:
+        w = weight.double().requires_grad_(True)
+        for mb in range(2):
+            table = w if through_embedding else w.detach()
+            hidden = torch.nn.functional.embedding(ids[mb], table) if tied else free_hidden[mb].double()
+            logp = torch.log_softmax(hidden @ w.t(), -1).gather(-1, targets[mb].unsqueeze(-1)).squeeze(-1)
+            (logp * probe[mb]).sum().backward()
+        return w.grad
+
+    def bf16_chunk_sum() -> torch.Tensor:
+        """What autograd summed before: each chunk's gradient rounded to bf16 and added in
+        bf16 within a micro-batch; DDP's hook adding each micro-batch's into fp32."""
+        main_grad = torch.zeros(v, h)
+        for mb in range(2):
+            acc = torch.zeros(v, h, dtype=torch.bfloat16)
+            for t in range(s):
+                hid = free_hidden[mb, t].float()  # [b, h]
+                d_logits = probe[mb, t, :, None] * (
+                    torch.nn.functional.one_hot(targets[mb, t], v) - torch.softmax(hid @ weight.float().t(), -1)
+                )
+                acc += (d_logits.t() @ hid).to(torch.bfloat16)
+            main_grad += acc.float()
+        return main_grad
+
+    def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((a.double() - ref).norm() / ref.norm())
+
+    out = {}
+    for tied in (False, True):
+        head = Head(tied)
+        if tied:
+            head.weight.zero_out_wgrad = True  # as megatron's LanguageModule marks a tied weight
+        ddp = wrap_ddp(head, make_transformer_config(hf_config, layout), OptimSettings())
+        ddp.zero_grad_buffer()
+        torch.use_deterministic_algorithms(True)  # which fills torch.empty with NaN: a dummy gradient must not count
+        for mb in range(2):
+            ddp(mb).backward()
+        torch.use_deterministic_algorithms(False)
+        ddp.finish_grad_sync()
+        key = "tied" if tied else "untied"
+        out[f"{key}_main_grad_rel_err"] = rel(head.weight.main_grad, reference(tied))
+        out[f"{key}_grad_left"] = head.weight.grad is not None
+    out["tied_rel_err_if_embedding_share_lost"] = rel(head.weight.main_grad, reference(True, through_embedding=False))
+    out["untied_bf16_sum_rel_err"] = rel(bf16_chunk_sum(), reference(False))
+    return out
+
+
 out["dispatchers_under_permute_fusion"] = dispatchers_under_permute_fusion()
+out["output_weight_grads"] = output_weight_grads_under_ddp()
 print(json.dumps(out))

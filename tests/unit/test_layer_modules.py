@@ -253,3 +253,16 @@ def test_rmsnorm_is_the_hf_formula_to_the_bit_forward_and_backward(dtype: torch.
     got = torch.autograd.grad(got_out, (x, norm.weight), upstream)
     assert torch.equal(got_out, expected)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.distributed
+def test_the_output_weights_gradient_is_summed_over_chunks_in_fp32_under_ddp(result) -> None:
+    """A bf16 output weight in megatron DDP, log-probs one position per chunk: its main_grad
+    is the fp64 gradient to fp32 error (autograd's bf16 sum of the chunks was ~1e-2 off), no
+    dummy gradient (NaN-filled there) reaches it, and a tied embedding's share still does."""
+    grads = result["output_weight_grads"]
+    assert grads["untied_main_grad_rel_err"] < 1e-5
+    assert grads["untied_bf16_sum_rel_err"] > 100 * grads["untied_main_grad_rel_err"]
+    assert grads["tied_main_grad_rel_err"] < 1e-2  # the embedding's share is bf16
+    assert grads["tied_rel_err_if_embedding_share_lost"] > 0.5
+    assert not grads["untied_grad_left"] and not grads["tied_grad_left"]

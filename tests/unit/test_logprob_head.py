@@ -69,19 +69,47 @@ def test_bf16_activations_get_fp32_logits() -> None:
     assert (rounded - exact).abs().max() > 1e-2  # what bf16 logits would have cost
 
 
-def test_fp32_output_matmul_backward_is_the_matmul_gradient() -> None:
-    """The CUDA path's backward (its forward, ``torch.mm(out_dtype=fp32)``, runs on CUDA
-    only) against autograd of the same product."""
+@pytest.mark.parametrize("cuda_path", [False, True], ids=["upcast", "fp32_output_matmul"])
+def test_bf16_logits_backward_is_the_matmul_gradient(monkeypatch, cuda_path: bool) -> None:
+    """The backward of both fp32-logits paths against autograd of the same product in fp64
+    (the CUDA path's forward, ``torch.mm(out_dtype=fp32)``, runs on CUDA only: its
+    backward is called by hand), for a weight without megatron's ``main_grad``."""
     from types import SimpleNamespace
 
-    from moe_rl.models.logprob_head import _LogitsWithFp32Output, has_fp32_output_matmul
+    from moe_rl.models import logprob_head
 
-    assert not has_fp32_output_matmul("cpu", torch.bfloat16)  # so the CPU upcasts
+    assert not logprob_head.has_fp32_output_matmul("cpu", torch.bfloat16)  # so the CPU upcasts
+    monkeypatch.setattr(logprob_head, "has_fp32_output_matmul", lambda device_type, dtype: cuda_path)
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(6, 5, generator=gen, dtype=torch.float64)
-    ours = _LogitsWithFp32Output.backward(SimpleNamespace(saved_tensors=(hidden.detach(), weight.detach())), grad)
-    refs = torch.autograd.grad((hidden @ weight.t() * grad).sum(), (hidden, weight))
+    hidden = torch.randn(6, 4, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(5, 4, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(6, 5, generator=gen)
+    ctx = SimpleNamespace(saved_tensors=(hidden, weight), weight_param=weight, needs_input_grad=(True, True, False))
+    ours = logprob_head._Fp32Logits.backward(ctx, grad)[:2]
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    grad64 = grad.to(torch.bfloat16).double() if cuda_path else grad.double()
+    refs = torch.autograd.grad((h64 @ w64.t() * grad64).sum(), (h64, w64))
     for a, r in zip(ours, refs):
-        torch.testing.assert_close(a, r)
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), r, rtol=1e-2, atol=1e-2)
+
+
+def test_chunks_sum_the_output_weight_gradient_in_fp32_into_main_grad() -> None:
+    """With megatron DDP's attributes on a bf16 weight (the DDP run itself is in
+    test_layer_modules), every chunk adds its fp32 product to ``main_grad``, one chunk hands
+    autograd a dummy, and a recomputed (checkpointed) chunk does the same."""
+    gen = torch.Generator().manual_seed(2)
+    s, b, h, v = 9, 2, 8, 13
+    hidden = torch.randn(s, b, h, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, v, (s, b), generator=gen)
+    w64 = torch.randn(v, h, generator=gen).to(torch.bfloat16).double().requires_grad_(True)
+    torch.log_softmax(hidden.double() @ w64.t(), -1).gather(-1, targets[..., None]).sum().backward()
+    for keep_logits_mb in (0.0, 32.0):
+        weight = torch.nn.Parameter(w64.detach().to(torch.bfloat16))
+        weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(v, h), False
+        weight.zero_out_wgrad = True  # so the dummy autograd gets is zeros, and countable
+        cfg = LogProbConfig(chunk_size=2, keep_logits_mb=keep_logits_mb)
+        vocab_parallel_logprobs(hidden, weight, targets, config=cfg)[0].sum().backward()
+        assert weight.grad_added_to_main_grad
+        torch.testing.assert_close(weight.main_grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(weight.grad, torch.zeros_like(weight))

@@ -265,7 +265,12 @@ def stage_logprob(mode: str, checks: Checks, work: Path) -> dict:
 def _against_fp64(weight, states, targets, checks: Checks) -> dict:
     import torch
 
-    from moe_rl.models.logprob_head import LogProbConfig, fp32_logits, vocab_parallel_logprobs
+    from moe_rl.models.logprob_head import (
+        LogProbConfig,
+        fp32_logits,
+        has_fp32_accumulating_addmm,
+        vocab_parallel_logprobs,
+    )
 
     def exact_logp(h, w):
         return torch.log_softmax(h @ w.t(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -281,12 +286,37 @@ def _against_fp64(weight, states, targets, checks: Checks) -> dict:
     checks.check("log-prob max error vs fp64 (nats)", err, "<=", 1e-3)
     checks.check("log-prob error / bf16 logits' error", err / max(err_bf16, 1e-30), "<=", 0.1)
     checks.check("hidden-state grad vs fp64 (rel)", rel_err(h.grad, h64.grad), "<=", BF16_GRAD_REL)
+    weight_errors = _output_weight_grad_errors(weight, states, targets, w64, exact_logp)
+    checks.check("output weight's main_grad vs fp64 (rel), 32 chunks", weight_errors["main_grad"], "<=", BF16_GRAD_REL)
     return {
+        "output_weight_grad_rel_err_main_grad": weight_errors["main_grad"],
+        "output_weight_grad_rel_err_bf16_sum": weight_errors["bf16_sum"],
+        "fp32_accumulating_addmm": has_fp32_accumulating_addmm(states.device.type, states.dtype),
         "logp_max_err": err,
         "logp_max_err_if_bf16_logits": err_bf16,
         "fp32_logits_s": timed(lambda: fp32_logits(states, weight)),
         "bf16_logits_s": timed(lambda: states @ weight.t()),
     }
+
+
+def _output_weight_grad_errors(weight, states, targets, w64, exact_logp) -> dict:
+    """The output weight's gradient over 32 chunks against fp64: summed in fp32 into a
+    megatron-style ``main_grad``, and by autograd in bf16 (a weight without one)."""
+    import torch
+
+    from moe_rl.models.logprob_head import LogProbConfig, vocab_parallel_logprobs
+
+    w64 = w64.detach().requires_grad_(True)
+    exact_logp(states.double(), w64).sum().backward()
+    errors = {}
+    for name in ("main_grad", "bf16_sum"):
+        w = weight.detach().clone().requires_grad_(True)
+        if name == "main_grad":  # the attributes megatron's DDP gives its parameters
+            w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape, device=w.device), False
+        cfg = LogProbConfig(chunk_size=max(1, states.shape[0] // 32))
+        vocab_parallel_logprobs(states, w, targets, config=cfg)[0].sum().backward()
+        errors[name] = rel_err(w.main_grad if name == "main_grad" else w.grad, w64.grad)
+    return errors
 
 
 # ----------------------------------------------------------------------- parity
