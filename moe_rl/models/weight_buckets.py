@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 
 from moe_rl.models.builder import named_weights
 from moe_rl.models.hf_weights import ParamMapper, Recipe, export_hf_weights, gather_shards, is_writer, served_dtype
-from parallel.collectives import all_gather_objects, rank, rank_device, world_size
+from parallel.collectives import all_gather_objects, rank, rank_device, recv_tensors, send_tensors, world_size
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 BucketConsumer = Callable[[NamedTensors], None]
@@ -242,11 +242,9 @@ class WeightStreamer:
                     for (_, place), (_, tensor) in zip(mine, full, strict=True):
                         place.copy_(tensor)
                 elif me == entry.writer:
-                    for _, tensor in full:
-                        dist.send(tensor, dst=bucket.sender)
+                    send_tensors([tensor for _, tensor in full], bucket.sender)
             elif me == bucket.sender:
-                for _, place in mine:
-                    dist.recv(place, src=entry.writer)
+                recv_tensors([place for _, place in mine], entry.writer)
         return flat
 
     def _gather_full(self, name: str, dtype: torch.dtype, device: torch.device, *, into_place: bool) -> NamedTensors:

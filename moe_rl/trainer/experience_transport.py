@@ -15,12 +15,19 @@ import math
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.rollout.types import Sample
 from moe_rl.experience.types import Experience
 from moe_rl.trainer.packing import MicroBatchPlanner
-from parallel.collectives import broadcast_object, gather_objects, rank, rank_device, world_size
+from parallel.collectives import (
+    broadcast_object,
+    gather_objects,
+    rank,
+    rank_device,
+    recv_tensors,
+    send_tensors,
+    world_size,
+)
 
 _ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -69,9 +76,11 @@ def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int)
     ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
     logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
     loss_mask = torch.tensor([m for s in samples for m in s.output_mask()], dtype=torch.uint8)
-    # routing travels as its bytes: NCCL has no int16 (the type of > 256 experts)
-    for tensor in (header, sizes, ids, logprobs, loss_mask, advantages.float(), _as_bytes(routing)):
-        dist.send(tensor.contiguous().to(device), dst=dst)
+    # routing travels as its bytes: NCCL has no int16 (the type of > 256 experts); the
+    # receiver sizes the rest from the first two
+    send_tensors([t.contiguous().to(device) for t in (header, sizes)], dst)
+    rest = (ids, logprobs, loss_mask, advantages.float(), _as_bytes(routing))
+    send_tensors([t.contiguous().to(device) for t in rest], dst)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,19 +90,24 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def _recv_samples(count: int, src: int) -> tuple[list[Sample], torch.Tensor]:
     device = rank_device()
 
-    def recv(shape, dtype) -> torch.Tensor:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensor, src=src)
-        return tensor.cpu()
+    def recv(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        recv_tensors(tensors, src)
+        return [tensor.cpu() for tensor in tensors]
 
-    header = recv((4,), torch.long).tolist()
-    sizes = recv((count, 3), torch.long)
-    ids = recv((int(sizes[:, :2].sum()),), torch.long).tolist()
-    logprobs = recv((int(sizes[:, 1].sum()),), torch.float32).tolist()
-    loss_mask = recv((int(sizes[:, 1].sum()),), torch.uint8).tolist()
-    advantages = recv((count,), torch.float32)
+    header_t, sizes = recv(((4,), torch.long), ((count, 3), torch.long))
+    header = header_t.tolist()
     shape, routing_dtype = tuple(header[:3]), _ROUTING_DTYPES[header[3]]
-    routing = recv((math.prod(shape) * routing_dtype.itemsize,), torch.uint8).view(routing_dtype).reshape(shape)
+    tokens, outputs = int(sizes[:, :2].sum()), int(sizes[:, 1].sum())
+    ids_t, logprobs_t, loss_mask_t, advantages, routing_bytes = recv(
+        ((tokens,), torch.long),
+        ((outputs,), torch.float32),
+        ((outputs,), torch.uint8),
+        ((count,), torch.float32),
+        ((math.prod(shape) * routing_dtype.itemsize,), torch.uint8),
+    )
+    ids, logprobs, loss_mask = ids_t.tolist(), logprobs_t.tolist(), loss_mask_t.tolist()
+    routing = routing_bytes.view(routing_dtype).reshape(shape)
     samples, at_id, at_lp, at_route = [], 0, 0, 0
     for p, o, r in sizes.tolist():
         samples.append(

@@ -45,3 +45,20 @@ def test_no_module_over_700_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 700
     }
     assert not long, f"split these modules: {long}"
+
+
+def test_point_to_point_is_batched() -> None:
+    """A single ``dist.send`` / ``recv`` / ``isend`` / ``irecv`` opens a two-rank NCCL
+    communicator per pair of ranks (gloo, here, shows nothing): the product sends through
+    parallel.collectives.send_tensors / recv_tensors (batched, the group's communicator)."""
+    import re
+
+    single = re.compile(r"\bdist\.i?(send|recv)\(")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for package in ("moe_rl", "parallel")
+        for p in (ROOT / package).rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if single.search(line)
+    ]
+    assert not found, found
