@@ -16,7 +16,7 @@ useful (host to host); it is what the tests check (bit-equal round trip, storage
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer
@@ -143,6 +143,31 @@ class PinnedHostBuffer:
         if self._address:
             torch.cuda.cudart().cudaHostUnregister(self._address)
             self._address = 0
+
+
+class HostCopies:
+    """Host tensors shaped like ``like`` (shapes and dtypes), all in one allocation: one
+    :class:`PinnedHostBuffer` on CUDA (``pin_memory=True`` per tensor would round each up to
+    a power of two: up to twice the memory, and one registration per tensor), pageable
+    memory elsewhere. Each tensor starts at a multiple of ``ALIGN`` bytes."""
+
+    ALIGN = 256
+
+    def __init__(self, like: Sequence[torch.Tensor], *, pinned: bool | None = None) -> None:
+        sizes = [t.numel() * t.element_size() for t in like]
+        offsets = [0]
+        for nbytes in sizes:
+            offsets.append(offsets[-1] + -(-nbytes // self.ALIGN) * self.ALIGN)
+        pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._pinned = PinnedHostBuffer(offsets[-1]) if pinned else None  # registered while this lives
+        memory = self._pinned.tensor if self._pinned is not None else torch.empty(offsets[-1], dtype=torch.uint8)
+        self.tensors = [
+            memory[start : start + nbytes].view(t.dtype).view(t.shape) for t, start, nbytes in zip(like, offsets, sizes)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

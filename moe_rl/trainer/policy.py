@@ -22,6 +22,7 @@ from moe_rl.models.weight_buckets import HFWeights
 from moe_rl.models.logprob_head import LogProbConfig
 from moe_rl.routing.replay import replay_config_overrides
 from parallel.layout import ParallelLayout
+from parallel.offload import HostCopies
 from parallel.optim import (
     LRSchedule,
     OptimSettings,
@@ -134,40 +135,39 @@ class HostReference:
     """The starting weights of this rank's stage kept in host memory and swapped into the
     policy's own parameters for the reference pass, then swapped back (as slime does): no
     second model on the device, four host-device copies of the stage per step into buffers
-    allocated once (pinned on CUDA: two stages of host memory). The optimizer's state is
-    not touched; routers' expert biases are swapped too."""
+    allocated once (two stages of host memory, pinned on CUDA: one registered buffer each),
+    one stream sync per swap. The optimizer's state is not touched; routers' expert biases
+    are swapped too."""
 
     policy: Policy
-    weights: list[torch.Tensor]  # host copies, in ``named_weights(policy.model)`` order
-    trained: list[torch.Tensor]  # where the policy's weights wait during the pass
+    weights: HostCopies  # in ``named_weights(policy.model)`` order
+    trained: HostCopies  # where the policy's weights wait during the pass
 
     @classmethod
     def snapshot(cls, policy: Policy) -> HostReference:
         """The policy's current (starting) weights."""
         params = [p for _, p in named_weights(policy.model)]
-        weights, trained = _host_buffers(params), _host_buffers(params)
-        _load_into(weights, params)
+        weights, trained = HostCopies(params), HostCopies(params)
+        _load_into(weights.tensors, params)
         return cls(policy, weights, trained)
 
     def logprobs(self, batches: Sequence[MicroBatch]) -> list[dict]:
         params = [p for _, p in named_weights(self.policy.model)]
-        _load_into(self.trained, params)
+        _load_into(self.trained.tensors, params)
         try:
-            _load_into(params, self.weights)
+            _load_into(params, self.weights.tensors)
             return self.policy.logprobs(batches)
         finally:
-            _load_into(params, self.trained)
-
-
-def _host_buffers(like: list[torch.Tensor]) -> list[torch.Tensor]:
-    pinned = torch.cuda.is_available()  # page-locked: copies to and from the GPU at full speed
-    return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in like]
+            _load_into(params, self.trained.tensors)
 
 
 def _load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Copies queued on the stream and waited for once (pinned memory: asynchronous)."""
     with torch.no_grad():
-        for target, value in zip(targets, values):
-            target.copy_(value, non_blocking=False)
+        for target, value in zip(targets, values, strict=True):
+            target.copy_(value, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
 
 
 def build_reference_for(

@@ -130,3 +130,36 @@ def test_pinned_buffers_register_whole_pages_of_their_own(monkeypatch) -> None:
         assert memory.data_ptr() <= address and address + size <= memory.data_ptr() + memory.numel()
     windows = sorted(registered)
     assert all(a + s <= b for (a, s), (b, _) in zip(windows, windows[1:]))  # no page registered twice
+
+
+def test_host_copies_are_one_allocation_of_aligned_views(monkeypatch) -> None:
+    """The host reference's buffers: every tensor's shape and dtype, side by side in one
+    allocation (one pinned buffer on CUDA, counted here with a stand-in), none overlapping,
+    each starting aligned; values round-trip."""
+    from parallel import offload
+
+    like = [torch.randn(3, 5), torch.zeros(0), torch.randn(7).to(torch.bfloat16), torch.tensor(2.0), torch.ones(4, 2)]
+    made: list[int] = []
+
+    class Buffer:
+        def __init__(self, nbytes: int) -> None:
+            made.append(nbytes)
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(offload, "PinnedHostBuffer", Buffer)
+    copies = offload.HostCopies(like, pinned=True)
+    assert len(made) == 1 and made[0] == sum(-(-t.nbytes // 256) * 256 for t in like)
+    assert [(t.shape, t.dtype) for t in copies.tensors] == [(t.shape, t.dtype) for t in like]
+    base = copies.tensors[0].untyped_storage().data_ptr()
+    spans = []
+    for t in copies.tensors:
+        assert t.untyped_storage().data_ptr() == base  # one allocation
+        start = t.storage_offset() * t.element_size()  # bytes into the allocation
+        assert start % 256 == 0
+        spans.append((start, start + t.nbytes))
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    for target, value in zip(copies.tensors, like):
+        target.copy_(value)
+    assert all(torch.equal(a, b) for a, b in zip(copies.tensors, like))
+    assert copies.nbytes == sum(t.nbytes for t in like)
+    assert len(offload.HostCopies(like).tensors) == len(like) and len(made) == 1  # CPU: pageable, no pinning

@@ -54,7 +54,7 @@ def main() -> None:
     dev = DeviceReference(second)
     dev_alloc = allocated() - before
     stage = nbytes(model.state_dict().values())
-    held = host.weights + host.trained  # the snapshot, and the buffer the trained weights wait in
+    held = host.weights.tensors + host.trained.tensors  # the snapshot, and the buffer the trained weights wait in
     on_host = nbytes(w for w in held if w.device.type == "cpu")
     memory = {  # the second model lives on the model's device; the host mode's buffers in host memory
         "device": {"device_bytes": nbytes(second.state_dict().values()), "host_bytes": 0, "cuda_allocated": dev_alloc},
