@@ -100,7 +100,7 @@ class RouterProbe:
             self._consume(index, routing)
             return
         if self._probs_device is not None and routing.probs is not None:
-            routing.probs = routing.probs.to(self._probs_device)
+            routing.probs = _moved(routing.probs, self._probs_device)
         self.captured[index] = routing
 
     def start(
@@ -133,3 +133,13 @@ class RouterProbe:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _moved(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. Off an accelerator, into (pinned) host memory without waiting:
+    nothing on the host reads it, and the stream runs the copy before any copy back."""
+    if device.type != "cpu" or t.device.type == "cpu":
+        return t.to(device)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    return host

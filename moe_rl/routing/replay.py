@@ -214,12 +214,13 @@ def engine_routing_to_replay(
         torch.arange(seq_len, device=device)[:, None] * top_k + torch.arange(top_k, device=device)
     ) % num_experts
     full = rotating.to(expert_index_dtype(num_experts))[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
+    top_layer = max(layer_numbers, default=-1)  # from the host list: the device copy's max would sync
     for j, r in enumerate(routed):
         n = min(r.shape[0], seq_len)
         if r.shape[-1] != top_k:
             raise ReplayError(f"engine routing has top_k={r.shape[-1]}, the model routes to {top_k}")
-        if layers.numel() and int(layers.max()) >= r.shape[1]:
-            raise ReplayError(f"engine routing covers {r.shape[1]} layers, the model has MoE layer {int(layers.max())}")
+        if top_layer >= r.shape[1]:
+            raise ReplayError(f"engine routing covers {r.shape[1]} layers, the model has MoE layer {top_layer}")
         full[:n, j] = r[:n].index_select(1, layers)
     local = to_local_tokens(full.transpose(0, 1), tp_rank=tp_rank, tp_size=tp_size, sequence_parallel=sequence_parallel)
     return [local[:, l] for l in range(len(layers))]

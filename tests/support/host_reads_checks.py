@@ -77,6 +77,9 @@ def main() -> dict:
                 "whole_step": dict(HOST_READS),
             }
         out["routing_stats"] = routing_stats_reads(gen)
+        for layer in layers:
+            layer.token_dispatcher = one_rank[id(layer)]
+        out["replay_setup_and_probe"] = replay_setup_and_probe_reads(ddp, batches, hf_config, gen)
     out["moe_layer_forwards"] = len(layers) * len(batches)
     return out
 
@@ -93,6 +96,27 @@ def routing_stats_reads(gen: torch.Generator) -> dict:
         HOST_READS.clear()
         stats.add_drift([1, 3], a, b, mask)
         stats.add_load([1, 3], a, mask)
+    return dict(HOST_READS)
+
+
+def replay_setup_and_probe_reads(model, batches, hf_config, gen: torch.Generator) -> dict:
+    """R3's setup of engine routing for a micro-batch, and a forward pass whose router
+    distributions the routing monitor keeps in host memory (for router_kl): what they read
+    back on the host."""
+    from moe_rl.models.forward import run_microbatches
+    from moe_rl.routing.probe import RouterProbe
+    from moe_rl.routing.replay import engine_routing_to_replay
+
+    probe = RouterProbe(model)
+    n_layers, k, experts = hf_config.num_hidden_layers, hf_config.num_experts_per_tok, hf_config.num_experts
+    routed = [torch.randint(0, experts, (15, n_layers, k), generator=gen).to(FAKE_DEVICE) for _ in range(2)]
+    HOST_READS.clear()
+    engine_routing_to_replay(routed, 16, probe.layer_numbers, top_k=k, num_experts=experts)
+    probe.start(probs_device=torch.device("cpu"), with_probs=True)
+    with torch.no_grad():
+        run_microbatches([model], batches, forward_only=True, hooks=[probe])
+    kept = probe.stop()
+    assert kept and all(r.probs is not None and r.probs.device.type == "cpu" for r in kept)
     return dict(HOST_READS)
 
 

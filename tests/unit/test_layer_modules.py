@@ -90,6 +90,9 @@ def test_a_step_at_ep_1_reads_no_device_value_on_the_host_per_moe_layer() -> Non
     assert result["one_rank"]["whole_step"] == {"item": 3}
     assert result["megatron_allgather"]["forward_backward"] == {"to_host": forwards, "output_size": 2 * forwards}
     assert result["routing_stats"] == {}  # the routing monitor's accumulation inside the pass: no sync either
+    # R3's setup of engine routing (was a read per sequence) and a pass keeping the router
+    # distributions in host memory for router_kl (was a blocking copy per micro-batch)
+    assert result["replay_setup_and_probe"] == {}
 
 
 @pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])
