@@ -334,12 +334,15 @@ def gather_hf_tensors(
     *,
     dtype: torch.dtype | None = None,
     source: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of the parameters this rank writes (others get ``{}``).
 
     ``source(name, param)`` picks what to gather (default: the parameter itself; e.g.
     ``lambda n, p: p.main_grad`` gathers gradients, of parameters only: the routers'
-    expert biases are buffers). Collective over TP groups."""
+    expert biases are buffers). ``device``: where each full tensor goes as soon as it is
+    gathered (e.g. the host, for an export: the accelerator then never holds more than
+    one gathered parameter, not the writer's whole share). Collective over TP groups."""
     mapper = ParamMapper(hf_config, model)
     weights = named_weights(model) if source is None else list(model.named_parameters())
     source = source or (lambda name, param: param)
@@ -351,7 +354,7 @@ def gather_hf_tensors(
         shards = gather_shards(source(name, param).detach(), recipe, mapper)
         if is_writer(recipe):
             for key, full in zip(recipe.hf_keys, mapper.to_full(recipe, shards)):
-                tensors[key] = full.to(served_dtype(name, full.dtype, dtype)).contiguous()
+                tensors[key] = full.to(device=device, dtype=served_dtype(name, full.dtype, dtype)).contiguous()
     return tensors
 
 
@@ -399,7 +402,7 @@ def _write_export(
 ) -> None:
     """This rank's safetensors shards into ``tmp``; the first rank's also the index, the
     config and tokenizer files and the export's marker."""
-    tensors = gather_hf_tensors(model, hf_config, dtype=dtype)
+    tensors = gather_hf_tensors(model, hf_config, dtype=dtype, device="cpu")
     writers = all_gather_objects(sorted(tensors))
     files = [i for i, keys in enumerate(writers) if keys]
     weight_map: dict[str, str] = {}
@@ -407,9 +410,7 @@ def _write_export(
         file = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
         weight_map.update({k: file for k in writers[writer]})
         if writer == rank:
-            save_file(
-                {k: t.cpu() for k, t in tensors.items()}, tmp / file, metadata={"format": "pt"}
-            )  # safetensors copies device tensors to host anyway
+            save_file(tensors, tmp / file, metadata={"format": "pt"})
     if rank == 0:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}
