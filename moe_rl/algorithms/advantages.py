@@ -114,7 +114,7 @@ def _as_reward_matrix(rewards: Tensor) -> Tensor:
         rewards = rewards.unsqueeze(1)
     if rewards.dim() != 2 or rewards.shape[0] == 0:
         raise ValueError(f"rewards must be [B] or [B, n_rewards] with B > 0, got {tuple(rewards.shape)}")
-    if not rewards.is_floating_point():
+    if rewards.dtype not in (torch.float32, torch.float64):  # integers, and bf16 / fp16 (coarse group statistics)
         rewards = rewards.float()
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or Inf; score failed rewards as 0 before this")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -23,7 +24,8 @@ def aggregate(
     num_tokens: Count = None,
     num_seqs: Count = None,
 ) -> Tensor:
-    """``values`` masked and reduced by ``agg``; an all-padding batch gives 0."""
+    """``values`` masked and reduced by ``agg``, in at least fp32; an all-padding batch gives 0."""
+    values = at_least_fp32(values)
     m = mask.to(values.dtype)
     if agg == "token-mean":
         denom = m.sum() if num_tokens is None else num_tokens
@@ -39,13 +41,15 @@ def aggregate(
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where ``mask`` is set (0 when nothing is)."""
+    """Mean of ``values`` where ``mask`` is set (0 when nothing is), in at least fp32."""
+    values = at_least_fp32(values)
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp(min=1)
 
 
 def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Per-row masked mean ``[B]`` (0 for rows without tokens)."""
+    """Per-row masked mean ``[B]`` (0 for rows without tokens), in at least fp32."""
+    values = at_least_fp32(values)
     m = mask.to(values.dtype)
     return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
 
@@ -55,6 +59,11 @@ def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     value, so that a micro-batch without tokens leaves a step's extremes alone); no host sync."""
     keep, v = mask.bool(), values.detach()
     return v.masked_fill(~keep, math.inf).amin(), v.masked_fill(~keep, -math.inf).amax()
+
+
+def at_least_fp32(values: Tensor) -> Tensor:
+    """``values`` in fp32 if they are in a narrower float (bf16 counts 257 tokens as 256)."""
+    return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
 
 
 def _at_least_one(denom: int | float | Tensor, like: Tensor) -> Tensor | float:

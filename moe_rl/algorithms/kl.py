@@ -51,9 +51,11 @@ def kl_penalty(
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum p*z``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of ``softmax(logits)`` over the last dim: ``-sum p log p``, in at least fp32;
+    a ``-inf`` logit (a masked-out token) has ``p = 0`` and adds 0, not ``0 * -inf = NaN``."""
+    logp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 
 
 def entropy_bonus(

@@ -111,47 +111,57 @@ def test_integer_rewards_and_1d_input() -> None:
     assert a.dtype == torch.float32 and a[0] < 0 < a[1] and a[2] == a[3] == 0
 
 
-def masked_reference(name: str, values: torch.Tensor, g: int, weights: list[float], valid: list[bool]):
-    """The advantages over the valid samples as the multi-turn batch code computed them
-    before the mask moved into ``algorithms/`` (each size's groups on their own; GDPO's
-    columns per group, weight-summed, then normalised over every valid sample)."""
-    by_size: dict[int, list[int]] = {}
-    for start in range(0, len(valid), g):
-        kept = [i for i in range(start, start + g) if valid[i]]
-        if kept:
-            by_size.setdefault(len(kept), []).extend(kept)
-    out = torch.zeros(values.shape[0], dtype=values.dtype)
-    if name != "gdpo":
-        for size, indices in by_size.items():
-            out[indices] = compute_advantages(name, values[indices], size, weights=weights)
-        return out
-    w = torch.as_tensor(weights, dtype=values.dtype)
-    for size, indices in by_size.items():
-        columns = [compute_advantages("grpo", values[indices, j], size) for j in range(values.shape[1])]
-        out[indices] = torch.stack(columns, dim=1) @ w
-    kept = [i for indices in by_size.values() for i in indices]
-    summed = out[kept]
-    if len(kept) < 2 or bool(summed.amax() == summed.amin()):
-        return torch.zeros_like(out)
-    out[kept] = (summed - summed.mean()) / (summed.std() + 1e-6)
-    return out
+def masked_reference(name: str, values: torch.Tensor, g: int, weights: list[float], valid: list[bool]) -> torch.Tensor:
+    """The advantages over the valid samples from the statistics-module formulas above: each
+    group's valid samples a group of their own (GRPO / Dr.GRPO / RLOO on the weight-summed
+    rewards; GDPO's columns per group, weight-summed, then normalised over every valid
+    sample); 0 for the invalid ones."""
+    rows = values.double().tolist()
+    out = [0.0] * len(rows)
+    groups = [[i for i in range(start, start + g) if valid[i]] for start in range(0, len(rows), g)]
+    groups = [kept for kept in groups if kept]
+    summed: dict[int, float] = {}
+    for kept in groups:
+        if name == "gdpo":
+            columns = [ref_grpo([rows[i][k] for i in kept], len(kept)) for k in range(len(weights))]
+            for j, i in enumerate(kept):
+                summed[i] = sum(w * columns[k][j] for k, w in enumerate(weights))
+            continue
+        rewards = [sum(w * x for w, x in zip(weights, rows[i])) for i in kept]
+        ref = ref_rloo(rewards, len(kept)) if name == "rloo" else ref_grpo(rewards, len(kept), scale=name == "grpo")
+        for i, a in zip(kept, ref):
+            out[i] = a
+    if name == "gdpo" and len(summed) > 1 and max(summed.values()) != min(summed.values()):
+        mu, sd = statistics.fmean(summed.values()), statistics.stdev(summed.values())
+        for i, x in summed.items():
+            out[i] = (x - mu) / (sd + EPS)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "gdpo"])
-def test_advantages_over_a_validity_mask_equal_the_per_group_formula_bit_for_bit(name: str) -> None:
+def test_advantages_over_a_validity_mask_equal_the_per_group_formula(name: str) -> None:
     """Groups of 4 left with 0, 1, 3 (G - f), 2 and 4 valid samples; the invalid ones get 0."""
-    values = torch.rand(20, 2, generator=torch.Generator().manual_seed(59))
+    values = torch.rand(20, 2, generator=torch.Generator().manual_seed(59), dtype=torch.float64)
     valid = (
         [False] * 4 + [False, True, False, False] + [True, False, True, True] + [True, True, False, False] + [True] * 4
     )
     got = compute_advantages(name, values, 4, weights=[1.0, 0.5], valid=valid)
-    assert torch.equal(got, masked_reference(name, values, 4, [1.0, 0.5], valid))
+    torch.testing.assert_close(got, masked_reference(name, values, 4, [1.0, 0.5], valid), rtol=1e-10, atol=1e-10)
     assert got[[i for i, v in enumerate(valid) if not v]].eq(0).all()
     if name != "gdpo":  # a group of one compares with nothing (GDPO's batch normalisation then shifts it)
         assert got[5] == 0
     assert torch.equal(compute_advantages(name, values, 4, valid=[True] * 20), compute_advantages(name, values, 4))
     none = compute_advantages(name, values, 4, valid=[False] * 20)
-    assert torch.equal(none, torch.zeros(20))
+    assert torch.equal(none, torch.zeros(20, dtype=torch.float64))
+
+
+def test_bf16_rewards_get_fp32_group_statistics() -> None:
+    """bf16 rewards (a library caller's) are promoted: the advantages are those of the same
+    values in fp32, not of bf16 group means and deviations."""
+    rewards = (torch.rand(64, generator=torch.Generator().manual_seed(3)) * 300).to(torch.bfloat16)
+    got = compute_advantages("grpo", rewards, 8)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, compute_advantages("grpo", rewards.float(), 8))
 
 
 def test_gdpo_over_a_mask_with_one_valid_sample_or_equal_sums_is_zero() -> None:

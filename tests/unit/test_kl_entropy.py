@@ -51,3 +51,14 @@ def test_entropy_matches_categorical() -> None:
     mask = torch.tensor([[1, 1, 0, 0]] * 3)
     ent = entropy_from_logits(logits)
     assert entropy_bonus(ent, mask).item() == pytest.approx(ent[:, :2].mean().item(), rel=1e-6)
+
+
+def test_entropy_of_masked_out_logits_is_that_of_the_rest() -> None:
+    """-inf logits (tokens masked out of the vocabulary) carry no mass: the entropy is that
+    of the other logits, finite, and so is its gradient."""
+    logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    masked = torch.cat([logits, torch.full((2, 5, 3), float("-inf"), dtype=torch.float64)], -1).requires_grad_(True)
+    ent = entropy_from_logits(masked)
+    torch.testing.assert_close(ent, torch.distributions.Categorical(logits=logits).entropy())
+    ent.sum().backward()
+    assert torch.isfinite(masked.grad).all() and (masked.grad[..., 7:] == 0).all()

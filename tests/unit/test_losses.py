@@ -325,3 +325,26 @@ def test_bf16_inputs_compute_in_fp32(name) -> None:
     (grad,) = torch.autograd.grad(loss, low)
     (ref_grad,) = torch.autograd.grad(ref, same)
     assert grad.dtype == torch.bfloat16 and torch.equal(grad, ref_grad.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_aggregation_of_bf16_values_counts_in_fp32(agg: str) -> None:
+    """bf16 per-token values over 257 tokens: the counts and sums are fp32 (bf16 holds 257
+    as 256), so the result is the fp64 formula's on the same values."""
+    from moe_rl.algorithms.aggregation import aggregate, masked_mean, sequence_mean
+
+    values = torch.ones(2, 300, dtype=torch.bfloat16)
+    values[0, 0] = 2.0
+    mask = torch.zeros(2, 300)
+    mask[0, :257], mask[1, :100] = 1, 1
+    v, m = values.double(), mask.double()
+    per_seq = (v * m).sum(-1)
+    expected = {
+        "token-mean": per_seq.sum() / m.sum(),
+        "seq-mean-token-mean": (per_seq / m.sum(-1)).mean(),
+        "seq-mean-token-sum": per_seq.mean(),
+    }[agg]
+    got = aggregate(values, mask, agg)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert masked_mean(values, mask).item() == pytest.approx((per_seq.sum() / m.sum()).item(), rel=1e-6)
+    torch.testing.assert_close(sequence_mean(values, mask).double(), per_seq / m.sum(-1))
