@@ -342,20 +342,44 @@ def test_cli_reports_one_line_without_traceback() -> None:
     )
 
 
+# what a shown config's cluster paths and data fields become here
+_HERE = [
+    "model.hf_dir=null",
+    "data.task=arithmetic",
+    "data.eval_task=null",
+    "data.chat_template=false",
+    "data.prompt_key=prompt",
+    "data.answer_key=answer",
+]
+
+
+def _docs_configs(tmp: Path) -> list[Path]:
+    """The YAML configs written out in docs/*.md, each as a file."""
+    import re
+
+    files = []
+    for page in sorted((Path(__file__).parents[2] / "docs").glob("*.md")):
+        for n, block in enumerate(re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)):
+            files.append(tmp / f"{page.stem}_{n}.yaml")
+            files[-1].write_text(block)
+    return files
+
+
+def test_the_configs_in_the_docs_validate(tmp_path: Path) -> None:
+    """docs/training.md's my_run.yaml (and any YAML config a page shows) loads as the
+    examples do, with what a real model needs set."""
+    (my_run,) = _docs_configs(tmp_path)
+    cfg = load_config(str(my_run), _HERE)
+    assert cfg.rollout.engine == "sglang" and cfg.rollout.server.launch
+    assert cfg.optim.lr == 1e-6 and cfg.parallel.ep == 8
+
+
 @pytest.mark.parametrize(
     "example", sorted((Path(__file__).parents[2] / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem
 )
 def test_example_configs_validate(example: Path) -> None:
     """The examples hold every setting as the config knows it (their cluster paths replaced)."""
-    here = [
-        "model.hf_dir=null",
-        "data.task=arithmetic",
-        "data.eval_task=null",
-        "data.chat_template=false",
-        "data.prompt_key=prompt",
-        "data.answer_key=answer",
-    ]
-    cfg = load_config(str(example), here)
+    cfg = load_config(str(example), _HERE)
     assert cfg.rollout.engine == "sglang"
 
 
