@@ -10,7 +10,7 @@ tokens) and reduces it with :func:`aggregate`, so all of them honour ``agg``,
 
 Metrics (detached): ``clip_frac`` (share of response tokens whose objective is clipped)
 and ``token_clipped`` (``[B, T]``: 1 where it is), ``ratio_mean/min/max`` (the importance ratio the loss uses: per token for
-GRPO/CISPO, per sequence for GSPO and GMPO) and ``approx_kl`` (k3 estimate of
+GRPO/CISPO, per sequence for GSPO and GMPO, its mean over response tokens either way) and ``approx_kl`` (k3 estimate of
 KL(old || new) per token).
 """
 
@@ -209,6 +209,13 @@ def grpo_loss(
     return loss, metrics
 
 
+def _on_tokens(seq_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A sequence-level ratio ``[B]`` as each response token's ``[B, T]``, for the metrics:
+    its mean is then token-weighted, as the trainer weighs micro-batches (a mean over each
+    micro-batch's sequences would depend on how the batch is split)."""
+    return seq_ratio.unsqueeze(1).expand_as(mask), mask
+
+
 def _ratio_mask(mask: Tensor, token_weights: Tensor | None) -> Tensor:
     """The tokens a sequence-level ratio is taken over: ``mask`` less the tokens a correction
     weighted 0 (IcePop's, a rejected sequence's), which would otherwise still set the ratio,
@@ -238,8 +245,7 @@ def gspo_loss(
     per_seq, clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
     per_token = per_seq.unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
-    has_tokens = mask.sum(-1) > 0
-    return loss, _metrics(mask, log_ratio, clipped.unsqueeze(1).expand_as(mask), seq_ratio, has_tokens)
+    return loss, _metrics(mask, log_ratio, clipped.unsqueeze(1).expand_as(mask), *_on_tokens(seq_ratio, mask))
 
 
 @POLICY_LOSSES.register("gspo_token")
@@ -263,7 +269,7 @@ def gspo_token_loss(
     token_ratio = seq_ratio.unsqueeze(1) * torch.exp(logp - logp.detach())
     per_token, clipped = _clipped_surrogate(token_ratio, adv, eps_low, eps_high)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
-    return loss, _metrics(mask, log_ratio, clipped, seq_ratio, mask.sum(-1) > 0)
+    return loss, _metrics(mask, log_ratio, clipped, *_on_tokens(seq_ratio, mask))
 
 
 @POLICY_LOSSES.register("gmpo")
@@ -290,7 +296,7 @@ def gmpo_loss(
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = (sign * log_ratio) > log_clip
-    return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
+    return loss, _metrics(mask, log_ratio, clipped, *_on_tokens(geo_ratio, mask))
 
 
 @POLICY_LOSSES.register("gmpo_seqclip")
@@ -319,7 +325,7 @@ def gmpo_seqclip_loss(
     per_token = (-seq_adv * geo_ratio).unsqueeze(1).expand_as(logp)
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
     clipped = ((sign * log_prod) > log_clip).unsqueeze(1).expand_as(mask)
-    return loss, _metrics(mask, log_ratio, clipped, geo_ratio, mask.sum(-1) > 0)
+    return loss, _metrics(mask, log_ratio, clipped, *_on_tokens(geo_ratio, mask))
 
 
 @POLICY_LOSSES.register("cispo")

@@ -249,6 +249,19 @@ def test_micro_batches_sum_to_full_batch(name, agg) -> None:
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_mean_metrics_reduced_over_micro_batches_equal_the_full_batchs(name) -> None:
+    """The trainer weighs each micro-batch's mean metrics by its response tokens: for every
+    loss (the sequence-level ratios of GSPO and GMPO included) that gives the full batch's."""
+    logp, old, adv, mask = make_batch(seed=13, scale=0.2)
+    _, full = policy_loss(name, logp, old, adv, mask)
+    parts = [policy_loss(name, logp[s], old[s], adv[s], mask[s])[1] for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    tokens = [float(mask[s].sum()) for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    for key in ("ratio_mean", "clip_frac", "approx_kl"):
+        reduced = sum(float(p[key]) * t for p, t in zip(parts, tokens)) / sum(tokens)
+        assert reduced == pytest.approx(float(full[key]), rel=1e-12), key
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_identical_policies_and_metrics(name) -> None:
     logp, _, adv, mask = make_batch(seed=12)
     loss, metrics = policy_loss(name, logp, logp.detach().clone(), adv, mask)
