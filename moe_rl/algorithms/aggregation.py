@@ -29,10 +29,10 @@ def aggregate(
     m = mask.to(values.dtype)
     if agg == "token-mean":
         denom = m.sum() if num_tokens is None else num_tokens
-        return (values * m).sum() / _at_least_one(denom, values)
+        return _masked(values, m).sum() / _at_least_one(denom, values)
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
-    per_seq = (values * m).sum(-1)
+    per_seq = _masked(values, m).sum(-1)
     seq_len = m.sum(-1)
     if agg == "seq-mean-token-mean":
         per_seq = per_seq / seq_len.clamp(min=1)
@@ -44,14 +44,14 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` where ``mask`` is set (0 when nothing is), in at least fp32."""
     values = at_least_fp32(values)
     m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp(min=1)
+    return _masked(values, m).sum() / m.sum().clamp(min=1)
 
 
 def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Per-row masked mean ``[B]`` (0 for rows without tokens), in at least fp32."""
     values = at_least_fp32(values)
     m = mask.to(values.dtype)
-    return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
+    return _masked(values, m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,6 +59,12 @@ def masked_min_max(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     value, so that a micro-batch without tokens leaves a step's extremes alone); no host sync."""
     keep, v = mask.bool(), values.detach()
     return v.masked_fill(~keep, math.inf).amin(), v.masked_fill(~keep, -math.inf).amax()
+
+
+def _masked(values: Tensor, m: Tensor) -> Tensor:
+    """``values * m`` with masked-out positions 0 whatever they hold (``inf * 0`` is NaN:
+    a padding position's -inf log-prob would otherwise poison the sum and its gradient)."""
+    return torch.where(m != 0, values, torch.zeros((), dtype=values.dtype, device=values.device)) * m
 
 
 def at_least_fp32(values: Tensor) -> Tensor:

@@ -361,3 +361,25 @@ def test_aggregation_of_bf16_values_counts_in_fp32(agg: str) -> None:
     assert got.dtype == torch.float32 and got.item() == pytest.approx(expected.item(), rel=1e-6)
     assert masked_mean(values, mask).item() == pytest.approx((per_seq.sum() / m.sum()).item(), rel=1e-6)
     torch.testing.assert_close(sequence_mean(values, mask).double(), per_seq / m.sum(-1))
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_non_finite_values_at_padding_are_left_out(agg: str) -> None:
+    """A padding position holding -inf or NaN (a library caller's log-probs there) changes
+    neither the aggregate nor the gradient of the real tokens."""
+    from moe_rl.algorithms.aggregation import aggregate, masked_mean, sequence_mean
+
+    gen = torch.Generator().manual_seed(4)
+    clean = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    dirty = clean.clone()
+    dirty[0, 3], dirty[0, 4], dirty[2, 1] = float("-inf"), float("nan"), float("inf")
+    for fn in (
+        lambda v: aggregate(v, mask, agg),
+        lambda v: masked_mean(v, mask),
+        lambda v: sequence_mean(v, mask).sum(),
+    ):
+        a, b = clean.clone().requires_grad_(True), dirty.clone().requires_grad_(True)
+        fa, fb = fn(a), fn(b)
+        assert fb.item() == pytest.approx(fa.item(), rel=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(fb, b)[0], torch.autograd.grad(fa, a)[0])
