@@ -163,6 +163,7 @@ def build_engine(cfg: Config, hf_dir: str, hf_config: PretrainedConfig, closing:
         top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
         max_concurrency=r.server.concurrency * len(urls),
+        timeout_s=r.server.request_timeout_s,
         nccl_version_probes=[server.nccl_version for server in launched] or None,
     )
     closing.callback(engine.close)

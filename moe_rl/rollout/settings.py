@@ -82,6 +82,9 @@ class ServerConfig:
     # extra sglang.launch_server flags (after moe-rl's own: they win)
     args: list[str] = field(default_factory=list)
     start_timeout_s: float = 600.0  # how long a launched server may take to become healthy
+    # how long one request may wait for its reply (a /generate: queueing plus the whole
+    # response, not streamed; a weight update); past it the request is retried, then the run stops
+    request_timeout_s: float = 3600.0
     # --enable-deterministic-inference (GPU only: it needs SGLang's CUDA kernels): batch-invariant
     # kernels and the pytorch sampling backend, slower; on to reproduce a rollout exactly
     deterministic: bool = False
@@ -104,7 +107,7 @@ class ServerConfig:
             raise ConfigError(
                 f"rollout.server.python={self.python!r} is not an executable file (SGLang's Python: bash tools/setup.sh --sglang makes .venv-sglang/bin/python)"
             )
-        for key in ("start_timeout_s", "concurrency", "tp", "ep"):
+        for key in ("start_timeout_s", "request_timeout_s", "concurrency", "tp", "ep"):
             require_positive(f"rollout.server.{key}", getattr(self, key))
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"rollout.server.port={self.port} must be in [1, 65535]")

@@ -662,3 +662,73 @@ def test_cuda_tensors_travel_as_ipc_handles_naming_their_gpu_by_uuid(tmp_path) -
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) == float(sum(range(1000)))
+
+
+def test_a_reply_slower_than_the_configs_request_timeout_is_retried_then_fatal(servers, ckpts) -> None:
+    """rollout.server.request_timeout_s is the engine's read timeout (600 s was fixed in code:
+    a long reasoning response, queued behind others, stopped the run): a reply slower than it
+    times out and is retried; one within it is a sample."""
+    import contextlib
+
+    from moe_rl.config import load_config
+    from moe_rl.experience.builders import build_engine
+    from moe_rl.models.architectures import load_hf_config
+
+    cfg = load_config(
+        None,
+        ["rollout.engine=sglang", f"rollout.server.urls=[{servers[0].url}]", "rollout.server.request_timeout_s=0.4"],
+    )
+    control(servers[0], "/_test/faults", {"delay_s": 0.8})
+    try:
+        with contextlib.ExitStack() as closing:
+            engine = build_engine(cfg, ckpts["v0"], load_hf_config(ckpts["v0"]), closing)
+            assert engine.timeout.read == 0.4
+            engine.max_retries, engine.backoff_s = 1, 0.01
+            with pytest.raises(RolloutError, match="ReadTimeout"):
+                engine.generate(PROMPTS[:1], 1, PARAMS, seed=1)
+            engine.timeout = httpx.Timeout(5.0, connect=1.0)
+            assert len(engine.generate(PROMPTS[:1], 1, PARAMS, seed=1)[0]) == 1
+    finally:
+        control(servers[0], "/_test/faults", {})
+
+
+def test_partial_rollouts_abort_a_retried_request_on_the_server_it_moved_to(servers) -> None:
+    """The long request's first server answers 503, so it is retried on the other one; when
+    the quick group is done, its aborts go where it now runs (they went to the first
+    server, and it ran its 200 tokens)."""
+    import dataclasses
+
+    from moe_rl.rollout.types import GenerationRequest
+
+    greedy = SamplingParams(max_new_tokens=200, temperature=1.0, top_k=1, ignore_eos=True)
+    quick = dataclasses.replace(greedy, max_new_tokens=12)
+    control(servers[0], "/_test/faults", {"fail_status": 503, "fail_count": 1, "token_delay_s": 0.005})
+    control(servers[1], "/_test/faults", {"token_delay_s": 0.005})
+    try:
+        engine = engine_for(servers, num_experts=8)
+        engine.backoff_s = 0.01
+        long, short = GenerationRequest(PROMPTS[0], seed=3, group=0), GenerationRequest(PROMPTS[1], seed=4, group=1)
+        first, done = engine.generate_requests([long, short], [greedy, quick], routed=True, groups_needed=1)
+        assert engine.retries == 1 and done.finish_reason == "length"
+        assert first.finish_reason == "abort" and len(first.output_ids) < greedy.max_new_tokens // 2
+        assert [a["rid"] for a in control(servers[1], "/_test/stats")["aborted"]]
+    finally:
+        for server in servers:
+            control(server, "/_test/faults", {})
+
+
+def test_an_aborted_reply_without_routing_drops_its_tokens_instead_of_stopping_the_run() -> None:
+    """SGLang's reply to a request aborted while retracted to its waiting queue (KV cache
+    full) has tokens and no routed_experts: under R3 those tokens cannot be trained on, so
+    the partial response keeps only its earlier segments; a finished reply without routing
+    is still the server's configuration error."""
+    engine = SGLangEngine(["http://a"], num_layers=2, top_k=2, num_experts=8)
+    engine._aborting.add("moe-rl-partial-0-0-3.")
+    meta = {"output_token_logprobs": [[-0.5, 7, None], [-0.1, 9, None]], "weight_version": "v"}
+    reply = {"output_ids": [7, 9], "meta_info": {**meta, "finish_reason": {"type": "abort"}}}
+    kwargs = {"routed": True, "expected_version": "v", "rid": "moe-rl-partial-0-0-3."}
+    sample = engine._parse([1, 2, 3], 3, reply, **kwargs)
+    assert sample.finish_reason == "abort" and sample.output_ids == [] and sample.output_logprobs == []
+    finished = {"output_ids": [7, 9], "meta_info": {**meta, "finish_reason": {"type": "length"}}}
+    with pytest.raises(RolloutError, match="enable-return-routed-experts"):
+        engine._parse([1, 2, 3], 3, finished, **kwargs)

@@ -266,6 +266,8 @@ class Handler(BaseHTTPRequestHandler):
             with st.count_lock:
                 for running, event in st.running.items():
                     if body.get("abort_all") or (rid and running.startswith(rid)):
+                        if not event.is_set():
+                            event.at = time.monotonic()  # type: ignore[attr-defined]  # its decoding stops here
                         event.set()
             return self._send(200, b"")
         if path == "/_test/faults":
@@ -402,12 +404,13 @@ class Handler(BaseHTTPRequestHandler):
 
 def _decode_time(sample, token_delay_s: float, aborted: threading.Event, arrived: float):
     """Hold the reply ``token_delay_s`` per output token; an ``/abort_request`` since it
-    arrived (during its computing too) cuts the sample to the tokens "decoded" by then at that
-    rate (as SGLang replies to an aborted request: the tokens, log-probs and routed experts it
+    arrived (during its computing too) cuts the sample to the tokens "decoded" at that rate by
+    the abort's arrival (as SGLang replies to an aborted request: the tokens, log-probs and routed experts it
     had, ``finish_reason`` abort)."""
     if not aborted.wait(token_delay_s * len(sample.output_ids)):
         return sample
-    kept = min(int((time.monotonic() - arrived) / token_delay_s), len(sample.output_ids) - 1)
+    stopped = getattr(aborted, "at", time.monotonic())  # when the abort came, however long computing took
+    kept = min(int((stopped - arrived) / token_delay_s), len(sample.output_ids) - 1)
     positions = len(sample.prompt_ids) + kept - 1
     return dataclasses.replace(
         sample,

@@ -179,6 +179,7 @@ class GenerationClient(ServerControl):
                                 rid=rid,
                             ),
                             server=server,
+                            on_attempt=functools.partial(running.__setitem__, rid),  # a retry's server gets the aborts
                         )
                     finally:
                         running.pop(rid, None)
@@ -276,11 +277,13 @@ class GenerationClient(ServerControl):
         *,
         server: int | None = None,
         slots: Sequence[asyncio.Semaphore] | None = None,
+        on_attempt: Callable[[int], Any] | None = None,
     ) -> Any:
         """``parse(reply)`` of the first good reply, asking server ``server`` first (default:
         each in turn) within its slot of ``slots``; transport errors, 5xx, replies that are
         not JSON and replies ``parse`` finds malformed or aborted are retried on the next
-        server with exponential backoff; 4xx is final."""
+        server with exponential backoff; 4xx is final. ``on_attempt(server)`` before each
+        attempt is sent."""
         start = next(self._rr) if server is None else server
         last = ""
         for attempt in range(self.max_retries + 1):
@@ -288,6 +291,8 @@ class GenerationClient(ServerControl):
             url = self.urls[index]
             try:
                 async with slots[index] if slots is not None else contextlib.nullcontext():
+                    if on_attempt is not None:
+                        on_attempt(index)
                     response = await client.post(url + path, json=payload)
                 if response.status_code >= 500:
                     raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -348,6 +353,10 @@ class GenerationClient(ServerControl):
             raise _Retryable(f"malformed /generate reply ({type(e).__name__}: {e})") from None
         if finish == "abort" and rid not in self._aborting:
             raise _Retryable("the server aborted the request")
+        if finish == "abort" and routed and routed_experts is None:
+            # SGLang's abort of a request it had retracted to its waiting queue (KV cache
+            # full) returns its tokens without their routing: they start over next step
+            output_ids, logprobs = [], []
         if routed and routed_experts is None and output_ids:
             raise RolloutError(
                 "the server returned no routed_experts: start it with --enable-return-routed-experts (routing replay r3 needs them)"
