@@ -184,7 +184,7 @@ class RoutingReplay:
 
 
 def engine_routing_to_replay(
-    routed: Sequence[Tensor],
+    routed: Sequence[Tensor | None],
     seq_len: int,
     layer_numbers: Sequence[int],
     top_k: int,
@@ -193,11 +193,13 @@ def engine_routing_to_replay(
     tp_rank: int = 0,
     tp_size: int = 1,
     sequence_parallel: bool = False,
+    device: torch.device | None = None,
 ) -> list[Tensor]:
-    """One micro-batch's engine routing as this rank's per-layer replay indices.
+    """One micro-batch's engine routing as this rank's per-layer replay indices (on ``device``:
+    by default the routing's).
 
-    ``routed[j]`` is sequence j's ``[n_j, num_layers, k]`` (SGLang: n_j = its length - 1).
-    Positions without engine routing (the last token, right padding) cannot change any
+    ``routed[j]`` is sequence j's ``[n_j, num_layers, k]`` (SGLang: n_j = its length - 1), or
+    ``None`` (a sample without routing: an empty response). Positions without engine routing (the last token, right padding) cannot change any
     earlier token's log-prob; they get ``top_k`` distinct experts that rotate with the
     position over all ``num_experts`` (position p: ``p*k .. p*k+k-1`` mod E), so padding
     spreads over every expert-parallel rank instead of loading the first. Dense layers are
@@ -206,7 +208,7 @@ def engine_routing_to_replay(
     :func:`~moe_rl.routing.encoding.expert_index_dtype` of ``num_experts``.
     """
     b = len(routed)
-    device = routed[0].device if b else torch.device("cpu")
+    device = device or next((r.device for r in routed if r is not None), torch.device("cpu"))
     layers = torch.as_tensor(list(layer_numbers), dtype=torch.long, device=device)
     if not 0 < top_k <= num_experts:
         raise ReplayError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -216,6 +218,8 @@ def engine_routing_to_replay(
     full = rotating.to(expert_index_dtype(num_experts))[:, None, None, :].expand(seq_len, b, len(layers), top_k).clone()
     top_layer = max(layer_numbers, default=-1)  # from the host list: the device copy's max would sync
     for j, r in enumerate(routed):
+        if r is None:
+            continue
         n = min(r.shape[0], seq_len)
         if r.shape[-1] != top_k:
             raise ReplayError(f"engine routing has top_k={r.shape[-1]}, the model routes to {top_k}")

@@ -71,12 +71,18 @@ class StepReplay:
 
 
 def engine_indices(
-    model: torch.nn.Module, batches: Sequence[MicroBatch], routed: Sequence[Sequence[Tensor]], num_experts: int
+    model: torch.nn.Module,
+    batches: Sequence[MicroBatch],
+    routed: Sequence[Sequence[Tensor | None]],
+    num_experts: int,
 ) -> list[list[Tensor]]:
-    """``routed[i][j]`` (micro-batch i, sequence j: the engine's ``[n, num_layers, k]``) as
-    this rank's per-layer indices in megatron's token order (its stage's MoE layers, its
-    sequence-parallel slice): what R3 replays and what the drift metrics compare with."""
+    """``routed[i][j]`` (micro-batch i, sequence j: the engine's ``[n, num_layers, k]``, or
+    ``None``: none) as this rank's per-layer indices in megatron's token order (its stage's
+    MoE layers, its sequence-parallel slice): what R3 replays and what the drift metrics
+    compare with. A stage without MoE layers (a pipeline stage of dense layers) has none."""
     layers = moe_layers(model)
+    if not layers:
+        return [[] for _ in batches]
     numbers, top_k = [n for n, _ in layers], (layers[0][1].topk if layers else 0)
     config = megatron_module(model).config
     return [
@@ -89,6 +95,7 @@ def engine_indices(
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=config.sequence_parallel,
+            device=mb.input_ids.device,
         )
         for mb, routed_mb in zip(batches, routed)
     ]

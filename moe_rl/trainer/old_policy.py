@@ -66,13 +66,16 @@ class StepRouting:
             yield hooks
 
 
-def _engine_routing(batches: Sequence[PolicyMicroBatch]) -> list[list[Tensor]]:
-    """Each micro-batch's sequences' routed experts from the engine, which every one must have."""
+def _engine_routing(batches: Sequence[PolicyMicroBatch]) -> list[list[Tensor | None]]:
+    """Each micro-batch's sequences' routed experts from the engine, row for row; ``None``
+    for a sample without any (a response of no tokens, whose routing nothing trained on
+    depends on: SGLang returns none for it). A batch without any is the engine's
+    configuration, the same on every rank, so raising there stops every rank alike."""
     routed = []
     for mb in batches:
-        if mb.routed_experts is None or any(r is None for r in mb.routed_experts):
-            raise ValueError("the rollout engine returned no routed experts for some of the step's samples")
-        routed.append([r for r in mb.routed_experts if r is not None])
+        if mb.routed_experts is None:
+            raise ValueError("the rollout engine returned no routed experts for the step's samples")
+        routed.append(list(mb.routed_experts))
     return routed
 
 

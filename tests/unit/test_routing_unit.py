@@ -130,6 +130,29 @@ def test_engine_routing_to_replay_order_fill_layers_and_sp_slice() -> None:
         to_local_tokens(torch.zeros(1, 5), tp_size=2, sequence_parallel=True)
 
 
+def test_samples_and_stages_without_engine_routing() -> None:
+    """A sample the engine returned no routing for (an empty response) gets the filler every
+    unrouted position gets, the others theirs; a pipeline stage without MoE layers (DeepSeek-V3's
+    dense first layers on a stage of their own) has nothing to replay instead of failing on
+    top_k 0 while the other stages wait in their pipeline receives."""
+    from types import SimpleNamespace
+
+    from moe_rl.routing.step_replay import engine_indices
+    from moe_rl.trainer.old_policy import _engine_routing
+
+    seq_a = torch.tensor([[[1, 2], [3, 4], [5, 6]], [[7, 0], [1, 3], [2, 4]]])
+    both = engine_routing_to_replay([seq_a, torch.zeros(0, 3, 2, dtype=seq_a.dtype)], 4, [0, 2], 2, num_experts=8)
+    with_none = engine_routing_to_replay([seq_a, None], 4, [0, 2], 2, num_experts=8, device=torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(both, with_none))
+    batches = [SimpleNamespace(routed_experts=[seq_a, None], input_ids=torch.zeros(2, 4, dtype=torch.long))]
+    assert _engine_routing(batches) == [[seq_a, None]]
+    dense_stage = torch.nn.Module()
+    dense_stage.decoder = SimpleNamespace(layers=[SimpleNamespace(mlp=torch.nn.Linear(2, 2), layer_number=1)])
+    assert engine_indices(dense_stage, batches, _engine_routing(batches), num_experts=8) == [[]]
+    with pytest.raises(ValueError, match="no routed experts"):
+        _engine_routing([SimpleNamespace(routed_experts=None)])
+
+
 def test_stats_in_one_process_equal_the_plain_metrics() -> None:
     gen = torch.Generator().manual_seed(0)
     a = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(40 * 3)]).view(40, 3, 2)
