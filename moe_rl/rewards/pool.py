@@ -5,14 +5,17 @@ registered reward or ``module:function``) once and keeps it. A task that runs pa
 timeout gets its worker killed (SIGKILL) and replaced, so a hung reward (a regex that
 backtracks forever, a sympy call that never returns) neither stalls the step nor leaves
 a thread running. Workers are started with ``spawn`` (the trainer process has threads
-and process groups, which ``fork`` would copy half-made) and wait until imported before
-the first task, so start-up never counts against a task's time.
+and process groups, which ``fork`` would copy half-made) and wait until imported and warmed
+up (``warm_up``: e.g. math-verify's first call) before the first task, so start-up never
+counts against a task's time. A task that cannot be pickled (something in its input's
+metadata) scores 0 as an error, as a failing reward does.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import pickle
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
@@ -70,10 +73,16 @@ class RewardPool:
         busy: dict[int, tuple[int, float]] = {}  # worker -> (task, deadline)
         while queue or busy:
             for w in range(len(self._workers)):
-                if w not in busy and queue:
+                while w not in busy and queue:
                     index, task = queue.popleft()
-                    self._workers[w][1].send(task)
+                    try:
+                        self._workers[w][1].send(task)  # pickled whole before anything is written
+                    except (pickle.PicklingError, TypeError, AttributeError):
+                        outcomes[index] = (0.0, "error")  # e.g. a lambda in the transcript's meta
+                        continue
                     busy[w] = (index, time.monotonic() + self.timeout_s)
+            if not busy:
+                continue
             soonest = min(deadline for _, deadline in busy.values())
             ready = wait([self._workers[w][1] for w in busy], timeout=max(0.0, soonest - time.monotonic()))
             for w in list(busy):
@@ -105,9 +114,9 @@ def _serve(conn: Connection, names: Sequence[str]) -> None:
     from moe_rl.rewards import rules  # noqa: F401  (registers the built-in rewards)
 
     functions: dict[str, Any] = {name: resolve_reward_fn(name) for name in names}
-    conn.send("ready")
-    for fn in functions.values():  # before the first task arrives, most likely
+    for fn in functions.values():  # before "ready": its time is never charged to a task's timeout
         warm_up(fn)
+    conn.send("ready")
     while True:
         try:
             name, kwargs, sample = conn.recv()

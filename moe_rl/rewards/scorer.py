@@ -213,8 +213,9 @@ class _RewardThread:
     """One daemon thread that runs batches of reward calls in turn (a thread per call cost
     more than a rule reward itself). A call past its timeout leaves the thread behind
     (:meth:`abandon`: the calls queued after it are dropped) and a new one takes over: the
-    hung call cannot stall the step, but its thread is not stopped (use
-    ``reward.workers`` for that)."""
+    hung call cannot stall the step, but its thread is not stopped, and a call that holds the
+    GIL (CPython's ``re``: a backtracking pattern) blocks the waiting thread too, so its
+    timeout ends only when the call does: ``reward.workers`` kills such a call."""
 
     def __init__(self) -> None:
         self._batches: queue.SimpleQueue = queue.SimpleQueue()

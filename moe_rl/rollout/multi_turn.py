@@ -148,7 +148,9 @@ class EngineHandle:
         self, token_ids: Sequence[int], max_new_tokens: int | None, stop_token_ids: Sequence[int]
     ) -> Turn:
         ids = [int(t) for t in token_ids]
-        limit = max_new_tokens or self.sampling.max_new_tokens
+        if max_new_tokens is not None and max_new_tokens < 1:  # not "the default": a budget spent
+            raise TranscriptError(f"asked for a turn of max_new_tokens={max_new_tokens}: end the transcript instead")
+        limit = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         room = limit if self.max_tokens is None else min(limit, self.max_tokens - len(ids))
         if room <= 0:
             return self._at_context(ids)

@@ -110,6 +110,14 @@ async def fails_after_a_turn(problem, *, prompt_ids, engine, tokenizer, sampling
     raise ConnectionError("the environment went away")
 
 
+async def spends_its_budget(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A first turn, then a turn with what is left of a budget of its own: nothing."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids))
+    transcript.add_policy(await engine.generate(transcript.token_ids, max_new_tokens=0))
+    return transcript
+
+
 async def odd_meta(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
     """A transcript whose meta holds a string and a NaN where the metrics read numbers."""
     transcript = Transcript(prompt_ids)

@@ -216,6 +216,8 @@ def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) 
         (multi_turn_fns.no_policy_turn, "TranscriptError: the transcript has no policy turn"),
         (multi_turn_fns.nan_logprobs, "TranscriptError: a policy turn's log-probs are not finite"),
         (multi_turn_fns.raises_cancelled, "FunctionCancelled: the generate function raised CancelledError"),
+        # a budget of 0 tokens is not "the default" (rollout.max_new_tokens, a whole turn more)
+        (multi_turn_fns.spends_its_budget, "TranscriptError: asked for a turn of max_new_tokens=0"),
     ],
 )
 def test_a_broken_function_or_transcript_is_a_failed_sample(fn, why: str) -> None:

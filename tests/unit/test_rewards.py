@@ -148,6 +148,33 @@ def _sleeps(s: RewardInput) -> float:
     return 1.0
 
 
+def _slow_to_warm(s: RewardInput) -> float:
+    return 1.0
+
+
+_slow_to_warm.warm_up = lambda: time.sleep(1.5)  # type: ignore[attr-defined]  # longer than the timeout
+
+
+@pytest.mark.distributed
+def test_a_workers_warm_up_is_not_charged_to_its_tasks_and_unpicklable_inputs_score_zero() -> None:
+    """A reward whose warm-up outlasts the timeout: every task still scores, also after a
+    replacement worker (whose warm-up came before its first task: it was charged to the
+    task, which timed out, killing the worker, forever). A task whose metadata cannot be
+    pickled (a lambda a generate function kept) scores 0 as an error instead of raising."""
+    scorer = RewardScorer(
+        [RewardSpec("t", f"{__name__}:_slow_to_warm"), RewardSpec("hangs", f"{__name__}:_hangs")],
+        timeout_s=1.0,
+        workers=1,
+    )
+    try:
+        unpicklable = RewardInput(prompt="q", response="r", metadata={"handle": lambda: 0})
+        batch = scorer.score([sample("a"), unpicklable, sample("b")])
+        assert batch.values[:, 0].tolist() == [1.0, 0.0, 1.0] and batch.failures["t"]["error"] == 1
+        assert batch.failures["hangs"]["timeout"] == 2 and batch.failures["t"]["timeout"] == 0
+    finally:
+        scorer.close()
+
+
 @pytest.mark.distributed
 def test_pool_keeps_an_answer_that_came_while_another_worker_was_replaced() -> None:
     # worker A hangs (deadline 2 s); B answers at 1 s, then takes the 1.4 s task (deadline
