@@ -7,6 +7,7 @@ mixes two versions. The thread runs no collective and no megatron code."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any
 
 from moe_rl.experience.collector import ExperienceCollector
@@ -17,14 +18,26 @@ class BackgroundRollout:
 
     def __init__(self, collector: ExperienceCollector) -> None:
         self.collector = collector
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-rollout")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
 
     def start(self, step: int) -> None:
-        """Collect step ``step``'s experience from the weights the engine serves now."""
+        """Collect step ``step``'s experience from the weights the engine serves now, in a
+        daemon thread: a run that stops (a crash, an interrupt) exits without waiting for it,
+        where an executor's thread would be joined at exit, the whole collection long."""
         if self._pending is not None:
             raise RuntimeError(f"step {self._pending[0] + 1}'s rollout is still pending")
-        self._pending = (step, self._pool.submit(self.collector.collect, step))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def collect() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self.collector.collect(step))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever takes the result
+                future.set_exception(e)
+
+        threading.Thread(target=collect, daemon=True, name="moe-rl-rollout").start()
+        self._pending = (step, future)
 
     def wait(self) -> None:
         """Block until the pending collection (if any) ends; the engine is idle afterwards.
@@ -45,4 +58,3 @@ class BackgroundRollout:
         if self._pending is not None:
             self._pending[1].cancel()
             self._pending = None
-        self._pool.shutdown(wait=False, cancel_futures=True)

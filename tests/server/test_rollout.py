@@ -732,3 +732,17 @@ def test_an_aborted_reply_without_routing_drops_its_tokens_instead_of_stopping_t
     finished = {"output_ids": [7, 9], "meta_info": {**meta, "finish_reason": {"type": "length"}}}
     with pytest.raises(RolloutError, match="enable-return-routed-experts"):
         engine._parse([1, 2, 3], 3, finished, **kwargs)
+
+
+def test_requests_aborted_by_close_are_not_retried() -> None:
+    """close() (a stopping run) aborts what is still running: those requests' "abort"
+    replies are final, not retried in full on the next server."""
+    engine = SGLangEngine(["http://127.0.0.1:9"], num_layers=2, top_k=2)  # nothing listens: the abort is lost
+    engine._unfinished.add("moe-rl-7-0-1")
+    engine.close()
+    reply = {
+        "output_ids": [7],
+        "meta_info": {"output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "abort"}},
+    }
+    sample = engine._parse([1, 2], 1, reply, routed=False, expected_version="", rid="moe-rl-7-0-1")
+    assert sample.finish_reason == "abort" and sample.output_ids == [7]

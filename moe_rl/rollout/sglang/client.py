@@ -398,6 +398,7 @@ class GenerationClient(ServerControl):
         rids, self._unfinished = sorted(self._unfinished), set()
         if not rids:
             return
+        self._aborting.update(rids)  # their "abort" replies are final, not retried in full
         with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
             for url in self.urls:
                 for rid in rids:
