@@ -17,6 +17,7 @@ not verified. A resume and ``moe-rl export`` verify what they read (``dist/``, `
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -61,24 +62,37 @@ def summing_writer(write: Callable, tmp: Path, rank: int) -> Callable:
     ``tmp/sums/rank_<rank>.json`` (the trainer sees the writer done when it exits)."""
 
     def write_and_sum(*args: Any, **kwargs: Any) -> None:
-        write(*args, **kwargs)
-        files = [Path(bucket[0]) for bucket in args[1]]
-        report = sum_files(tmp / "dist", [p.name for p in files if p.is_file()])
-        part = tmp / SUMS / f".rank_{rank:05d}.json"
+        # megatron's write runs with the garbage collector off (in a forked writer a
+        # collection may free the parent's CUDA tensors): the sums after it keep it off
+        enabled = gc.isenabled()
+        gc.disable()
         try:
-            with open(part, "w") as f:
-                json.dump({f"dist/{name}": s for name, s in report.items()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            if space_error(e) is None:
-                raise
-            # a full disk: the trainer, told by the write's own result or by its commit, says so
-            part.unlink(missing_ok=True)
-            return
-        part.rename(part.with_name(part.name[1:]))
+            write(*args, **kwargs)
+            _report_sums(args[1], tmp, rank)
+        finally:
+            if enabled:
+                gc.enable()
 
     return write_and_sum
+
+
+def _report_sums(write_buckets: Any, tmp: Path, rank: int) -> None:
+    """The sums of the files a writer wrote, into ``tmp/sums/rank_<rank>.json``."""
+    files = [Path(bucket[0]) for bucket in write_buckets]
+    report = sum_files(tmp / "dist", [p.name for p in files if p.is_file()])
+    part = tmp / SUMS / f".rank_{rank:05d}.json"
+    try:
+        with open(part, "w") as f:
+            json.dump({f"dist/{name}": s for name, s in report.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if space_error(e) is None:
+            raise
+        # a full disk: the trainer, told by the write's own result or by its commit, says so
+        part.unlink(missing_ok=True)
+        return
+    part.rename(part.with_name(part.name[1:]))
 
 
 def manifest_of(tmp: Path) -> dict[str, list[int]]:
@@ -90,7 +104,12 @@ def manifest_of(tmp: Path) -> dict[str, list[int]]:
     files = sorted(
         str(p.relative_to(tmp)) for folder in SUMMED if (tmp / folder).is_dir() for p in (tmp / folder).rglob("*")
     )
-    files = [f for f in files if (tmp / f).is_file()]
+    # a reported file the listing lacks (a network file system's stale directory cache)
+    # is looked up by name; one that is not there is a checkpoint that must not be sealed
+    files = sorted({f for f in files if (tmp / f).is_file()} | set(reported))
+    missing = [f for f in reported if not (tmp / f).is_file()]
+    if missing:
+        raise RuntimeError(f"{tmp}: files the checkpoint writers reported are missing: {', '.join(missing[:5])}")
     manifest = {**sum_files(tmp, [f for f in files if f not in reported]), **reported}
     return {f: manifest[f] for f in files}
 

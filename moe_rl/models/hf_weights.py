@@ -18,6 +18,7 @@ one stacked parameter per projection and layer (``[local experts, ...]``,
 from __future__ import annotations
 
 import functools
+import copy
 import json
 import os
 import re
@@ -415,8 +416,9 @@ def _write_export(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size_of_rank0_tensors": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        hf_config.dtype = dtype
-        write_config_files(hf_config, tmp, copy_files_from)
+        exported = copy.deepcopy(hf_config)  # the caller's (the trainer's, for its every save) stays as it is
+        exported.dtype = dtype
+        write_config_files(exported, tmp, copy_files_from)
         write_marker(tmp, dtype=str(dtype).removeprefix("torch."))
 
 

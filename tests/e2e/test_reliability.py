@@ -621,6 +621,10 @@ def test_resume_skips_a_damaged_checkpoint_across_transformer_impls(
 
 @pytest.mark.unit
 def test_the_writers_sum_what_they_wrote_and_the_commit_the_rest(tmp_path: Path) -> None:
+    import gc
+    from unittest import mock
+
+    from moe_rl.checkpoint import verify
     from moe_rl.checkpoint.verify import SUMS, file_sum, manifest_of, summing_writer
 
     for folder in ("dist", "rng", SUMS):
@@ -641,3 +645,12 @@ def test_the_writers_sum_what_they_wrote_and_the_commit_the_rest(tmp_path: Path)
         file_sum(tmp_path / "rng" / "rank_00001.pt")
     )
     assert manifest["dist/__1_1.distcp"][0] == 1001 and SUMS + "/rank_00001.json" not in manifest
+    gc_during_sums = []
+    real_sum_files = verify.sum_files
+    with mock.patch.object(verify, "sum_files", lambda *a: gc_during_sums.append(gc.isenabled()) or real_sum_files(*a)):
+        summing_writer(write, tmp_path, 1)(1, buckets, None)
+    assert gc_during_sums == [False] and gc.isenabled()  # off while summing (as megatron's write), back on after
+    # a file a writer reported that is not there: an error, never a manifest without it
+    (tmp_path / SUMS / "rank_00001.json").write_text(json.dumps({"dist/__1_9.distcp": [5, 1]}))
+    with pytest.raises(RuntimeError, match="reported are missing: dist/__1_9.distcp"):
+        manifest_of(tmp_path)
