@@ -345,6 +345,9 @@ class Trainer:
         start = time.perf_counter()
         exp, rollout_scalars, shown = self.collect_experience(step)
         rollout_time = time.perf_counter() - start
+        # an earlier save whose writers finished during the rollout is committed now, not at
+        # this step's end: a crash in this step's update keeps it
+        self.checkpointer.poll()
         self.placement.for_training()
         batch = self.make_batch(exp, step)
         old_logprobs = self.compute_old_logprobs(batch)

@@ -119,6 +119,22 @@ def test_kill_9_during_a_step_resumes_like_an_uninterrupted_run(
     assert same_weights(tmp_path / final, straight_run / final)
 
 
+def test_a_save_written_during_the_next_steps_rollout_survives_a_crash_in_that_step(base, tmp_path: Path) -> None:
+    """Step 2's checkpoint, its writers done while step 3 generates, is committed before step
+    3 trains: a crash in step 3's update keeps it (it was committed only at step 3's end, and
+    the crash lost it with the whole of step 3's time)."""
+    out = run(
+        "train",
+        *base,
+        f"train.run_dir={tmp_path}",
+        "train.steps=4",
+        "train.save_every=2",
+        faults=("--crash-after-rollout-of-step", "3"),
+    )
+    assert out.returncode != 0 and "injected crash in step 3" in out.stderr, out.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file()
+
+
 PARTIAL = [
     "rollout.partial.enabled=true",
     "algorithm.old_logprobs=rollout",

@@ -15,6 +15,8 @@ on a full disk (``ENOSPC``), as does every write of the run after it.
 with ``ENOSPC`` (a full disk under the checkpoint).
 ``--kill-in-partial-rollout-of-step N``: the run SIGKILLs itself once step N's partial
 rollout has continued its carried responses by some tokens (``rollout.partial``).
+``--crash-after-rollout-of-step N``: step N's rollout lasts until the checkpoint writers of
+an earlier save are done (a long rollout), then its update raises.
 ``--pretend-transformer-engine``: the model saves and asks for what Transformer Engine's
 layers hold besides the local ones (an ``_extra_state`` entry per core attention), and
 checkpoints record ``transformer_impl=transformer_engine``.
@@ -153,6 +155,23 @@ def _dying(generate):
     return generate_then_die
 
 
+def crash_after_rollout(step: int) -> None:
+    collect, update = Trainer.collect_experience, Trainer.update_policy
+
+    def collect_experience(self, s):
+        out = collect(self, s)
+        while s + 1 == step and self.checkpointer.writing():
+            time.sleep(0.05)
+        return out
+
+    def update_policy(self, batch, counts):
+        if batch.step + 1 == step:
+            raise RuntimeError(f"injected crash in step {step}'s update")
+        return update(self, batch, counts)
+
+    Trainer.collect_experience, Trainer.update_policy = collect_experience, update_policy
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nan-steps", default="")
@@ -162,6 +181,7 @@ if __name__ == "__main__":
     parser.add_argument("--kill-in-partial-rollout-of-step", type=int, default=0)
     parser.add_argument("--full-disk-at-log-step", type=int, default=0)
     parser.add_argument("--full-disk-at-save-step", type=int, default=0)
+    parser.add_argument("--crash-after-rollout-of-step", type=int, default=0)
     args, rest = parser.parse_known_args()
     if args.full_disk_at_log_step:
         fill_disk_at_log_step(args.full_disk_at_log_step)
@@ -177,4 +197,6 @@ if __name__ == "__main__":
         pretend_transformer_engine()
     if args.kill_in_partial_rollout_of_step:
         kill_in_partial_rollout(args.kill_in_partial_rollout_of_step)
+    if args.crash_after_rollout_of_step:
+        crash_after_rollout(args.crash_after_rollout_of_step)
     sys.exit(main([a for a in rest if a != "--"]))
