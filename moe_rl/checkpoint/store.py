@@ -64,7 +64,7 @@ from moe_rl.checkpoint.catalog import (
     rng_file,
     rng_rank,
 )
-from moe_rl.checkpoint.verify import ROLLOUT_CARRY, SUMS, manifest_of, sealed, summing_writer
+from moe_rl.checkpoint.verify import ROLLOUT_CARRY, SUMS, manifest_of, report_model_sums, sealed, summing_writer
 from moe_rl.disk import OutOfSpace, nearly_full, space_error
 from moe_rl.models.hf_weights import export_hf_weights, write_config_files
 from parallel.collectives import all_gather_objects, barrier, broadcast_object, rank, world_size
@@ -237,6 +237,7 @@ class Checkpointer:
                 dtype=next(state.model.parameters()).dtype,
                 copy_files_from=self.tokenizer_dir,
             )
+            report_model_sums(tmp, rank(), world_size())
         torch.save(_rng_state(), tmp / rng_file(rank()))
         # (the plain optimizer's state is in model space either way)
         sharding = RESHARDABLE if self.reshardable or not state.distributed_optimizer else DP_RESHARDABLE

@@ -80,10 +80,25 @@ def _report_sums(write_buckets: Any, tmp: Path, rank: int) -> None:
     """The sums of the files a writer wrote, into ``tmp/sums/rank_<rank>.json``."""
     files = [Path(bucket[0]) for bucket in write_buckets]
     report = sum_files(tmp / "dist", [p.name for p in files if p.is_file()])
-    part = tmp / SUMS / f".rank_{rank:05d}.json"
+    _write_report({f"dist/{name}": s for name, s in report.items()}, tmp, f"rank_{rank:05d}.json")
+
+
+def report_model_sums(tmp: Path, rank: int, world_size: int) -> None:
+    """Every rank: the sums of its share (round robin) of ``tmp/model``'s files, into
+    ``tmp/sums/model_rank_<rank>.json``, so the commit does not read the export back alone
+    (tens of GB on one rank, the others waiting)."""
+    folder = tmp / "model"
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())[rank::world_size]
+    report = sum_files(folder, names)
+    _write_report({f"model/{name}": s for name, s in report.items()}, tmp, f"model_rank_{rank:05d}.json")
+
+
+def _write_report(report: dict[str, list[int]], tmp: Path, name: str) -> None:
+    """``report`` as ``tmp/sums/<name>``, whole or not at all (written aside, then renamed)."""
+    part = tmp / SUMS / f".{name}"
     try:
         with open(part, "w") as f:
-            json.dump({f"dist/{name}": s for name, s in report.items()}, f)
+            json.dump(report, f)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
@@ -96,10 +111,10 @@ def _report_sums(write_buckets: Any, tmp: Path, rank: int) -> None:
 
 
 def manifest_of(tmp: Path) -> dict[str, list[int]]:
-    """First rank, at commit: the writers' reports and the sums of every other file the
-    manifest covers (a ``.distcp`` no writer reported is summed here)."""
+    """First rank, at commit: the writers' and exporters' reports and the sums of every other
+    file the manifest covers (a file no rank reported is summed here)."""
     reported: dict[str, list[int]] = {}
-    for report in sorted((tmp / SUMS).glob("rank_*.json")):
+    for report in sorted([*(tmp / SUMS).glob("rank_*.json"), *(tmp / SUMS).glob("model_rank_*.json")]):
         reported.update(json.loads(report.read_text()))
     files = sorted(
         str(p.relative_to(tmp)) for folder in SUMMED if (tmp / folder).is_dir() for p in (tmp / folder).rglob("*")

@@ -666,6 +666,20 @@ def test_the_writers_sum_what_they_wrote_and_the_commit_the_rest(tmp_path: Path)
     with mock.patch.object(verify, "sum_files", lambda *a: gc_during_sums.append(gc.isenabled()) or real_sum_files(*a)):
         summing_writer(write, tmp_path, 1)(1, buckets, None)
     assert gc_during_sums == [False] and gc.isenabled()  # off while summing (as megatron's write), back on after
+    # an export's files: summed by every rank, its share, right after the export; the commit reads none back
+    (tmp_path / "model").mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"):
+        (tmp_path / "model" / name).write_bytes(name.encode() * 100)
+    for r in (0, 1):
+        verify.report_model_sums(tmp_path, r, 2)
+    summed_at_commit: list[str] = []
+    with mock.patch.object(
+        verify, "sum_files", lambda root, names: summed_at_commit.extend(names) or real_sum_files(root, names)
+    ):
+        manifest = manifest_of(tmp_path)
+    assert not [n for n in summed_at_commit if n.startswith("model/")] and summed_at_commit
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"):
+        assert manifest[f"model/{name}"] == list(file_sum(tmp_path / "model" / name))
     # a file a writer reported that is not there: an error, never a manifest without it
     (tmp_path / SUMS / "rank_00001.json").write_text(json.dumps({"dist/__1_9.distcp": [5, 1]}))
     with pytest.raises(RuntimeError, match="reported are missing: dist/__1_9.distcp"):
