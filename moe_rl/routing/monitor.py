@@ -241,6 +241,12 @@ class RoutingMonitor:
             self.probe.stop()
             raise
 
+    def release(self) -> None:
+        """Drop the step's routing, masks and statistics (device memory: held until the next
+        old pass otherwise, through a colocated rollout too); after :meth:`reduce`."""
+        self._old, self._masks, self._environment_masks, self._engine, self._stats = [], [], [], None, {}
+        self._tokens, self._weights = None, []
+
     def reduce(self) -> dict[str, dict[str, Tensor]]:
         """Collective: every rank calls it. Groups without data are left out."""
         group = ps.get_pipeline_model_parallel_group()

@@ -60,6 +60,10 @@ class StepReplay:
             yield [self.replay]
         self.replay.finish()
 
+    def release(self) -> None:
+        """Drop the step's indices (device memory, until the next old pass otherwise)."""
+        self.indices = []
+
     @contextlib.contextmanager
     def _abort_on_error(self) -> Iterator[None]:
         """A pass that raised leaves replay idle."""

@@ -361,6 +361,9 @@ class Trainer:
             update.logprobs if old_logprobs is None else old_logprobs, batch.micro_batches, self.monitor
         )
         self.measure_routing_after_update(batch)
+        routing = self.monitor.reduce() if self.monitor else {}
+        if self.routing:  # before the rollout (a colocated one wants the memory)
+            self.routing.release()
         bias_deltas = self.expert_bias.deltas() if self.expert_bias else {}
         train_time = time.perf_counter() - start - rollout_time
         if self.background:  # the next step's samples come from the weights it started with
@@ -368,7 +371,6 @@ class Trainer:
         self.placement.for_rollout(lambda: self.weight_sync.push(self.policy.weights, version=str(step + 1)))
         evaluation = self.evaluate() if self._eval_due(step + 1) else {}
         train_scalars = reduce_step(update.metrics, mismatch)
-        routing = self.monitor.reduce() if self.monitor else {}
         step_time = time.perf_counter() - start
         scalars = {
             **rollout_scalars,

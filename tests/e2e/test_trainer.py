@@ -518,6 +518,14 @@ def layout_runs(cache, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize("run", ["one-r2", "one-r3", "tp2-r2", "ep2-r3+dyn"])
+def test_a_steps_routing_state_is_freed_before_the_next_rollout(layout_runs: Path, run: str) -> None:
+    """Replay indices and the drift monitor's routing, masks and statistics (device memory a
+    colocated rollout wants) are dropped once the step's metrics are reduced."""
+    held = json.loads((layout_runs / f"{run}.routing_held.json").read_text())
+    assert held.get("replay_indices") == 0 and held.get("monitor") == 0, held
+
+
 def test_async_rollouts_train_on_samples_one_version_behind(layout_runs: Path) -> None:
     """Step 3 trained on samples generated (with the engine's routing replayed, R3) while
     step 2 trained, from the weights before step 2's update."""

@@ -111,6 +111,7 @@ def main() -> None:
             last = int(steps[0]) if steps else 1
             for step in range(trainer.start_step, last):
                 scalars = trainer.train_step(step)
+            held = _routing_held(trainer)
             if save_for:
                 trainer.save_checkpoint(last, scalars)
                 trainer.checkpointer.wait()
@@ -119,7 +120,22 @@ def main() -> None:
         if is_first_rank():
             (out / f"{name}.json").write_text(json.dumps(scalars))
             (out / f"{name}.process_group.json").write_text(json.dumps(process_group_facts()))
+            (out / f"{name}.routing_held.json").write_text(json.dumps(held))
     destroy_distributed()
+
+
+def _routing_held(trainer) -> dict:
+    """What the step's routing parts still hold after it (freed before the next rollout)."""
+    routing = trainer.routing
+    if routing is None:
+        return {}
+    held = {}
+    if routing.replay:
+        held["replay_indices"] = len(routing.replay.indices)
+    if routing.monitor:
+        monitor = routing.monitor
+        held["monitor"] = len(monitor._old) + len(monitor._masks) + len(monitor._stats) + len(monitor._engine or [])
+    return held
 
 
 if __name__ == "__main__":
