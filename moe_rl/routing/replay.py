@@ -151,7 +151,7 @@ class RoutingReplay:
                         f"{tuple(idx.shape)}, the pass routes ({num_tokens}, {self.top_k}) tokens on this rank"
                     )
                 inst.target_topk_idx = None
-                inst.set_target_indices(idx.to(torch.int64))  # megatron gathers with int64; one layer's copy at a time
+                inst.set_target_indices(idx.to(torch.int64))  # megatron gathers with int64: this micro-batch's copies
                 if not self._keep_backward:
                     inst.replay_backward_list.clear()
             self._replayed.add(index)

@@ -134,7 +134,7 @@ class DeviceReference:
 class HostReference:
     """The starting weights of this rank's stage kept in host memory and swapped into the
     policy's own parameters for the reference pass, then swapped back (as slime does): no
-    second model on the device, four host-device copies of the stage per step into buffers
+    second model on the device, three host-device copies of the stage per step into buffers
     allocated once (two stages of host memory, pinned on CUDA: one registered buffer each),
     one stream sync per swap. The optimizer's state is not touched; routers' expert biases
     are swapped too."""
