@@ -43,12 +43,13 @@ class TrainBatch:
     num_tokens: float  # response tokens of the whole step (all ranks)
     num_seqs: float  # responses of the whole step with at least one token
     experience: Experience = field(repr=False)
+    real_tokens: float = 0.0  # prompt + response tokens of this rank's micro-batches (a host count)
 
     @property
     def padding(self) -> tuple[float, float]:
-        """(real tokens, padded tokens) of this rank's micro-batches."""
-        real = sum(float(mb.lengths.sum()) for mb in self.micro_batches if mb.lengths is not None)
-        return real, float(sum(mb.input_ids.numel() for mb in self.micro_batches))
+        """(real tokens, padded tokens) of this rank's micro-batches, from host counts (the
+        lengths on the device would cost a sync per micro-batch)."""
+        return self.real_tokens, float(sum(mb.input_ids.numel() for mb in self.micro_batches))
 
 
 def build_train_batch(
@@ -74,7 +75,8 @@ def build_train_batch(
         longest = max((lengths[i] for i in rows if i is not None), default=0)
         seq_len = round_up(max(longest, 2), seq_len_multiple)
         micro_batches.append(_on_device(_micro_batch(exp, rows, seq_len, pad_id, routing_shape), device))
-    return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp)
+    real = float(sum(lengths[i] for rows in plan for i in rows if i is not None))
+    return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp, real)
 
 
 def _routing_shape(exp: Experience) -> tuple[int, int]:
