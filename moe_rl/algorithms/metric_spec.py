@@ -30,7 +30,7 @@ UPDATE_METRICS: dict[str, Reduction] = {
     "entropy": Reduction.TOKEN_MEAN,
     "kl_ref": Reduction.TOKEN_MEAN,
     TOKENS: Reduction.SUM,
-    "log_ratio_p01": Reduction.TOKEN_MEAN,  # percentiles of the micro-batch's token log-ratios
+    "log_ratio_p01": Reduction.TOKEN_MEAN,  # percentiles of the rank's token log-ratios (each micro-batch has the pass's)
     "log_ratio_p99": Reduction.TOKEN_MEAN,
     # every policy loss's (moe_rl.algorithms.losses)
     "clip_frac": Reduction.TOKEN_MEAN,

@@ -106,25 +106,22 @@ class PolicyObjective:
 
 
 def log_ratio_percentiles(tokens: Sequence[UpdateTokens]) -> tuple[list[dict[str, Tensor]], Tensor | None]:
-    """Each micro-batch's 1st/99th percentiles of its masked token log-ratios (none for a
-    micro-batch without tokens) and all of them in micro-batch order (the histogram's;
-    ``None`` without micro-batches). After the pass, for all micro-batches at once: one
-    boolean selection and one device sync for the pass (inside the loss, each
-    micro-batch's selection stalled the pass on a GPU)."""
+    """The 1st/99th percentiles of the pass's masked token log-ratios on this rank, over all
+    its micro-batches, given to each micro-batch with tokens (so the token-weighted mean the
+    step's metrics take gives them back, whatever the micro-batch split; across data-parallel
+    ranks it is that mean of each rank's), and all the log-ratios in micro-batch order (the
+    histogram's; ``None`` without micro-batches). After the pass: one boolean selection and
+    one device sync (inside the loss, each micro-batch's selection stalled the pass on a GPU)."""
     if not tokens:
         return [], None
     keep = [t.mask.bool() for t in tokens]
     counts = torch.stack([k.sum() for k in keep]).tolist()
     selected = torch.cat([t.log_ratio.reshape(-1) for t in tokens])[torch.cat([k.reshape(-1) for k in keep])]
-    percentiles: list[dict[str, Tensor]] = []
-    for values in selected.split(counts):
-        if not values.numel():
-            percentiles.append({})
-            continue
-        # one sort for both (each value the same arithmetic as a call of its own)
-        p01, p99 = torch.quantile(values.float(), _percentile_points(values.device))
-        percentiles.append({"log_ratio_p01": p01, "log_ratio_p99": p99})
-    return percentiles, selected
+    if not selected.numel():
+        return [{} for _ in tokens], selected
+    p01, p99 = torch.quantile(selected.float(), _percentile_points(selected.device))  # one sort for both
+    pass_percentiles = {"log_ratio_p01": p01, "log_ratio_p99": p99}
+    return [pass_percentiles if count else {} for count in counts], selected
 
 
 @functools.cache

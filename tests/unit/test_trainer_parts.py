@@ -178,9 +178,14 @@ def test_objective_equals_the_policy_loss_and_reports_what_it_measured() -> None
     assert mb.old_logp is not None and mb.ref_logp is None  # the objective writes nothing into the batch
 
 
-def test_log_ratio_percentiles_of_a_pass_equal_each_micro_batch_selected_alone() -> None:
-    """One selection for the whole pass gives each micro-batch exactly the values (and
-    percentiles) its own masked selection gives; a micro-batch without tokens gets none."""
+def test_log_ratio_percentiles_are_the_passs_whatever_the_micro_batch_split() -> None:
+    """The 1st/99th percentiles of every masked log-ratio of the pass, in each micro-batch with
+    tokens (none in one without), so the step's token-weighted mean gives them back: one
+    micro-batch of zeros and one with an outlier report the step's p99, not the mean of
+    theirs; the log-ratios come back in micro-batch order."""
+    from moe_rl.algorithms.metric_spec import UPDATE_METRICS
+    from moe_rl.trainer.metrics import reduce_metrics
+
     gen = torch.Generator().manual_seed(5)
     outputs, expected = [], []
     for rows, width, frac in ((3, 5, 0.6), (2, 7, 0.0), (4, 3, 0.8)):
@@ -189,13 +194,22 @@ def test_log_ratio_percentiles_of_a_pass_equal_each_micro_batch_selected_alone()
         outputs.append(UpdateTokens(log_ratio, torch.zeros_like(mask), mask))
         expected.append(log_ratio[mask.bool()])
     percentiles, log_ratios = log_ratio_percentiles(outputs)
-    assert log_ratios is not None and torch.equal(log_ratios, torch.cat(expected))
-    for out, values in zip(percentiles, expected):
-        if values.numel():
-            assert torch.equal(out["log_ratio_p01"], torch.quantile(values, 0.01))
-            assert torch.equal(out["log_ratio_p99"], torch.quantile(values, 0.99))
-        else:
-            assert "log_ratio_p01" not in out and "log_ratio_p99" not in out
+    everything = torch.cat(expected)
+    assert log_ratios is not None and torch.equal(log_ratios, everything)
+    assert "log_ratio_p01" not in percentiles[1] and "log_ratio_p99" not in percentiles[1]
+    for i in (0, 2):
+        assert torch.equal(percentiles[i]["log_ratio_p01"], torch.quantile(everything, 0.01))
+        assert torch.equal(percentiles[i]["log_ratio_p99"], torch.quantile(everything, 0.99))
+    zeros, outlier = torch.zeros(1, 100), torch.zeros(1, 100)
+    outlier[0, 0] = 5.0
+    split = [UpdateTokens(t, torch.zeros_like(t), torch.ones_like(t)) for t in (zeros, outlier)]
+    whole = [UpdateTokens(torch.cat([zeros, outlier], 1), torch.zeros(1, 200), torch.ones(1, 200))]
+    p99 = []
+    for parts in (split, whole):
+        per_mb, _ = log_ratio_percentiles(parts)
+        rows = [{**p, "tokens": t.mask.sum()} for p, t in zip(per_mb, parts)]
+        p99.append(reduce_metrics(rows, UPDATE_METRICS)["log_ratio_p99"])
+    assert p99[0] == pytest.approx(p99[1], abs=1e-12)
 
 
 def test_update_metrics_reduce_to_token_weighted_means_of_the_micro_batches() -> None:
