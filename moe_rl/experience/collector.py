@@ -225,11 +225,15 @@ class ExperienceCollector:
 
     def _groups_to_keep(self, sampled: SampledRound) -> list[int]:
         """Every group, or (dynamic sampling) those whose samples' rewards are not all equal
+        as the advantage estimator sees them: GDPO each reward column, the others the weighted
+        total (two samples scoring (1, 0) and (0, 1) at equal weights give GRPO zero advantage)
         (``rollout.multi_turn.failed_samples=drop``: among the samples that did not fail)."""
         g = self.rollout.group_size
         values = sampled.rewards.values
         if not self.rollout.dynamic_sampling.enabled:
             return list(range(len(values) // g))
+        if self.advantage != "gdpo":
+            values = sampled.rewards.total().unsqueeze(1)
         dropped = failed(sampled.samples) if self.rollout.multi_turn.failed_samples == "drop" else [False] * len(values)
         rows = [
             [v for v, f in zip(values[i : i + g].tolist(), dropped[i : i + g]) if not f]

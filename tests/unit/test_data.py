@@ -499,3 +499,22 @@ def test_compare_reuses_a_finished_run_only_of_the_same_config(tmp_path: Path) -
     assert finished_earlier(cfg)
     assert not finished_earlier(load_config(None, [f"train.run_dir={tmp_path}", "train.steps=6"]))  # continued
     assert not finished_earlier(load_config(None, [f"train.run_dir={tmp_path}", "train.steps=4", "train.seed=9"]))
+
+
+def test_dynamic_sampling_keeps_a_group_only_if_its_estimator_sees_unequal_rewards(tmp_path: Path, tokenizer) -> None:
+    """Two reward columns at equal weights: samples scoring (1, 0) and (0, 1) differ, but their
+    totals do not: GRPO gives them zero advantage (dropped), GDPO normalises each column (kept)."""
+    from types import SimpleNamespace
+
+    from moe_rl.rewards.base import RewardBatch
+
+    collector, _ = collector_for(tmp_path, tokenizer, list(range(4)), "rollout.dynamic_sampling.enabled=true")
+    swapped = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
+    unequal = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]]
+    rewards = RewardBatch(torch.tensor(swapped + unequal), ["a", "b"], [1.0, 1.0])
+    sampled = SimpleNamespace(rewards=rewards, samples=[None] * 8)
+    kept = {}
+    for advantage in ("grpo", "rloo", "gdpo"):
+        collector.advantage = advantage
+        kept[advantage] = collector._groups_to_keep(sampled)
+    assert kept == {"grpo": [1], "rloo": [1], "gdpo": [0, 1]}
