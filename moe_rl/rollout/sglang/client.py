@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # So aborts are sent again, these many seconds apart (doubling), until each request answered.
 ABORT_REPEAT_S = 0.1
 ABORT_REPEAT_MAX_S = 2.0
+# aborts go over a client of their own: the generation's pool may be all taken by the
+# requests they stop, and a server that does not answer an abort at once (an empty reply) is
+# not waited for the generation's request timeout (rollout.server.request_timeout_s) each round
+ABORT_TIMEOUT = httpx.Timeout(10.0, connect=2.0)
 
 
 class _Retryable(Exception):
@@ -141,7 +145,7 @@ class GenerationClient(ServerControl):
         progress = GroupProgress([r.group for r in requests], groups_needed)
         results: list[Sample | None] = [None] * len(requests)
         running: dict[str, int] = {}  # sent, not answered: rid -> server
-        async with self._client() as client:
+        async with self._client() as client, httpx.AsyncClient(timeout=ABORT_TIMEOUT) as aborts:
             slots = self._server_slots()
 
             async def stop_the_rest() -> None:
@@ -151,7 +155,7 @@ class GenerationClient(ServerControl):
                     aborting = list(running.items())
                     self._aborting.update(rid for rid, _ in aborting)
                     await asyncio.gather(
-                        *(client.post(self.urls[s] + "/abort_request", json={"rid": rid}) for rid, s in aborting),
+                        *(aborts.post(self.urls[s] + "/abort_request", json={"rid": rid}) for rid, s in aborting),
                         return_exceptions=True,
                     )
                     await asyncio.sleep(pause)
