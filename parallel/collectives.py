@@ -111,8 +111,11 @@ def recv_tensors(tensors: list[torch.Tensor], src: int) -> None:
 
 
 def _point_to_point(op: Any, tensors: list[torch.Tensor], peer: int) -> None:
-    if tensors:
-        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for tensor in tensors]):
+    # empty tensors are left out on both sides (their shapes match): nothing to move, and no
+    # zero-length operation for NCCL to treat its own way
+    ops = [dist.P2POp(op, tensor, peer) for tensor in tensors if tensor.numel()]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
 
 
