@@ -359,7 +359,8 @@ class GenerationClient(ServerControl):
             raise _Retryable("the server aborted the request")
         if finish == "abort" and routed and routed_experts is None:
             # SGLang's abort of a request it had retracted to its waiting queue (KV cache
-            # full) returns its tokens without their routing: they start over next step
+            # full) returns its tokens without their routing: this segment's tokens are
+            # dropped, and the response continues next step from what it had before it
             output_ids, logprobs = [], []
         if routed and routed_experts is None and output_ids:
             raise RolloutError(
