@@ -776,3 +776,19 @@ def test_routing_of_more_than_256_experts_travels_as_bytes() -> None:
     wire = _as_bytes(routing)
     assert routing.dtype == torch.int16 and wire.dtype == torch.uint8 and wire.numel() == routing.numel() * 2
     assert torch.equal(wire.view(torch.int16).reshape(routing.shape), routing)
+
+
+def test_an_export_writes_its_dtype_without_changing_the_callers_config(tmp_path: Path, monkeypatch) -> None:
+    """The export's config.json names the exported dtype; the hf_config the trainer holds
+    (and writes into every later checkpoint's hf/) keeps the base model's."""
+    import json
+
+    from moe_rl.models import hf_weights
+    from moe_rl.models.tiny import tiny_config
+
+    hf_config = tiny_config("qwen3_moe")
+    before = hf_config.dtype
+    monkeypatch.setattr(hf_weights, "gather_hf_tensors", lambda *a, **k: {})
+    hf_weights._write_export(None, hf_config, tmp_path, torch.bfloat16, None, 0)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert hf_config.dtype == before and before != torch.bfloat16
