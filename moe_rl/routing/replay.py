@@ -200,8 +200,9 @@ def engine_routing_to_replay(
 
     ``routed[j]`` is sequence j's ``[n_j, num_layers, k]`` (SGLang: n_j = its length - 1), or
     ``None`` (a sample without routing: an empty response). Positions without engine routing
-    (the last token, right padding, such a sample) cannot change any earlier token's log-prob; they get ``top_k`` distinct experts that rotate with the
-    position over all ``num_experts`` (position p: ``p*k .. p*k+k-1`` mod E), so padding
+    (the last token, right padding, such a sample) cannot change any earlier token's
+    log-prob; they get ``top_k`` distinct experts that rotate with the position over all
+    ``num_experts`` (position p: ``p*k .. p*k+k-1`` mod E), so padding
     spreads over every expert-parallel rank instead of loading the first. Dense layers are
     skipped by taking only ``layer_numbers``; the sequence-parallel slice of this TP rank
     is kept; the result is in megatron's ``[s, b]`` token order, in
