@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.layout import LayoutError, ModelDims, ParallelLayout
+from parallel.peer_failure import start_peer_watch, stop_peer_watch
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ def init_distributed(
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
+        # one rank's failure stops the others, which may be waiting for it in a collective
+        start_peer_watch(env.rank, env.world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -126,7 +129,10 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear down megatron's groups and the process group (safe to call twice)."""
+    """Tear down megatron's groups and the process group (safe to call twice); a rank that
+    announced its failure (:func:`parallel.peer_failure.announce_failure`) first waits for
+    the others to see it."""
+    stop_peer_watch()
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

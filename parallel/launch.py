@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Iterator, Sequence
 
+from parallel.peer_failure import PEER_FAILED_EXIT, SEEN_WAIT_S
+
 STOP_GRACE_S = 10.0  # after a rank fails: how long the others get to exit on their own, then to exit on SIGTERM
 
 # exec'd in the child: set the parent-death signal, check the parent still lives, exec the command
@@ -97,11 +99,20 @@ def spawn_local(
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float | None, timeout_s: float | None) -> int:
-    """The job's exit code: 0, the first failing rank's code, or 124 past the deadline."""
+    """The job's exit code: 0, the first failing rank's code, or 124 past the deadline. A
+    rank that stopped because another failed (:data:`PEER_FAILED_EXIT`) is not the cause:
+    the failed rank exits once its peers have seen its error, and its code is the job's."""
+    followers_since: float | None = None
     while True:
         codes = [p.poll() for p in procs]
         # a rank killed by a signal is the likelier cause when several are seen failed at once
         failed = sorted((code > 0, rank, code) for rank, code in enumerate(codes) if code not in (None, 0))
+        causes = [f for f in failed if f[2] != PEER_FAILED_EXIT]
+        if failed and not causes and None in codes:  # the failed rank is still telling the others
+            followers_since = followers_since or time.monotonic()
+            if time.monotonic() - followers_since < SEEN_WAIT_S + STOP_GRACE_S:
+                failed = []
+        failed = causes or failed
         if failed:
             _, rank, code = failed[0]
             if code not in (2, 130):  # 2: an error the rank reported, 130: stopped on request (Ctrl-C)

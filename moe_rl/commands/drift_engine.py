@@ -28,6 +28,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.architectures import load_hf_config, model_dims
     from parallel.collectives import broadcast_object, is_first_rank
     from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.peer_failure import announce_failure
 
     hf_dir = str(model_dir_of(args.checkpoint).resolve())  # absolute: --sync-weights hands it to the servers
     hf_config = load_hf_config(hf_dir)
@@ -46,6 +47,9 @@ def run_rank(args: argparse.Namespace) -> int:
         if is_first_rank():
             _write_report(args, hf_dir, samples, version, drift, mismatch)
         return 0
+    except BaseException as e:
+        announce_failure(e)  # the other ranks may be waiting for this one
+        raise
     finally:
         destroy_distributed()
 

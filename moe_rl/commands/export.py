@@ -89,6 +89,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.checkpoint.catalog import verify_checkpoint
     from moe_rl.checkpoint.store import load_weights, sharded_weights_dtype
     from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.peer_failure import announce_failure
 
     src, sharded = _source(args.checkpoint)
     hf_config = load_hf_config(str(src))
@@ -109,5 +110,8 @@ def _run_rank(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             print(f"exported {args.checkpoint} -> {out} ({str(dtype).removeprefix('torch.')})")
         return 0
+    except BaseException as e:
+        announce_failure(e)  # the other ranks may be waiting for this one
+        raise
     finally:
         destroy_distributed()

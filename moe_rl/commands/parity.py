@@ -46,6 +46,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     from moe_rl.models.forward import MicroBatch, run_microbatches
     from moe_rl.models.hf_weights import load_hf_weights
     from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.peer_failure import announce_failure
 
     hf_config = load_hf_config(args.hf_dir)
     layout = layout_from(args)
@@ -85,6 +86,9 @@ def _run_rank(args: argparse.Namespace) -> int:
             verdict.fill_(0.0 if ok else 1.0)
         dist.all_reduce(verdict)
         return 1 if verdict.item() > 0 else 0
+    except BaseException as e:
+        announce_failure(e)  # the other ranks may be waiting for this one
+        raise
     finally:
         destroy_distributed()
 

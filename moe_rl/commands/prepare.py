@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from moe_rl.models.demo_model import demo_model_dir, ensure_demo_model
     from parallel.distributed import destroy_distributed, init_distributed
+    from parallel.peer_failure import announce_failure
 
     demo = cfg.demo_model()
     if (demo_model_dir(demo) / "config.json").is_file():
@@ -36,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     init_distributed(cfg.parallel)
     try:
         print(f"model: {ensure_demo_model(demo, cfg.parallel, cfg.optim.use_distributed_optimizer)} (warm-started)")
+    except BaseException as e:
+        announce_failure(e)  # the other ranks may be waiting for this one
+        raise
     finally:
         destroy_distributed()
     return 0

@@ -75,6 +75,7 @@ from parallel.collectives import (
     rank_device,
 )
 from parallel.distributed import init_distributed, launch_env
+from parallel.peer_failure import announce_failure
 
 log = logging.getLogger("moe_rl.train")
 
@@ -124,8 +125,8 @@ class Trainer:
         self._closing = contextlib.ExitStack()
         try:
             self._build()
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._close_after(e)
             raise
 
     def _build(self) -> None:
@@ -576,11 +577,18 @@ class Trainer:
         """Stop the engine and any server this run started; close the logs (idempotent)."""
         self._closing.close()
 
+    def _close_after(self, error: BaseException | None) -> None:
+        """:meth:`close`; after this rank's own failure (not a stop all ranks make together),
+        first tell the other ranks, which may be waiting for this one in a collective."""
+        if error is not None and not isinstance(error, TrainingStopped):
+            announce_failure(error)
+        self.close()
+
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close_after(exc)
 
 
 def train(cfg: Config) -> dict[str, float]:

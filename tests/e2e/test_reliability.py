@@ -250,6 +250,21 @@ def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_exits(base, tmp_path
     assert meta["world_size"] == 2
 
 
+def test_a_rollout_failing_on_the_first_rank_stops_the_rank_waiting_for_its_samples(base, tmp_path: Path) -> None:
+    """The waiting rank is stopped by the failure the first rank announced (its line names
+    it), not by the launcher or its collective's timeout; the job's code is the first rank's."""
+    rank = [FAULTY, "--rollout-error-at-step", "2", "--", "train", *base, f"train.run_dir={tmp_path}", "train.steps=3"]
+    launcher = f"import sys; from parallel.launch import spawn_local; sys.exit(spawn_local(2, {rank!r}))"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=200, env=env)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "moe-rl: stopped: injected: every server unreachable in step 2" in out.stderr
+    assert "moe-rl: rank 1 stops: rank 0 (" in out.stderr, out.stderr[-3000:]
+    assert "failed: RolloutError: injected: every server unreachable in step 2" in out.stderr
+    assert "rank 1 exited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert sorted(rows(tmp_path)) == [1]
+
+
 def test_export_reads_any_checkpoint_under_any_layout(straight_run, tmp_path: Path) -> None:
     """A checkpoint's sharded weights, read under another layout, make the same HF
     directory as the HF weights it was saved with; one without HF weights says how."""

@@ -17,6 +17,8 @@ with ``ENOSPC`` (a full disk under the checkpoint).
 rollout has continued its carried responses by some tokens (``rollout.partial``).
 ``--crash-after-rollout-of-step N``: step N's rollout lasts until the checkpoint writers of
 an earlier save are done (a long rollout), then its update raises.
+``--rollout-error-at-step N``: the first rank's rollout of step N fails (``RolloutError``,
+as when the servers stay unreachable), while the other ranks wait for its samples.
 ``--pretend-transformer-engine``: the model saves and asks for what Transformer Engine's
 layers hold besides the local ones (an ``_extra_state`` entry per core attention), and
 checkpoints record ``transformer_impl=transformer_engine``.
@@ -172,6 +174,20 @@ def crash_after_rollout(step: int) -> None:
     Trainer.collect_experience, Trainer.update_policy = collect_experience, update_policy
 
 
+def rollout_error_at(step: int) -> None:
+    from moe_rl.experience.collector import ExperienceCollector
+    from moe_rl.rollout.types import RolloutError
+
+    collect = ExperienceCollector.collect
+
+    def failing_collect(self, s):
+        if s + 1 == step:
+            raise RolloutError(f"injected: every server unreachable in step {step}")
+        return collect(self, s)
+
+    ExperienceCollector.collect = failing_collect
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nan-steps", default="")
@@ -182,6 +198,7 @@ if __name__ == "__main__":
     parser.add_argument("--full-disk-at-log-step", type=int, default=0)
     parser.add_argument("--full-disk-at-save-step", type=int, default=0)
     parser.add_argument("--crash-after-rollout-of-step", type=int, default=0)
+    parser.add_argument("--rollout-error-at-step", type=int, default=0)
     args, rest = parser.parse_known_args()
     if args.full_disk_at_log_step:
         fill_disk_at_log_step(args.full_disk_at_log_step)
@@ -199,4 +216,6 @@ if __name__ == "__main__":
         kill_in_partial_rollout(args.kill_in_partial_rollout_of_step)
     if args.crash_after_rollout_of_step:
         crash_after_rollout(args.crash_after_rollout_of_step)
+    if args.rollout_error_at_step:
+        rollout_error_at(args.rollout_error_at_step)
     sys.exit(main([a for a in rest if a != "--"]))
