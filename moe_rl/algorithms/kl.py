@@ -12,23 +12,31 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 _LOG_RATIO_LIMIT = 20.0
 
 
+def _log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """``log pi_ref - log pi`` in at least fp32 (bf16 log-probs near 0 differ by its ulps)."""
+    dtype = torch.promote_types(torch.promote_types(logp.dtype, ref_logp.dtype), torch.float32)
+    return ref_logp.to(dtype) - logp.to(dtype)
+
+
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """``log pi - log pi_ref`` (unbiased, high variance, can be negative)."""
-    return logp - ref_logp
+    return -_log_ratio(logp, ref_logp)
 
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """``0.5 * (log pi - log pi_ref)^2``."""
-    return 0.5 * (logp - ref_logp) ** 2
+    return 0.5 * _log_ratio(logp, ref_logp) ** 2
 
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logp: Tensor, ref_logp: Tensor, clamp: float = 10.0) -> Tensor:
-    """``exp(d) - d - 1`` with ``d = log pi_ref - log pi`` (low variance, >= 0), clamped."""
-    d = (ref_logp - logp).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    return (torch.exp(d) - d - 1).clamp(min=-clamp, max=clamp)
+    """``exp(d) - d - 1`` with ``d = log pi_ref - log pi`` (low variance, >= 0), clamped;
+    as ``expm1(d) - d``: within two roundings of ``d`` (``exp(d) - 1 - d``: of 1, which
+    is all of it, and negative, at ``|d|`` ~ 1e-4 in fp32)."""
+    d = _log_ratio(logp, ref_logp).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    return (torch.expm1(d) - d).clamp(min=0.0, max=clamp)
 
 
 def kl_divergence(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:

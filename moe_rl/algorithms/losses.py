@@ -77,7 +77,10 @@ def policy_loss(
     if weights is not None:
         params = {**params, "token_weights": weights.to(dtype)}
     adv = advantages.detach().to(dtype)
-    return fn(logp.to(dtype), old_logp.detach().to(dtype), adv, mask.to(dtype), **params)
+    # padding may hold anything (-inf log-probs from a library caller): 0 there, no gradient
+    padding = mask == 0
+    logp, old_logp = logp.to(dtype).masked_fill(padding, 0.0), old_logp.detach().to(dtype).masked_fill(padding, 0.0)
+    return fn(logp, old_logp, adv, mask.to(dtype), **params)
 
 
 def loss_defaults(name: str) -> dict[str, object]:

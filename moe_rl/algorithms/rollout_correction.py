@@ -77,8 +77,18 @@ def rollout_correction(name: str, old_logp: Tensor, rollout_logp: Tensor, mask: 
             f"{tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(mask.shape)}"
         )
     m = mask.to(old_logp.dtype)
-    out = fn((old_logp.detach() - rollout_logp.detach()) * m, m, **params)
+    out = fn(_masked_log_ratio(old_logp, rollout_logp, m), m, **params)
     return Correction(out.weights.detach() * m, out.keep * m, out.truncated * m)
+
+
+def _on_mask(x: Tensor, m: Tensor) -> Tensor:
+    """``x * m``, 0 on padding whatever ``x`` holds there (``-inf * 0`` is NaN)."""
+    return torch.where(m != 0, x, 0.0) * m
+
+
+def _masked_log_ratio(old_logp: Tensor, rollout_logp: Tensor, m: Tensor) -> Tensor:
+    """``old - rollout`` on the mask, 0 on padding."""
+    return _on_mask(old_logp.detach() - rollout_logp.detach(), m)
 
 
 def correction_defaults(name: str) -> dict[str, object]:
@@ -228,7 +238,7 @@ def mismatch_sums(
     how many left the gradient (dropped, or weighted 0 as IcePop's) and sequences left
     without any."""
     m = mask.to(torch.float64)
-    log_ratio = (old_logp.detach() - rollout_logp.detach()).to(torch.float64) * m
+    log_ratio = _masked_log_ratio(old_logp.to(torch.float64), rollout_logp.to(torch.float64), m)
     seq_log_ratio = _sequence_log_ratio(log_ratio, m, "sum")
     has_tokens = (m.sum(-1) > 0).to(torch.float64)
     if correction is None:
@@ -246,8 +256,8 @@ def mismatch_sums(
         "seqs": has_tokens.sum(),
         "k1": (token_divergence(log_ratio, "k1") * m).sum(),
         "k3": (token_divergence(log_ratio, "k3") * m).sum(),
-        "train_nll": (-old_logp.detach().to(torch.float64) * m).sum(),
-        "rollout_nll": (-rollout_logp.detach().to(torch.float64) * m).sum(),
+        "train_nll": -_on_mask(old_logp.detach().to(torch.float64), m).sum(),
+        "rollout_nll": -_on_mask(rollout_logp.detach().to(torch.float64), m).sum(),
         "chi2_token": ((torch.expm1(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) ** 2) * m).sum(),
         "chi2_seq": ((torch.expm1(seq_log_ratio) ** 2) * has_tokens).sum(),
         "weight": (weights * in_gradient).sum(),

@@ -39,7 +39,7 @@ class AlgorithmConfig:
         return self.rollout_correction != "none"
 
     def validate(self, group_size: int) -> None:
-        """``group_size``: the rollout's responses per prompt (advantages need >= 2, Dr.GRPO aside)."""
+        """``group_size``: the rollout's responses per prompt (advantages need >= 2)."""
         from moe_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
         from moe_rl.algorithms.losses import check_loss_params
 
@@ -61,7 +61,7 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"algorithm.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be -1 (derived), 0 (by rows) or a token budget > 0"
             )
-        if self.advantage != "dr_grpo" and group_size < 2:
+        if group_size < 2:  # every estimator's baseline is its group's: a lone sample's advantage is 0
             raise ConfigError(
                 f"rollout.group_size={group_size} must be >= 2 for algorithm.advantage={self.advantage!r}"
             )

@@ -145,6 +145,7 @@ BAD = [
     ),
     (["rollout.server.start_timeout_s=0"], "rollout.server.start_timeout_s=0.0 must be > 0"),
     (["rollout.group_size=1"], "rollout.group_size=1 must be >= 2"),
+    (["rollout.group_size=1", "algorithm.advantage=dr_grpo"], "rollout.group_size=1 must be >= 2"),
     (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
     (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
     (["rollout.precision=fp8"], "rollout.precision='fp8' is not valid"),

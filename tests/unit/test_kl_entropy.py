@@ -24,6 +24,24 @@ def test_kl_estimators_match_formulas() -> None:
         kl_divergence(logp, ref, "k4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k3_keeps_its_digits_near_the_reference(dtype) -> None:
+    """Policy and reference within 1e-2..1e-5 nats (a run's start): k3 against float64's
+    ``exp(d) - d - 1`` of the same inputs, never negative, and k1/k2 in at least fp32."""
+    gen = torch.Generator().manual_seed(1)
+    for spread in (1e-2, 1e-3, 1e-4, 1e-5):
+        logp = (-torch.rand(64, generator=gen) * 2).to(dtype)
+        ref = (logp.double() + spread * torch.randn(64, generator=gen, dtype=torch.float64)).to(dtype)
+        d = ref.double() - logp.double()
+        exact = torch.expm1(d) - d
+        k3 = kl_divergence(logp, ref, "k3")
+        assert k3.dtype == torch.float32 and (k3 >= 0).all()
+        # within 2 fp32 roundings of d (exp(d) - 1 - d: of 1, 1.2e-7 absolute: all of it at 1e-4)
+        assert ((k3.double() - exact).abs() <= 2.5e-7 * d.abs()).all(), spread
+        torch.testing.assert_close(kl_divergence(logp, ref, "k1").double(), -d)
+        assert kl_divergence(logp, ref, "k2").dtype == torch.float32
+
+
 def test_k3_is_unbiased_for_true_kl_on_samples() -> None:
     # KL(p || q) for two categoricals, estimated by k1 and k3 from samples of p
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)

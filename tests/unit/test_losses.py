@@ -284,6 +284,22 @@ def test_padding_rows_and_extreme_ratios_stay_finite(name) -> None:
     assert empty.item() == 0.0
 
 
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_non_finite_log_probs_at_padding_change_no_loss_nor_gradient(name) -> None:
+    """-inf / NaN log-probs at padding (a library caller's): every loss's value and
+    gradient equal the clean batch's (a ``* mask`` would make NaN of them)."""
+    logp, old, adv, mask = make_batch(seed=14, scale=0.2)
+    mask[1, 2:] = 0
+    dirty_logp, dirty_old = logp.detach().clone(), old.clone()
+    dirty_logp[mask == 0], dirty_old[mask == 0] = float("-inf"), float("nan")
+    dirty_logp.requires_grad_(True)
+    clean, _ = policy_loss(name, logp, old, adv, mask)
+    dirty, metrics = policy_loss(name, dirty_logp, dirty_old, adv, mask)
+    assert dirty.item() == pytest.approx(clean.item(), rel=1e-12)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    torch.testing.assert_close(grad_of(dirty, dirty_logp), grad_of(clean, logp))
+
+
 def test_defaults_are_the_documented_ones() -> None:
     assert loss_defaults("grpo") == dict(
         eps_low=0.2, eps_high=0.2, dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None, token_weights=None

@@ -253,6 +253,19 @@ def test_one_extreme_token_moves_only_the_clamped_sequence_sum() -> None:
     assert math.isfinite(float(mismatch_sums(old, impossible, mask)["k3"]))  # not NaN
 
 
+@pytest.mark.parametrize("name", ROLLOUT_CORRECTIONS.names())
+def test_non_finite_log_probs_at_padding_change_no_correction_nor_diagnostic(name) -> None:
+    old, rollout, mask = batch(seed=6, spread=0.3)
+    dirty_old, dirty_rollout = old.clone(), rollout.clone()
+    dirty_old[mask == 0], dirty_rollout[mask == 0] = float("nan"), float("-inf")
+    clean, dirty = (rollout_correction(name, o, r, mask) for o, r in ((old, rollout), (dirty_old, dirty_rollout)))
+    for field in ("weights", "keep", "truncated"):
+        torch.testing.assert_close(getattr(dirty, field), getattr(clean, field))
+    sums, dirty_sums = mismatch_sums(old, rollout, mask, clean), mismatch_sums(dirty_old, dirty_rollout, mask, dirty)
+    for key, value in sums.items():
+        torch.testing.assert_close(dirty_sums[key], value, msg=key)
+
+
 def test_diagnostics_equal_their_formulas() -> None:
     old, rollout, mask = batch(seed=5)
     c = rollout_correction("token_tis", old, rollout, mask, upper=1.5)
