@@ -25,6 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--b", help="the same, to compare with --a")
     p.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="the model's experts, for routing files that record none (the expert load counts every expert)",
+    )
+    p.add_argument(
         "--engine",
         nargs="+",
         metavar="URL",
@@ -140,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     mask = a["mask"] * b["mask"]
     probs = dict(probs_a=a.get("probs"), probs_b=b.get("probs")) if "probs" in a and "probs" in b else {}
     metrics = drift_metrics(a["indices"], b["indices"], mask=mask, **probs)
-    num_experts = a["probs"].shape[-1] if "probs" in a else int(max(a["indices"].max(), b["indices"].max())) + 1
+    num_experts = _num_experts(args, a, b)
     load_a = load_metrics(a["indices"], num_experts, mask)
     load_b = load_metrics(b["indices"], num_experts, mask)
     layers = a["layers"]
@@ -176,16 +182,31 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _num_experts(args: argparse.Namespace, a: dict, b: dict) -> int:
+    """The model's expert count: the router distributions' size, what the routing files
+    record, or ``--num-experts``; all that are known must agree. Never the largest index:
+    an expert no token chose would vanish from the load and its imbalance."""
+    known = {n for n in (a.get("num_experts"), b.get("num_experts"), args.num_experts) if n is not None}
+    if len(known) > 1:
+        raise ValueError(f"the expert counts disagree: {sorted(known)} (routing files, models and --num-experts)")
+    if not known:
+        raise ValueError("the routing files record no expert count: pass --num-experts (the model's experts)")
+    return known.pop()
+
+
 def _routing_of(path: str, prompts: list[list[int]] | None) -> dict:
     import torch
 
-    from moe_rl.routing.encoding import load_routing
+    from moe_rl.routing.encoding import load_routing, routing_num_experts
 
     if _is_routing_file(path):
-        routing = load_routing(path)
+        routing: dict = load_routing(path)
         routing.setdefault("mask", torch.ones(routing["indices"].shape[0], dtype=torch.uint8))
         routing.setdefault("layers", torch.arange(routing["indices"].shape[1]))
-        return {k: v for k, v in routing.items()}
+        routing["num_experts"] = routing_num_experts(path)
+        if "probs" in routing:
+            routing["num_experts"] = routing["probs"].shape[-1]
+        return routing
     from transformers import AutoModelForCausalLM
 
     from moe_rl.models.architectures import architecture_of
@@ -208,4 +229,10 @@ def _routing_of(path: str, prompts: list[list[int]] | None) -> dict:
         indices.append(idx[0][:, layers])
         probs.append(pr[0][:, layers])
     indices_t = torch.cat(indices)
-    return {"indices": indices_t, "probs": torch.cat(probs), "mask": torch.ones(indices_t.shape[0]), "layers": layers}
+    return {
+        "indices": indices_t,
+        "probs": torch.cat(probs),
+        "mask": torch.ones(indices_t.shape[0]),
+        "layers": layers,
+        "num_experts": arch.num_experts(model.config),
+    }

@@ -69,7 +69,7 @@ def expert_load(indices: Tensor, num_experts: int, mask: Tensor | None = None) -
     """Tokens routed to each expert ``[L, E]`` (a token counts once per chosen expert)."""
     t, l, k = indices.shape
     w = _token_weights(indices, mask)
-    if indices.numel() and (indices.min() < 0 or indices.max() >= num_experts):
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_experts):  # (uint8 holds no 256)
         raise ValueError(f"expert indices out of range [0, {num_experts})")
     offsets = (torch.arange(l, device=indices.device) * num_experts).view(1, l, 1)
     flat = (indices.long() + offsets).reshape(-1)

@@ -7,7 +7,8 @@ returns ``meta_info["routed_experts"]``: base64 of raw little-endian int32 with 
 so it has no routing). moe-rl keeps expert indices in :func:`expert_index_dtype` (1 byte
 per token, layer and choice up to 256 experts) from decoding to the point of use, where
 megatron-core gets int64 one layer at a time. A routing file is a safetensors file with
-``indices`` ``[T, L, k]`` and optionally ``probs`` ``[T, L, E]`` and ``mask`` ``[T]``.
+``indices`` ``[T, L, k]`` and optionally ``probs`` ``[T, L, E]`` and ``mask`` ``[T]``, and
+the model's expert count in its metadata (``num_experts``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -68,14 +70,30 @@ def encode_routed_experts(indices: Tensor) -> str:
 
 
 def save_routing(
-    path: str | os.PathLike, indices: Tensor, probs: Tensor | None = None, mask: Tensor | None = None
+    path: str | os.PathLike,
+    indices: Tensor,
+    probs: Tensor | None = None,
+    mask: Tensor | None = None,
+    *,
+    num_experts: int | None = None,
 ) -> None:
+    """``indices`` ``[T, L, k]`` (and ``probs`` ``[T, L, E]``, ``mask`` ``[T]``) as a routing
+    file; ``num_experts``: the model's (``probs``' last size when not given), which the
+    expert load needs (an expert never chosen leaves no index)."""
     tensors = {"indices": indices.to(torch.int32).contiguous()}
     if probs is not None:
         tensors["probs"] = probs.float().contiguous()
+        num_experts = probs.shape[-1] if num_experts is None else num_experts
     if mask is not None:
         tensors["mask"] = mask.to(torch.uint8).contiguous()
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata={"num_experts": str(num_experts)} if num_experts is not None else None)
+
+
+def routing_num_experts(path: str | os.PathLike) -> int | None:
+    """The expert count a routing file records (``None``: it records none)."""
+    with safe_open(str(path), framework="pt") as f:
+        value = (f.metadata() or {}).get("num_experts")
+    return int(value) if value is not None else None
 
 
 def load_routing(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -88,6 +88,7 @@ class RoutingMonitor:
         self._masks: list[Tensor] = []
         self._environment_masks: list[Tensor] = []
         self._engine: list[list[Tensor]] | None = None
+        self._engine_routed: list[Tensor] | None = None  # 1 where the engine routed (else filler)
         self._stats: dict[str, RoutingStats] = {}
         self._config = megatron_module(model).config
 
@@ -95,12 +96,17 @@ class RoutingMonitor:
 
     @contextlib.contextmanager
     def old_pass(
-        self, batches: Sequence[MicroBatch], engine_indices: Sequence[Sequence[Tensor]] | None = None
+        self,
+        batches: Sequence[MicroBatch],
+        engine_indices: Sequence[Sequence[Tensor]] | None = None,
+        engine_routed: Sequence[Tensor] | None = None,
     ) -> Iterator[list]:
         """The old-policy pass over ``batches``; ``engine_indices``: the engine's routing as
         this rank's per-layer indices (:func:`~moe_rl.routing.step_replay.engine_indices`),
-        for the train-vs-rollout drift."""
-        hooks = self._begin_old_pass(batches, engine_indices)
+        for the train-vs-rollout drift, at the positions ``engine_routed`` marks
+        (:func:`~moe_rl.routing.step_replay.engine_routed_positions`; all when ``None``):
+        the filler elsewhere is no routing the engine chose."""
+        hooks = self._begin_old_pass(batches, engine_indices, engine_routed)
         with self._cleanup_on_error():
             yield hooks
         self._end_old_pass()
@@ -182,7 +188,12 @@ class RoutingMonitor:
                 local.append(torch.cat([values[:, :-1], weights], dim=1).transpose(0, 1))
         self._stats[group].add_token_values(names, local or [None] * len(self._masks))
 
-    def _begin_old_pass(self, batches: Sequence[MicroBatch], engine_indices: Sequence[Sequence[Tensor]] | None) -> list:
+    def _begin_old_pass(
+        self,
+        batches: Sequence[MicroBatch],
+        engine_indices: Sequence[Sequence[Tensor]] | None,
+        engine_routed: Sequence[Tensor] | None,
+    ) -> list:
         groups = STAT_GROUPS + ((ENVIRONMENT_GROUP,) if self.split_environment else ())
         self._stats = {name: RoutingStats(self.num_layers, self.num_experts) for name in groups}
         self._sample_tokens([self._local(_routing_mask(mb)) for mb in batches])
@@ -190,6 +201,11 @@ class RoutingMonitor:
             environment = [self._local(_environment_mask(mb)) for mb in batches]
             self._environment_masks = [self._observed(i, m) * self._weights[i] for i, m in enumerate(environment)]
         self._engine = [list(mb) for mb in engine_indices] if engine_indices is not None else None
+        self._engine_routed = (
+            [self._observed(i, self._local(m)) for i, m in enumerate(engine_routed)]
+            if engine_routed is not None
+            else None
+        )
         return self._start_probe(probs_device=torch.device("cpu"), with_probs=self.router_kl)
 
     def _end_old_pass(self) -> None:
@@ -200,10 +216,13 @@ class RoutingMonitor:
             if self._engine is not None:
                 # no MoE layer here: empty
                 engine = self._observed(i, torch.stack(self._engine[i], dim=1)) if self._engine[i] else old.used
+                routed = self._engine_routed[i] if self._engine_routed is not None else 1.0
                 # what the trainer computed with (under r3 that is the engine's routing)
-                self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i])
+                self._stats["train_vs_rollout"].add_drift(layers, engine, old.used, self._masks[i] * routed)
                 if self.split_environment:
-                    self._stats[ENVIRONMENT_GROUP].add_drift(layers, engine, old.used, self._environment_masks[i])
+                    self._stats[ENVIRONMENT_GROUP].add_drift(
+                        layers, engine, old.used, self._environment_masks[i] * routed
+                    )
 
     def _start_probe(
         self,
@@ -245,6 +264,7 @@ class RoutingMonitor:
         """Drop the step's routing, masks and statistics (device memory: held until the next
         old pass otherwise, through a colocated rollout too); after :meth:`reduce`."""
         self._old, self._masks, self._environment_masks, self._engine, self._stats = [], [], [], None, {}
+        self._engine_routed = None
         self._tokens, self._weights = None, []
 
     def reduce(self) -> dict[str, dict[str, Tensor]]:

@@ -74,6 +74,18 @@ class StepReplay:
             raise
 
 
+def engine_routed_positions(batches: Sequence[MicroBatch], routed: Sequence[Sequence[Tensor | None]]) -> list[Tensor]:
+    """Per micro-batch ``[b, s]``: 1 at the positions the engine returned routing for
+    (``routed[i][j]``'s first rows), 0 where :func:`engine_indices` holds filler (the last
+    token, padding, every position of a sample without routing: an empty response)."""
+    out = []
+    for mb, routed_mb in zip(batches, routed):
+        seq_len, device = mb.input_ids.shape[1], mb.input_ids.device
+        counts = torch.tensor([0 if r is None else min(r.shape[0], seq_len) for r in routed_mb], device=device)
+        out.append((torch.arange(seq_len, device=device)[None, :] < counts[:, None]).to(torch.float32))
+    return out
+
+
 def engine_indices(
     model: torch.nn.Module,
     batches: Sequence[MicroBatch],

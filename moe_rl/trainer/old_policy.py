@@ -20,7 +20,7 @@ from torch import Tensor
 
 from moe_rl.trainer.batch import PolicyMicroBatch
 from moe_rl.routing.monitor import RoutingMonitor
-from moe_rl.routing.step_replay import StepReplay, engine_indices
+from moe_rl.routing.step_replay import StepReplay, engine_indices, engine_routed_positions
 
 Forward = Callable[[Sequence[PolicyMicroBatch], list], list[dict]]  # (micro-batches, hooks) -> per micro-batch outputs
 
@@ -38,11 +38,14 @@ class StepRouting:
     def old_pass(self, batches: Sequence[PolicyMicroBatch], engine_routing: bool) -> Iterator[list]:
         """``engine_routing``: the batches carry the engine's routed experts (R3 replays them,
         the monitor compares with them)."""
-        indices = (
-            engine_indices(self.model, batches, _engine_routing(batches), self.num_experts) if engine_routing else None
-        )
+        routed = _engine_routing(batches) if engine_routing else None
+        indices = engine_indices(self.model, batches, routed, self.num_experts) if routed is not None else None
         with contextlib.ExitStack() as passes:
-            hooks = passes.enter_context(self.monitor.old_pass(batches, indices)) if self.monitor else []
+            if self.monitor:
+                positions = engine_routed_positions(batches, routed) if routed is not None else None
+                hooks = passes.enter_context(self.monitor.old_pass(batches, indices, positions))
+            else:
+                hooks = []
             if self.replay:  # last: the probe reads what the replayed router chose
                 hooks = hooks + passes.enter_context(self.replay.old_pass(indices))
             yield hooks

@@ -49,6 +49,13 @@ def test_train_vs_rollout_and_load(results) -> None:
         assert len(load["expert_load_cv"]) == 2
 
 
+def test_a_sample_without_engine_routing_is_left_out_of_train_vs_rollout(results) -> None:
+    """Its positions hold replay filler, not routing the engine chose: counted, they made
+    ~1/3 of an otherwise identical batch's tokens "changed"."""
+    empty = results["empty_response"]
+    assert empty["changed_frac"] == [0.0, 0.0] and empty["any_layer_changed_frac"] == 0.0
+
+
 def test_routing_is_kept_compact_and_router_distributions_only_for_router_kl(results) -> None:
     for mode in ("none", "r2", "r3"):
         kept = results[mode]["kept"]

@@ -141,3 +141,16 @@ print(
     ),
     flush=True,
 )
+
+# a sample without engine routing (an empty response: SGLang returns none) among routed ones:
+# its positions hold replay filler, which the train-vs-rollout drift must leave out
+model, _ = fresh_model("none")
+monitor = RoutingMonitor(model, hf_config.num_hidden_layers, hf_config.num_experts, router_kl=False)
+routing = StepRouting(model, hf_config.num_experts, None, monitor)
+saved = batches[0].routed_experts
+batches[0].routed_experts = [saved[0], None]
+with routing.old_pass(batches, engine_routing=True) as hooks:
+    run_microbatches(model, batches, hooks=hooks)
+batches[0].routed_experts = saved
+metrics = monitor.reduce()
+print(json.dumps({"mode": "empty_response", **{k: v.tolist() for k, v in metrics["train_vs_rollout"].items()}}))

@@ -304,24 +304,39 @@ def test_drift_command_nonzero_for_changed_routers_zero_for_identical(two_checkp
 
 
 def test_drift_command_on_saved_routing_files(tmp_path: Path) -> None:
-    idx = torch.randint(0, 4, (30, 2, 2))
+    idx = torch.randint(0, 3, (30, 2, 2))  # of 4 experts, expert 3 never chosen
     other = idx.clone()
-    other[:10, 0] = (other[:10, 0] + 1) % 4
-    save_routing(tmp_path / "step1.safetensors", idx)
-    save_routing(tmp_path / "step2.safetensors", other)
+    other[:10, 0] = (other[:10, 0] + 1) % 3
+    save_routing(tmp_path / "step1.safetensors", idx, num_experts=4)
+    save_routing(tmp_path / "step2.safetensors", other, num_experts=4)
     assert torch.equal(load_routing(tmp_path / "step1.safetensors")["indices"], idx.int())
-    out = moe_rl_in_process(
-        "drift",
-        "--a",
-        str(tmp_path / "step1.safetensors"),
-        "--b",
-        str(tmp_path / "step2.safetensors"),
-        "--out",
-        str(tmp_path / "r"),
-    )
+    files = ["--a", str(tmp_path / "step1.safetensors"), "--b", str(tmp_path / "step2.safetensors")]
+    out = moe_rl_in_process("drift", *files, "--out", str(tmp_path / "r"))
     assert out.returncode == 0, out.stderr
-    metrics = json.loads((tmp_path / "r" / "drift.json").read_text())["metrics"]
-    assert metrics["changed_frac"]["layers"] == [pytest.approx(1 / 3), 0.0]
+    report = json.loads((tmp_path / "r" / "drift.json").read_text())
+    assert report["metrics"]["changed_frac"]["layers"] == [pytest.approx(1 / 3), 0.0]
+    load = torch.tensor(report["expert_load_a"]["expert_load"]["layers"])
+    assert load.shape == (2, 4) and (load[:, 3] == 0).all()  # the unchosen expert is counted, with 0
+    expected_cv = load.std(dim=1, unbiased=False) / load.mean(dim=1)
+    assert report["expert_load_a"]["expert_load_cv"]["layers"] == pytest.approx(expected_cv.tolist())
+    refused = moe_rl_in_process("drift", *files, "--num-experts", "3", "--out", str(tmp_path / "x"))
+    assert refused.returncode == 2 and "the expert counts disagree: [3, 4]" in refused.stderr
+    save_routing(tmp_path / "old.safetensors", idx)  # records no count
+    plain = ["--a", str(tmp_path / "old.safetensors"), "--b", str(tmp_path / "old.safetensors")]
+    unknown = moe_rl_in_process("drift", *plain, "--out", str(tmp_path / "y"))
+    assert unknown.returncode == 2 and "pass --num-experts" in unknown.stderr
+    assert moe_rl_in_process("drift", *plain, "--num-experts", "4", "--out", str(tmp_path / "z")).returncode == 0
+
+
+def test_expert_load_takes_the_compact_indices_of_256_experts() -> None:
+    from moe_rl.routing.drift import expert_load
+    from moe_rl.routing.encoding import expert_index_dtype
+
+    idx = torch.tensor([[[0, 255]], [[3, 255]]], dtype=expert_index_dtype(256))  # uint8
+    load = expert_load(idx, 256)
+    assert load.shape == (1, 256) and load[0, 255] == 2 and load[0, 0] == 1 and load.sum() == 4
+    with pytest.raises(ValueError, match="out of range"):
+        expert_load(idx, 255)
 
 
 def test_drift_command_errors(tmp_path: Path, two_checkpoints) -> None:
