@@ -442,11 +442,12 @@ def compare(c: Comparison, data: dict[str, dict[str, Scalars]]) -> Outcome | Non
         return None
     series_a = [c.a.series(data[c.a.run][seed]) for seed in seeds]
     series_b = [c.b.series(data[c.b.run][seed]) for seed in seeds]
-    if len(seeds) > 1:  # one pair per seed: the run's figure over its steps
-        if not all(series_a) or not all(series_b):
+    if len(seeds) > 1:  # one pair per seed: each run's figure over the steps both logged
+        common = [sorted(set(sa) & set(sb)) for sa, sb in zip(series_a, series_b)]
+        if not all(common):
             return None
-        a = [c.a.per_run(list(s.values())) for s in series_a]
-        b = [c.b.per_run(list(s.values())) for s in series_b]
+        a = [c.a.per_run([s[st] for st in steps]) for s, steps in zip(series_a, common)]
+        b = [c.b.per_run([s[st] for st in steps]) for s, steps in zip(series_b, common)]
     else:  # one seed: one pair per step both runs logged
         steps = sorted(set(series_a[0]) & set(series_b[0]))
         a, b = [series_a[0][st] for st in steps], [series_b[0][st] for st in steps]

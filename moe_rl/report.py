@@ -30,12 +30,16 @@ TAGS = {
 }
 
 
-def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """``{tag: {step: value}}`` from a run's ``tensorboard/`` events."""
+def read_scalars(run_dir: Path, up_to: int | None = None) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` from a run's ``tensorboard/`` events; ``up_to``: its steps
+    up to that one only (a reused run that went on longer than this comparison's)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return {
+        tag: {e.step: e.value for e in acc.Scalars(tag) if up_to is None or e.step <= up_to}
+        for tag in acc.Tags()["scalars"]
+    }
 
 
 def _mean(series: dict[int, float], steps) -> float | None:
@@ -79,7 +83,7 @@ def seed_table(summary: dict[str, dict], seeds: list[int]) -> list[str]:
     )
     keys = [
         ("final", "final reward"),
-        ("expert_change", "experts changed per update"),
+        ("expert_change", "experts changed per step"),
         ("train_vs_rollout", "train-vs-rollout routing"),
         ("mismatch", "log-prob mismatch"),
         ("clip_frac", "clip frac"),
@@ -211,7 +215,7 @@ FIGURES = [  # file, tag, title, y-axis label, smoothed, evaluation points
     (
         "expert_change",
         TAGS["expert_change"],
-        "activated experts changed per update",
+        "activated experts changed per step (over its updates)",
         "share of (token, layer) top-k choices",
         False,
         False,
@@ -300,7 +304,7 @@ def plot_layer_drift(plots: Path, by_run: dict[str, list[dict]]) -> None:
     _finish(
         fig,
         ax,
-        "experts changed per update, per MoE layer (routing/expert_change_frac/layer_<l>)",
+        "experts changed per step, per MoE layer (routing/expert_change_frac/layer_<l>)",
         "MoE layer",
         "share of top-k choices changed",
         plots / "layer_drift.png",
@@ -396,7 +400,7 @@ def summary_table(data: dict[str, dict], fixed_steps: list[int], window: int) ->
         )
         + f", `{tags.eval_pass_at(1)}`.",
         "",
-        "| run | training reward | held-out pass@1 | experts changed per update (%) | train-vs-rollout routing changed (%) "
+        "| run | training reward | held-out pass@1 | experts changed per step (%) | train-vs-rollout routing changed (%) "
         "| log-prob mismatch (nats) | clip fraction (%) | step (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -127,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
     from moe_rl.claims import CLAIM_SETS, claims_lead, claims_section, evaluate_claims, replay_answer, summary_line
     from moe_rl.report import read_scalars, regime_section, write_report
 
-    done = {name: read_scalars(Path(cfg.train.run_dir)) for name, (_, cfg) in configs.items() if name not in failed}
+    done = {
+        name: read_scalars(Path(cfg.train.run_dir), up_to=cfg.train.steps)
+        for name, (_, cfg) in configs.items()
+        if name not in failed
+    }
     compared = set(spec.get("runs") or {}) if not only else set(only)
     claims = evaluate_claims(done, seeds=seeds, compared=compared, claims=CLAIM_SETS[spec.get("claims", "papers")])
     report = write_report(

@@ -343,6 +343,8 @@ def test_compare_report_shows_held_out_evaluation(tmp_path: Path) -> None:
     section = report.split("## Held-out evaluation")[1].split("## Cost")[0]
     assert "| plain |" not in section and "| plain |" in report.split("## Cost")[1]  # costs: every run
     assert "| evaluated | 0.250 -> 0.500 | 0.500 -> 0.750 | 0.500 -> 1.000 | 4 |" in report
+    # a reused run that went on longer than the comparison: read up to the comparison's steps
+    assert read_scalars(tmp_path / "plain", up_to=2)["reward/total"] == {1: pytest.approx(0.1), 2: pytest.approx(0.2)}
 
 
 def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
@@ -388,6 +390,11 @@ def test_claim_verdicts_need_an_effect_beyond_the_seed_spread() -> None:
     assert compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), shuffled).effect == pytest.approx(
         0.15
     )
+    # several seeds: each run's figure over the steps both logged (a run that went on longer
+    # adds none of its later steps: equal figures at every common step are no effect)
+    longer = runs({"a": [[1.0, 2.0, 9.0], [1.5, 2.5, 9.0], [1.2, 2.2, 9.0]], "b": [[1.0, 2.0], [1.5, 2.5], [1.2, 2.2]]})
+    out = compare(Comparison(Side("a", tag("m"), "m"), Side("b", tag("m"), "m")), longer)
+    assert out.pairs == 3 and out.effect == 0.0 and not out.agrees
 
 
 @pytest.mark.parametrize("dof", [1, 2, 4, 9, 40])
