@@ -358,10 +358,24 @@ def validate(c: Config) -> None:
             "does not combine with it yet (set it false)"
         )
     c.reward.validate()
+    _validate_multi_turn_rewards(c)
     c.model.validate()
     c.data.validate([r.name for r in c.reward.rewards])
     _validate_warm_start(c.warm_start)
     _validate_training(c)
+
+
+def _validate_multi_turn_rewards(c: Config) -> None:
+    """``overlong_penalty``'s default limit is ``rollout.max_new_tokens``, one turn's: a
+    multi-turn transcript's policy tokens over all its turns would pass it untruncated."""
+    if not c.rollout.multi_turn.generate_fn:
+        return
+    for i, item in enumerate(c.reward.rewards):
+        if item.fn == "overlong_penalty" and "max_tokens" not in item.kwargs:
+            raise ConfigError(
+                f"reward.rewards[{i}] (overlong_penalty) needs kwargs.max_tokens under multi-turn rollouts: the "
+                "transcript's budget of policy tokens over all its turns (rollout.max_new_tokens limits one turn)"
+            )
 
 
 def _validate_warm_start(w: WarmStartConfig) -> None:

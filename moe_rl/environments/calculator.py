@@ -22,6 +22,8 @@ deadline checked before every AST node: it holds to within one such operation.
 
 from __future__ import annotations
 
+import numpy as np
+
 import ast
 import math
 import operator
@@ -99,9 +101,11 @@ def _bounded(value: int | float, too_large: str) -> int | float:
 
 
 def format_result(value: int | float) -> str:
+    """In positional notation, to 15 significant digits (all a double holds: results are
+    below 1e12), never an exponent the policy would have to read."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return str(value) if isinstance(value, int) else f"{value:.6g}"
+    return str(value) if isinstance(value, int) else np.format_float_positional(float(f"{value:.15g}"), trim="-")
 
 
 def close_token_id(tokenizer: Any, close: str = ")") -> int:

@@ -49,8 +49,11 @@ math_correct.warm_up = _warm_up_math_verify  # type: ignore[attr-defined]  # the
 def _parse_gold(answer: str):
     from math_verify import parse
 
-    text = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
-    return parse(text, parsing_timeout=None)
+    # a reference already in math mode, or boxed, as it is; else wrapped in $...$ (an escaped
+    # dollar, "\\$23.40", is a currency sign inside the answer, not math mode)
+    math_mode = re.search(r"(?<!\\)\$", answer) or "\\boxed" in answer
+    gold = parse(answer if math_mode else f"${answer}$", parsing_timeout=None)
+    return gold or (parse(f"${answer}$", parsing_timeout=None) if math_mode else gold)
 
 
 @REWARD_FUNCTIONS.register("format")

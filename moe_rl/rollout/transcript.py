@@ -66,6 +66,11 @@ class Transcript:
             raise TranscriptError(
                 "a policy turn must continue the transcript: call engine.generate(transcript.token_ids) and add its turn before anything else"
             )
+        if len(turn.logprobs) != len(turn.output_ids):
+            raise TranscriptError(
+                f"a policy turn has {len(turn.output_ids)} tokens and {len(turn.logprobs)} log-probs: each token "
+                "needs its own (an edited turn must cut both)"
+            )
         self.output_ids += turn.output_ids
         self.loss_mask += [1] * len(turn.output_ids)
         self.logprobs += turn.logprobs

@@ -94,6 +94,15 @@ async def nan_logprobs(problem, *, prompt_ids, engine, tokenizer, sampling) -> T
     return transcript
 
 
+async def one_logprob_too_many(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """A turn edited to cut its tokens but not its log-probs (every later token would get
+    its neighbour's)."""
+    transcript = Transcript(prompt_ids)
+    turn = await engine.generate(transcript.token_ids)
+    transcript.add_policy(dataclasses.replace(turn, output_ids=turn.output_ids[:-1]))
+    return transcript
+
+
 async def raises_cancelled(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
     """A CancelledError of its own (an inner task it awaited was cancelled)."""
     await engine.generate(prompt_ids)

@@ -136,6 +136,22 @@ def test_well_formed_expressions_agree_with_python() -> None:
     assert agreed > 500
 
 
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (1234567 / 10, "123456.7"),
+        (1000000.5 * 3, "3000001.5"),
+        (123456789 / 1000, "123456.789"),
+        (0.1 + 0.2, "0.3"),
+        (1e-7, "0.0000001"),
+        (2.0, "2"),
+        (-5, "-5"),
+    ],
+)
+def test_results_keep_their_digits_without_an_exponent(value: float, text: str) -> None:
+    assert calculator.format_result(value) == text
+
+
 def test_the_deadline_is_checked_during_evaluation() -> None:
     assert calculator.call_tool("1" + "+1" * 127, 1e-9) == ("=error: timed out ", True)
     assert calculator.call_tool("1" + "+1" * 127, 1.0) == ("=128 ", False)

@@ -82,11 +82,44 @@ def test_chat_rows_and_the_step_order(tmp_path: Path) -> None:
     task = DatasetTask(path, answer_key="reward_model.ground_truth")
     assert task.holds_messages and len(task.items) == 1 and len(task.skipped) == 1
     assert task.items[0].prompt == "2+2=" and task.items[0].messages == tuple(verl_row["prompt"])
+    # a reply after the last user message (an SFT row's answer) is cut; no user message: skipped
+    sft = [*verl_row["prompt"], {"role": "assistant", "content": "\\boxed{4}"}]
+    rows = [{"prompt": sft, "answer": "4"}, {"prompt": [{"role": "system", "content": "Hi."}], "answer": "1"}]
+    cut = DatasetTask(write_jsonl(tmp_path / "sft.jsonl", rows))
+    assert [p.messages for p in cut.items] == [tuple(verl_row["prompt"])]
+    assert cut.skipped[0].endswith('needs a user message in the chat in "prompt"')
     many = DatasetTask(write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"{i}=", "answer": i} for i in range(5)]))
     seen = [p.prompt for step in range(5) for p in many.problems(seed=3, step=step, count=2)]
     assert sorted(seen[:5]) == sorted(p.prompt for p in many.items)  # each row once per epoch
     assert seen == [p.prompt for step in range(5) for p in many.problems(seed=3, step=step, count=2)]  # deterministic
     assert many.eval_problems(3) == many.items[:3] and many.eval_problems(0) == many.items
+
+
+def test_answers_read_as_the_rewards_need_them_and_rows_as_written(tmp_path: Path) -> None:
+    """Float answers in positional notation (``str`` gives 1e-05, whose e math-verify reads
+    as Euler's number); a list answer skipped; a byte-order mark; a flattened dotted key."""
+    rows = [
+        {"prompt": "a", "answer": 1e-05},
+        {"prompt": "b", "answer": 2.5e16},
+        {"prompt": "c", "answer": 5.0},
+        {"prompt": "d", "answer": ["5", "five"]},
+        {"prompt": "e", "answer": 7},
+    ]
+    path = tmp_path / "bom.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8-sig")
+    task = DatasetTask(str(path))
+    assert [(p.prompt, p.answer) for p in task.items] == [
+        ("a", "0.00001"),
+        ("b", "25000000000000000"),
+        ("c", "5"),
+        ("e", "7"),
+    ]
+    assert task.skipped == [f'{path}:4: needs a text or number answer in "answer", not a list']
+    flat = DatasetTask(
+        write_jsonl(tmp_path / "flat.jsonl", [{"prompt": "q", "reward_model.ground_truth": "3"}]),
+        answer_key="reward_model.ground_truth",
+    )
+    assert [p.answer for p in flat.items] == ["3"]
 
 
 @pytest.mark.parametrize("spec, operands", [("arithmetic", 2), ("arithmetic_chain", 3)])

@@ -215,6 +215,7 @@ def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) 
         (multi_turn_fns.returns_dict, "TranscriptError: the generate function returned dict, not a Transcript"),
         (multi_turn_fns.no_policy_turn, "TranscriptError: the transcript has no policy turn"),
         (multi_turn_fns.nan_logprobs, "TranscriptError: a policy turn's log-probs are not finite"),
+        (multi_turn_fns.one_logprob_too_many, "TranscriptError: a policy turn has 1 tokens and 2 log-probs"),
         (multi_turn_fns.raises_cancelled, "FunctionCancelled: the generate function raised CancelledError"),
         # a budget of 0 tokens is not "the default" (rollout.max_new_tokens, a whole turn more)
         (multi_turn_fns.spends_its_budget, "TranscriptError: asked for a turn of max_new_tokens=0"),
@@ -445,6 +446,14 @@ def test_a_generate_function_is_checked_when_the_config_loads(spec: str, message
         ],
     )
     assert cfg.rollout.multi_turn.generate_kwargs == {"max_turns": 3}
+    overlong = [
+        "rollout.multi_turn.generate_fn=moe_rl.environments.calculator:generate",
+        "reward.rewards=[{name: o, fn: overlong_penalty}]",
+        "reward.conditionals=[]",
+    ]
+    with pytest.raises(ConfigError, match=r"reward.rewards\[0\] \(overlong_penalty\) needs kwargs.max_tokens"):
+        load_config(None, overlong)
+    load_config(None, [*overlong[::2], "reward.rewards=[{name: o, fn: overlong_penalty, kwargs: {max_tokens: 64}}]"])
     shipped = load_config(str(ROOT / "configs" / "multi_turn" / "calculator.yaml"), [])
     assert (
         shipped.rollout.multi_turn.generate_fn == "moe_rl.environments.calculator:generate"

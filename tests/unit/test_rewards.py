@@ -27,6 +27,9 @@ def sample(response: str, answer: str | None = None, n: int | None = None) -> Re
         ("x = 2 + 2 = \\boxed{4}", "$4$", 1.0),
         ("no answer here", "4", 0.0),
         ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+        ("The total is \\boxed{\\$23.40}", "\\$23.40", 1.0),  # an escaped dollar: currency, not math mode
+        ("\\boxed{23.4}", "\\$23.40", 1.0),
+        ("\\boxed{23.5}", "\\$23.40", 0.0),
     ],
 )
 def test_math_correct(response: str, answer: str, expected: float) -> None:
