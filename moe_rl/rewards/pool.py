@@ -54,8 +54,17 @@ class RewardPool:
 
     def _await_ready(self, i: int) -> None:
         process, conn = self._workers[i]
-        if not conn.poll(_STARTUP_S) or conn.recv() != "ready":
-            raise RuntimeError(f"reward worker {process.pid} did not start in {_STARTUP_S:.0f}s")
+        try:  # (a worker that died at start closes its end: poll says ready, recv raises EOFError)
+            ready = conn.poll(_STARTUP_S) and conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            process.join(timeout=1)
+            how = f"exited with code {process.exitcode}" if process.exitcode is not None else "did not start"
+            raise RuntimeError(
+                f"reward worker {process.pid} {how} within {_STARTUP_S:.0f}s (its own error is above: a reward "
+                "module that fails to import, or a script without an `if __name__ == '__main__':` guard)"
+            )
 
     def _replace(self, i: int) -> None:
         process, conn = self._workers[i]

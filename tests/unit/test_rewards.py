@@ -326,3 +326,11 @@ def test_groups_submitted_early_score_as_one_batch_would(workers: int) -> None:
         assert got.failures["hangs"]["timeout"] == 4
     assert torch.equal(scorer.score(inputs[:1]).values, expected.values[:1])  # later scoring goes through the feeder
     scorer.close()
+
+
+def test_a_worker_that_dies_at_start_is_named_with_its_exit_code() -> None:
+    """Not a bare EOFError from the pipe its death closed."""
+    from moe_rl.rewards.pool import RewardPool
+
+    with pytest.raises(RuntimeError, match=r"reward worker \d+ exited with code 1 within .*fails to import"):
+        RewardPool(1, 5.0, ["no_such_module_xyz:reward"])
