@@ -19,7 +19,8 @@ def _demo(args: argparse.Namespace) -> int:
     if not config.is_file():
         print(f"moe-rl: error: {config} not found (run from the repository root, or pass --config)", file=sys.stderr)
         return 2
-    return compare.run(argparse.Namespace(config=str(config), only=None, overrides=args.overrides))
+    # through compare's own parser: its every option gets its default
+    return compare.run(build_parser().parse_args(["compare", "--config", str(config), *args.overrides]))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
     busy = runs_in_use(out_dir, list(runs))
     if busy:
         return fail(f"{busy}: another compare or train is running there (nothing was started or deleted)")
-    if args.fresh:
-        for run_dir in remove_earlier_runs(out_dir, list(runs)):
-            print(f"[compare] --fresh: deleted the earlier run {run_dir}", flush=True)
+    earlier = earlier_runs(out_dir, list(runs)) if args.fresh else []  # (before this compare writes configs)
     configs = {}
     for name, extra in runs.items():
         merged = _merge(spec.get("base") or {}, extra or {})
@@ -84,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"run {name!r}: {e}")
     if not configs:
         return fail("no runs to compare")
+    for run_dir in remove_runs(earlier):  # once every run's config is known good
+        print(f"[compare] --fresh: deleted the earlier run {run_dir}", flush=True)
 
     start = time.monotonic()
     first = next(iter(configs.values()))
@@ -201,18 +201,23 @@ def runs_in_use(out_dir: Path, names: list[str]) -> str | None:
     return None
 
 
-def remove_earlier_runs(out_dir: Path, names: list[str]) -> list[Path]:
-    """Delete the run directories an earlier compare made for ``names`` (the ones whose
-    config it wrote under ``out_dir/configs``); nothing else is touched."""
+def earlier_runs(out_dir: Path, names: list[str]) -> list[Path]:
+    """The run directories an earlier compare made for ``names`` (the ones whose config it
+    wrote under ``out_dir/configs``); nothing else."""
+    return [
+        out_dir / name
+        for name in names
+        if (out_dir / name).is_dir() and (out_dir / "configs" / f"{name}.yaml").is_file()
+    ]
+
+
+def remove_runs(run_dirs: list[Path]) -> list[Path]:
+    """Delete ``run_dirs`` (:func:`earlier_runs`); the ones deleted."""
     import shutil
 
-    removed = []
-    for name in names:
-        run_dir = out_dir / name
-        if run_dir.is_dir() and (out_dir / "configs" / f"{name}.yaml").is_file():
-            shutil.rmtree(run_dir)
-            removed.append(run_dir)
-    return removed
+    for run_dir in run_dirs:
+        shutil.rmtree(run_dir)
+    return run_dirs
 
 
 def runs_at_a_time(spec: dict, configs: list) -> int:

@@ -508,7 +508,7 @@ def test_compare_report_opens_with_its_conclusions(tmp_path: Path) -> None:
 
 
 def test_compare_says_when_it_continues_an_earlier_run_and_fresh_deletes_only_its_own(tmp_path: Path) -> None:
-    from moe_rl.commands.compare import remove_earlier_runs, start_line
+    from moe_rl.commands.compare import earlier_runs, remove_runs, start_line
 
     out = tmp_path / "runs"
     (out / "configs").mkdir(parents=True)
@@ -521,8 +521,26 @@ def test_compare_says_when_it_continues_an_earlier_run_and_fresh_deletes_only_it
     assert "up to step 4, already finished: its results are reused (--fresh" in start_line(out / "grpo", steps=4)
     assert "up to step 2, continuing it" in start_line(out / "gspo", steps=4)
     # only the runs asked for, and only directories compare made (it wrote their config)
-    assert remove_earlier_runs(out, ["grpo", "mine", "absent"]) == [out / "grpo"]
+    assert remove_runs(earlier_runs(out, ["grpo", "mine", "absent"])) == [out / "grpo"]
     assert not (out / "grpo").exists() and (out / "gspo").is_dir() and (out / "mine").is_dir()
+
+
+def test_fresh_deletes_nothing_until_every_runs_config_is_good_and_demo_takes_compares_options(tmp_path: Path) -> None:
+    import yaml
+
+    from conftest import moe_rl_in_process
+
+    out = tmp_path / "runs"
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({"out_dir": str(out), "runs": {"grpo": {}}}))
+    (out / "configs").mkdir(parents=True)
+    (out / "configs" / "grpo.yaml").write_text("{}")
+    (out / "grpo" / "checkpoints").mkdir(parents=True)  # an earlier run's results
+    typo = moe_rl_in_process("compare", "--config", str(spec), "--fresh", "rollout.group_sise=4")
+    assert typo.returncode == 2 and "unknown key 'rollout.group_sise'" in typo.stderr, typo.stderr
+    assert (out / "grpo" / "checkpoints").is_dir() and "deleted" not in typo.stdout
+    demo = moe_rl_in_process("demo", "--config", str(spec), "rollout.group_sise=4")  # compare's defaults
+    assert demo.returncode == 2 and "unknown key 'rollout.group_sise'" in demo.stderr, demo.stderr
 
 
 def test_compare_reuses_a_finished_run_only_of_the_same_config(tmp_path: Path) -> None:
