@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -178,10 +179,19 @@ _WARNED_MOVED: set[str] = set()  # moved keys this process has warned about
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """YAML file (optional) + ``key.sub=value`` overrides -> validated :class:`Config`."""
+    config = parse_config(path, overrides)
+    validate(config)
+    return config
+
+
+def parse_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """:func:`load_config` without its semantic checks (files, data, values across sections):
+    each key known and of its type, for planning before the model or data exist (``moe-rl
+    budget``), which checks what it uses itself."""
     raw: dict = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.load(Path(path).read_text(), Loader=ConfigLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except IsADirectoryError:
@@ -200,7 +210,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, _, text = item.partition("=")
         try:
-            value = _Override(text, yaml.safe_load(text) if text else "")
+            value = _Override(text, yaml.load(text, Loader=ConfigLoader) if text else "")
         except yaml.YAMLError:
             value = _Override(text, text)
         node = raw
@@ -212,9 +222,20 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
         node[parts[-1]] = value
     _move_keys(raw)
     config = _build(Config, raw, "")
-    config.train.run_dir = os.path.expanduser(config.train.run_dir)  # ~/runs/x is the home's, not ./~
-    validate(config)
+    # ~/x is the home's, not ./~ (a dataset spec's "~/d.parquet:train" too)
+    config.train.run_dir = _home(config.train.run_dir)
+    config.model.hf_dir = _home(config.model.hf_dir)
+    config.data.task = _home(config.data.task)
+    config.data.eval_task = _home(config.data.eval_task)
     return config
+
+
+@typing.overload
+def _home(path: str) -> str: ...
+@typing.overload
+def _home(path: None) -> None: ...
+def _home(path: str | None) -> str | None:
+    return os.path.expanduser(path) if path else path
 
 
 def _move_keys(raw: dict) -> None:
@@ -267,17 +288,23 @@ class _Override:
     parsed: Any
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML as the configs are read: PyYAML's safe loader, with YAML 1.2's floats (``1e-7``,
+    ``5E3``: text to YAML 1.1, which wants a dot) read as numbers, so that free-form
+    mappings need no guessing and a quoted ``"3.10"`` stays text."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def _plain(value: Any) -> Any:
-    """A free-form mapping's value (``algorithm.loss_params.eps_high=0.28``): as YAML reads
-    it, with a number YAML leaves as text (``1e-7``) made a number."""
+    """A free-form mapping's value (``algorithm.loss_params.eps_high=0.28``) as YAML reads it."""
     if isinstance(value, _Override):
         value = value.parsed
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return value
-        return number if math.isfinite(number) else value
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
@@ -307,6 +334,8 @@ def _coerce(tp, value: Any, key: str):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping")
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, dict) and tp in (bool, int, float, str):  # (rollout.group_size.x=5)
+        raise ConfigError(f"{key} is a value, not a section: set it as {key}=VALUE")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} must be true or false")

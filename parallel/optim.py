@@ -8,6 +8,7 @@ megatron-core is imported where it is used, so that reading a run config
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -77,6 +78,27 @@ class OptimSettings:
         for key in ("warmup_steps", "decay_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"optim.{key}={getattr(self, key)} must be >= 0")
+        self._validate_extra()
+
+    def _validate_extra(self) -> None:
+        """``extra``: fields of megatron-core's ``OptimizerConfig`` that moe-rl does not set
+        itself (checked now: the optimizer is built after the model and its weights)."""
+        if not self.extra:
+            return  # (megatron's optimizer module imported only to check some)
+        import dataclasses
+
+        from megatron.core.optimizer import OptimizerConfig
+
+        valid = {f.name for f in dataclasses.fields(OptimizerConfig)} - MOE_RL_OPTIMIZER_FIELDS
+        for key in self.extra:
+            if key in MOE_RL_OPTIMIZER_FIELDS:
+                raise ValueError(f"optim.extra.{key}: moe-rl sets it (from optim.{key} where there is one)")
+            if key not in valid:
+                close = difflib.get_close_matches(key, sorted(valid), n=1)
+                raise ValueError(
+                    f"optim.extra.{key} is not a field of megatron-core's OptimizerConfig"
+                    + (f" (did you mean {close[0]}?)" if close else "")
+                )
 
     def check_horizon(self, total_steps: int) -> None:
         """``ValueError`` unless the warmup ends before the decay horizon."""
@@ -87,6 +109,22 @@ class OptimSettings:
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# the OptimizerConfig fields build_optimizer sets itself (optim.extra may set the others)
+MOE_RL_OPTIMIZER_FIELDS = frozenset(
+    {
+        "optimizer",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "clip_grad",
+        "bf16",
+        "params_dtype",
+        "use_distributed_optimizer",
+    }
+)
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, settings: OptimSettings) -> DistributedDataParallel:

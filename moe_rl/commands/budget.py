@@ -5,6 +5,10 @@ pipeline stage (:mod:`moe_rl.models.memory_budget`; nothing is built or loaded).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_rl.models.memory_budget import Layout
 
 HELP = "static GPU memory per rank (weights, gradients, optimizer) and a save's, for a config's layout"
 
@@ -18,23 +22,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from moe_rl.commands._distributed import fail
-    from moe_rl.models.memory_budget import count_params, layer_params, layout_from_config, save_budget, stage_budget
+    from moe_rl.config import ConfigError
 
     try:
-        layout, hf_dir = layout_from_config(args.config, args.world)
-    except (OSError, ValueError) as e:
+        layout, hf_config = budget_inputs(args.config, args.world, args.hf_config)
+    except ConfigError as e:
         return fail(str(e))
-    hf_path = Path(args.hf_config or Path(hf_dir) / "config.json")
-    try:
-        hf_config = json.loads(hf_path.read_text())
-    except (OSError, ValueError) as e:
-        return fail(f"cannot read the model's config {hf_path} ({getattr(e, 'strerror', None) or e}): pass --hf-config")
+    from moe_rl.models.memory_budget import count_params, layer_params, save_budget, stage_budget
+
     counts, layers = count_params(hf_config), layer_params(hf_config)
-    total = sum(vars(counts).values())
+    total = counts.total
     print(
         f"{args.config}: {total / 1e9:.2f}B parameters ({counts.layers_expert / 1e9:.2f}B in routed experts); "
         f"world {layout.world}, tp {layout.tp} pp {layout.pp} ep {layout.ep} etp {layout.etp}, dp {layout.dp}, "
@@ -58,3 +56,36 @@ def run(args: argparse.Namespace) -> int:
                 f"writer is done); GPU {s['gpu_transient_GB']:.1f} GB transient"
             )
     return 0
+
+
+def budget_inputs(config: str, world: int, hf_config_path: str | None) -> tuple[Layout, dict]:
+    """The layout of ``config`` on ``world`` ranks and the model's config.json mapping, both
+    checked as the trainer checks them (:class:`~moe_rl.config.ConfigError` naming the first
+    problem). The config is read without the checks of files and data that planning
+    precedes (``model.hf_dir`` need only hold the config.json, or ``--hf-config`` name it)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from moe_rl.config import ConfigError, parse_config
+    from moe_rl.models.architectures import model_dims
+    from moe_rl.models.memory_budget import layout_of
+    from parallel.layout import LayoutError
+
+    cfg = parse_config(config)
+    if hf_config_path is None and not cfg.model.hf_dir:
+        raise ConfigError(f"{config} names no model.hf_dir (the built-in demo model): pass --hf-config")
+    hf_path = Path(hf_config_path or Path(cfg.model.hf_dir or "") / "config.json")
+    try:
+        hf_config = json.loads(hf_path.read_text())
+        model = AutoConfig.for_model(**hf_config)
+    except (OSError, ValueError, TypeError) as e:
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise ConfigError(f"cannot read the model's config {hf_path} ({why}): pass --hf-config") from None
+    try:
+        cfg.optim.validate()
+        cfg.parallel.validate(world, model_dims(model))
+    except (LayoutError, ValueError) as e:
+        raise ConfigError(f"{config} on --world {world}: {e}") from None
+    return layout_of(cfg.parallel, cfg.optim, world), hf_config

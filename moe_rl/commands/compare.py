@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from moe_rl.commands._distributed import fail
-    from moe_rl.config import ConfigError, load_config
+    from moe_rl.config import ConfigError, ConfigLoader, load_config
 
     try:
-        spec = yaml.safe_load(Path(args.config).read_text())
+        spec = yaml.load(Path(args.config).read_text(), Loader=ConfigLoader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         return fail(f"cannot read compare config {args.config!r}: {str(e).splitlines()[0]}")
     problem = _shape_problem(spec)

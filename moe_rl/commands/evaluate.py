@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_rl.rollout.types import RolloutError
 
     configure_logging()
+    problem = _arguments_problem(args)
+    if problem:
+        return fail(problem)
     live = live_run_holding(args.out) if args.out else None
     if live:
         return fail(
@@ -67,16 +70,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _arguments_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--engine`` or ``--out``, found before anything is evaluated."""
+    from moe_rl.rollout.settings import is_server_url
+
+    for url in args.engine or []:
+        if "=" in url:
+            return f"--engine took the override {url!r} for a server URL: give overrides before --engine"
+        if not is_server_url(url):
+            return f"--engine {url!r} must be a URL like http://host:30000"
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        return f"--out {args.out!r} is a file: it must be a directory (eval.json and TensorBoard events go there)"
+    return None
+
+
 def _config(args: argparse.Namespace):
     """``--config``, else the checkpoint's run's ``config.yaml``, else defaults; then overrides."""
     from moe_rl.config import load_config
 
     path = args.config
-    run_config = Path(args.checkpoint).resolve().parent.parent / "config.yaml"  # <run>/checkpoints/step_N
-    if path is None and run_config.is_file():
-        path = str(run_config)
+    if path is None:
+        path = _run_config(Path(args.checkpoint).resolve())
     overrides = list(args.overrides) + ([f"data.eval_task={args.task}"] if args.task else [])
     return load_config(path, overrides)
+
+
+def _run_config(checkpoint: Path) -> str | None:
+    """The ``config.yaml`` of the run a checkpoint (``<run>/checkpoints/step_N``) or its
+    weights (``step_N/model``) belong to; ``None`` for a model directory of no run."""
+    for step in (checkpoint, checkpoint.parent):
+        if step.parent.name == "checkpoints" and (step.parent.parent / "config.yaml").is_file():
+            return str(step.parent.parent / "config.yaml")
+    return None
 
 
 def _evaluate(args: argparse.Namespace, cfg, model_dir: Path) -> dict[str, float]:

@@ -62,6 +62,7 @@ class DataConfig:
     def _validate_held_out(self) -> None:
         from moe_rl.data.tasks import BUILT_IN_TASKS, make_task
 
+        require_positive("data.held_out", self.held_out, allow_zero=True)
         if not self.held_out:
             return
         if self.task not in BUILT_IN_TASKS:

@@ -18,12 +18,13 @@ stage megatron-core puts it, uneven stages included: ``parallel.ParallelLayout.s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from parallel.layout import ParallelLayout
+from parallel.optim import OptimSettings
 
 GB = 1e9
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16; fp32 main_grad; fp32 master + Adam m, v
@@ -35,6 +36,14 @@ class ParamCounts:
     output: int  # output layer and final norm
     layers_dense: int  # attention, norms, routers, shared experts, dense MLPs of all layers
     layers_expert: int  # routed experts of all layers
+    # tied embeddings: the output layer's copy of the embedding, which megatron keeps only on
+    # a last pipeline stage that is not the first (pp > 1); counted in no total
+    tied_output: int = 0
+
+    @property
+    def total(self) -> int:
+        """The model's parameters (a tied embedding once)."""
+        return self.embedding + self.output + self.layers_dense + self.layers_expert
 
 
 @dataclass(frozen=True)
@@ -90,9 +99,7 @@ def count_params(hf_config: dict) -> ParamCounts:
             counts["embedding" if "embed_tokens" in name else "output"] += size
         else:
             counts["layers_expert" if ".experts." in name else "layers_dense"] += size
-    if tied:
-        counts["output"] += counts["embedding"]  # megatron keeps a copy on the last stage
-    return ParamCounts(**counts)
+    return ParamCounts(**counts, tied_output=counts["embedding"] if tied else 0)
 
 
 def layer_params(hf_config: dict) -> list[tuple[int, int]]:
@@ -121,7 +128,7 @@ def stage_params(
     if stage == 0:
         dense += counts.embedding
     if stage == layout.pp - 1:
-        dense += counts.output
+        dense += counts.output + (counts.tied_output if layout.pp > 1 else 0)
     return dense / layout.tp, expert / (layout.ep * layout.etp)
 
 
@@ -188,25 +195,21 @@ def budget(counts: ParamCounts, layout: Layout, layers: list[tuple[int, int]] | 
     return max((stage_budget(counts, layout, s, layers) for s in range(layout.pp)), key=lambda b: b["total_GB"])
 
 
-def layout_from_config(path: str, world: int) -> tuple[Layout, str]:
-    """The layout and model directory a moe-rl YAML config names (defaults as in moe-rl)."""
-    import yaml
-
-    cfg = yaml.safe_load(Path(path).read_text()) or {}
-    par, optim = cfg.get("parallel") or {}, cfg.get("optim") or {}
-    tp, ep = int(par.get("tp", 1)), int(par.get("ep", 1))
-    etp = par.get("etp")
+def layout_of(parallel: ParallelLayout, optim: OptimSettings, world: int) -> Layout:
+    """A config's ``parallel`` and ``optim`` on ``world`` ranks (validated by the caller), the
+    distributed optimizer as the trainer decides it (``None``: on where the dense or the
+    expert data-parallel group has more than one rank)."""
     layout = Layout(
         world=world,
-        tp=tp,
-        pp=int(par.get("pp", 1)),
-        ep=ep,
-        etp=int(tp if etp is None else etp),
-        distributed_optimizer=bool(optim.get("use_distributed_optimizer", True)),
-        overlap_grad_reduce=bool(optim.get("overlap_grad_reduce", False)),
-        first_stage_layers=par.get("first_stage_layers"),
-        last_stage_layers=par.get("last_stage_layers"),
+        tp=parallel.tp,
+        pp=parallel.pp,
+        ep=parallel.ep,
+        etp=parallel.expert_tp,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        first_stage_layers=parallel.first_stage_layers,
+        last_stage_layers=parallel.last_stage_layers,
     )
-    if world % (layout.tp * layout.pp) or world % (layout.ep * layout.etp * layout.pp):
-        raise ValueError(f"--world {world} is not divisible by tp*pp / ep*etp*pp of {path}")
-    return layout, str((cfg.get("model") or {}).get("hf_dir") or "")
+    sharded = optim.use_distributed_optimizer
+    return dataclasses.replace(
+        layout, distributed_optimizer=sharded if sharded is not None else layout.dp > 1 or layout.expert_dp > 1
+    )

@@ -96,7 +96,7 @@ class ServerConfig:
         if engine == "sglang" and not self.urls and not self.launch:
             raise ConfigError("rollout.engine=sglang needs rollout.server.urls or rollout.server.launch=true")
         for i, url in enumerate(self.urls):
-            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+            if not is_server_url(url):
                 raise ConfigError(f"rollout.server.urls[{i}]={url!r} must be a URL like http://host:30000")
         if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
             raise ConfigError(f"rollout.server.gpus={self.gpus} must be distinct GPU ids >= 0")
@@ -306,3 +306,8 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.colocate=true and rollout.async_rollouts=true exclude each other: colocated rollouts and training take turns on the same GPUs"
             )
+
+
+def is_server_url(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL with a host (a server's, e.g. http://host:30000)."""
+    return url.startswith(("http://", "https://")) and len(url.split("://", 1)[1].strip("/")) > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_rl.config import ConfigError, load_config
+from moe_rl.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).parents[2]
 GOOD = ROOT / "configs" / "compare" / "demo.yaml"
@@ -197,6 +197,10 @@ BAD = [
     (["model.top_k=0"], "model.top_k=0 must be > 0"),
     (["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be > 0"),
     (["data.max_operand=-1"], "data.max_operand=-1 must be >= 0"),
+    (["data.held_out=-1"], "data.held_out=-1 must be >= 0"),
+    (["rollout.group_size.x=5"], "rollout.group_size is a value, not a section: set it as rollout.group_size=VALUE"),
+    (["optim.extra.foo=1"], "optim.extra.foo is not a field of megatron-core's OptimizerConfig"),
+    (["optim.extra.lr=0.1"], "optim.extra.lr: moe-rl sets it"),
     (["warm_start.batch_size=0"], "warm_start.batch_size=0 must be > 0"),
     (["warm_start.lr=0"], "warm_start.lr=0.0 must be > 0"),
     (["rollout.server.port=70000"], "rollout.server.port=70000 must be in [1, 65535]"),
@@ -426,3 +430,27 @@ def test_each_algorithm_preset_is_a_config_of_its_own(preset: Path) -> None:
     cfg = load_config(str(preset))
     assert (cfg.algorithm.advantage, cfg.algorithm.loss) == (raw["algorithm"]["advantage"], raw["algorithm"]["loss"])
     assert cfg.algorithm.loss_params == raw["algorithm"]["loss_params"]
+
+
+def test_quoted_text_in_free_form_mappings_stays_text_and_exponents_are_numbers(tmp_path: Path) -> None:
+    """YAML 1.2's floats (1e-3: text to PyYAML's YAML 1.1) are numbers, from a file and from an
+    override; a quoted "42" stays the text it was written as (it was made 42.0)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "reward:\n  conditionals: []\n  rewards:\n    - {name: f, fn: format, kwargs: {pattern: '42'}}\n"
+        "algorithm:\n  loss_params: {eps_high: 1e-3}\n"
+    )
+    cfg = load_config(str(path), ["optim.extra.loss_scale=1e2", "optim.lr=5E-6"])
+    assert cfg.reward.rewards[0].kwargs == {"pattern": "42"}
+    assert cfg.algorithm.loss_params == {"eps_high": 1e-3}
+    assert cfg.optim.extra == {"loss_scale": 100.0} and cfg.optim.lr == 5e-6
+
+
+def test_paths_under_the_home_directory_are_expanded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_config(None, ["model.hf_dir=~/m", "data.task=~/d.jsonl", "data.eval_task=~/e.jsonl"])
+    assert (cfg.model.hf_dir, cfg.data.task, cfg.data.eval_task) == (
+        f"{tmp_path}/m",
+        f"{tmp_path}/d.jsonl",
+        f"{tmp_path}/e.jsonl",
+    )

@@ -576,3 +576,21 @@ def test_dynamic_sampling_keeps_a_group_only_if_its_estimator_sees_unequal_rewar
         collector.advantage = advantage
         kept[advantage] = collector._groups_to_keep(sampled)
     assert kept == {"grpo": [1], "rloo": [1], "gdpo": [0, 1]}
+
+
+def test_eval_refuses_bad_engines_and_outputs_before_evaluating_and_finds_a_runs_config(tmp_path: Path) -> None:
+    from conftest import moe_rl_in_process
+    from moe_rl.commands.evaluate import _run_config
+
+    base = ["eval", "--checkpoint", str(tmp_path), "--task", "arithmetic"]
+    swallowed = moe_rl_in_process(*base, "--engine", "http://h:30000", "data.eval_max_prompts=2")
+    assert swallowed.returncode == 2 and "took the override 'data.eval_max_prompts=2'" in swallowed.stderr
+    assert "must be a URL" in moe_rl_in_process(*base, "--engine", "foo").stderr
+    (tmp_path / "afile").write_text("")
+    on_file = moe_rl_in_process(*base, "--out", str(tmp_path / "afile"))
+    assert on_file.returncode == 2 and "is a file: it must be a directory" in on_file.stderr
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    (step / "model").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("{}")
+    assert _run_config(step) == _run_config(step / "model") == str(tmp_path / "run" / "config.yaml")
+    assert _run_config(tmp_path) is None

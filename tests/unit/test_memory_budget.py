@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.commands.budget import budget_inputs
 from moe_rl.models.memory_budget import (
     GB,
     Layout,
@@ -17,7 +18,6 @@ from moe_rl.models.memory_budget import (
     budget,
     count_params,
     layer_params,
-    layout_from_config,
     save_budget,
     stage_budget,
 )
@@ -95,16 +95,16 @@ def test_save_memory_for_both_checkpoint_sharding_types() -> None:
 def test_the_example_configs_quote_the_tools_figures() -> None:
     qwen = count_params(json.loads((ROOT / "configs/examples/qwen3_30b_a3b.config.json").read_text()))
     olmoe = count_params(json.loads((ROOT / "configs/examples/olmoe_1b_7b.config.json").read_text()))
-    assert sum(vars(qwen).values()) / 1e9 == pytest.approx(30.53, abs=0.01)  # Qwen3-30B-A3B
-    assert sum(vars(olmoe).values()) / 1e9 == pytest.approx(6.92, abs=0.01)  # OLMoE-1B-7B
-    for name, world, counts in (
-        ("qwen3_30b_a3b_colocated_1x8", 8, qwen),
-        ("qwen3_30b_a3b_disaggregated_2x8", 8, qwen),
-        ("qwen3_30b_a3b_2x8", 16, qwen),
-        ("sglang_local_server", 4, olmoe),
+    assert qwen.total / 1e9 == pytest.approx(30.53, abs=0.01)  # Qwen3-30B-A3B
+    assert olmoe.total / 1e9 == pytest.approx(6.92, abs=0.01)  # OLMoE-1B-7B
+    for name, world, counts, model in (
+        ("qwen3_30b_a3b_colocated_1x8", 8, qwen, "qwen3_30b_a3b"),
+        ("qwen3_30b_a3b_disaggregated_2x8", 8, qwen, "qwen3_30b_a3b"),
+        ("qwen3_30b_a3b_2x8", 16, qwen, "qwen3_30b_a3b"),
+        ("sglang_local_server", 4, olmoe, "olmoe_1b_7b"),
     ):
         path = ROOT / "configs/examples" / f"{name}.yaml"
-        layout, _ = layout_from_config(str(path), world)
+        layout, _ = budget_inputs(str(path), world, str(ROOT / "configs/examples" / f"{model}.config.json"))
         total = budget(counts, layout)["total_GB"]
         assert f"= {total:.1f} GB" in path.read_text(), (name, round(total, 1))
 
@@ -115,11 +115,54 @@ def test_the_budget_command_prints_each_stage_and_refuses_a_bad_world_in_one_lin
     run = [sys.executable, "-m", "moe_rl.cli", "budget", "--config", str(config), "--hf-config", str(hf)]
     out = subprocess.run([*run, "--world", "16"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    layout, _ = layout_from_config(str(config), 16)
-    hf_config = json.loads(hf.read_text())
+    layout, hf_config = budget_inputs(str(config), 16, str(hf))
     stage0 = stage_budget(count_params(hf_config), layout, 0, layer_params(hf_config))
     assert "30.53B parameters" in out.stdout and f"= {stage0['total_GB']:.1f} GB static per GPU" in out.stdout
     assert out.stdout.count("  stage ") == layout.pp
     bad = subprocess.run([*run, "--world", "3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "--world 3 is not divisible" in bad.stderr.strip().splitlines()[-1]
+    assert "on --world 3: world size 3 is not divisible by tp*pp" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_a_tied_embedding_is_counted_once_and_held_twice_only_across_stages() -> None:
+    tied = count_params({**TINY, "tie_word_embeddings": True})
+    assert tied == ParamCounts(embedding=40, output=4, layers_dense=152, layers_expert=288, tied_output=40)
+    assert tied.total == 40 + 4 + 152 + 288
+    one_stage = stage_budget(tied, Layout(world=1, distributed_optimizer=False), 0)
+    assert one_stage["params_B"] * 1e9 == pytest.approx(tied.total)  # megatron allocates no output weight
+    last = stage_budget(tied, Layout(world=2, pp=2, distributed_optimizer=False), 1)
+    assert last["params_B"] * 1e9 == pytest.approx(76 + 144 + 4 + 40)  # the last stage's copy
+
+
+def test_the_distributed_optimizer_is_decided_as_the_trainer_decides_it() -> None:
+    from moe_rl.models.memory_budget import layout_of
+    from parallel.layout import ParallelLayout
+    from parallel.optim import OptimSettings
+
+    assert not layout_of(ParallelLayout(), OptimSettings(), 1).distributed_optimizer  # nothing to shard
+    assert layout_of(ParallelLayout(ep=8), OptimSettings(), 8).distributed_optimizer  # dp 8
+    assert not layout_of(ParallelLayout(ep=8), OptimSettings(use_distributed_optimizer=False), 8).distributed_optimizer
+
+
+@pytest.mark.parametrize(
+    "config_text, world, message",
+    [
+        ("parallel: {tp: [", 8, "is not valid YAML"),
+        ("- a\n- b\n", 8, "must hold a mapping at the top level"),
+        ("parallel: {ep: 8}\n", 0, "world size 0 must be >= 1"),
+        ("parallel: {tp: 0}\n", 8, "parallel.tp=0 must be a positive integer"),
+        ("parallel: {ep: 3}\n", 12, "model.num_experts"),
+        ("parallel: {ep: 8}\noptim: {extra: {foo: 1}}\n", 8, "optim.extra.foo is not a field"),
+        ("parallel: {tp: 2, pp: 1, first_stage_layers: 1}\n", 8, "first_stage_layers"),
+    ],
+)
+def test_the_budget_command_refuses_bad_input_in_one_line(
+    tmp_path: Path, config_text: str, world: int, message: str
+) -> None:
+    from conftest import moe_rl_in_process
+
+    path = tmp_path / "c.yaml"
+    path.write_text(config_text)
+    hf = str(ROOT / "configs/examples/qwen3_30b_a3b.config.json")
+    out = moe_rl_in_process("budget", "--config", str(path), "--world", str(world), "--hf-config", hf)
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
