@@ -128,6 +128,11 @@ _FINGERPRINTED = (
     "rollout.multi_turn.generate_kwargs",
 )
 _NOT_FINGERPRINTED = {
+    # how the layers are implemented, not what they compute (same parameters; checkpoints read
+    # under either: moe_rl.checkpoint.store)
+    "model.transformer_impl",
+    "model.experts",
+    "model.attention",
     "algorithm.micro_batch_size",
     "algorithm.reference",
     "algorithm.max_tokens_per_micro_batch",

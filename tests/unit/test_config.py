@@ -454,3 +454,14 @@ def test_paths_under_the_home_directory_are_expanded(tmp_path: Path, monkeypatch
         f"{tmp_path}/d.jsonl",
         f"{tmp_path}/e.jsonl",
     )
+
+
+def test_a_resume_may_change_how_layers_are_implemented_not_what_they_compute() -> None:
+    from moe_rl.config import fingerprint_differences
+
+    base = load_config(None, [])
+    switched = load_config(None, ["model.transformer_impl=local", "model.experts=sequential", "model.attention=local"])
+    assert fingerprint_differences(base.fingerprint(), switched.fingerprint()) == []
+    assert fingerprint_differences(base.fingerprint(), load_config(None, ["model.top_k=1"]).fingerprint()) == [
+        "model.top_k: 2 -> 1"
+    ]
