@@ -7,9 +7,10 @@ those, ``[batch, seq, 2]`` (log-prob, entropy), when it is called with ``labels`
 
 - the output layer stops at the (sequence-parallel-gathered) hidden states;
 - :func:`vocab_parallel_logprobs` multiplies them by this rank's vocabulary shard of the
-  output weight, one sequence chunk at a time, and combines the shards' max, sum-exp,
+  output weight, one chunk of positions at a time, and combines the shards' max, sum-exp,
   target logit and ``sum p*z`` with all-reduces over the tensor-parallel group: no rank
-  ever holds more than ``chunk x batch x vocab/TP`` logits, and a chunk's logits are
+  ever holds more than ``chunk x vocab/TP`` logits (``chunk`` tokens: positions of all the
+  micro-batch's rows together), and a chunk's logits are
   recomputed in the backward pass instead of being kept (activation checkpointing), unless
   they are small (``LogProbConfig.keep_logits_mb``).
 
@@ -35,7 +36,9 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class LogProbConfig:
     temperature: float = 1.0
-    chunk_size: int = 1024  # sequence positions per logits chunk
+    # tokens per logits chunk (positions x the micro-batch's rows; at least one position): the
+    # peak holds a few fp32 chunk x vocab/TP tensors whatever the rows (151,936 / 1: ~1.9 GB)
+    chunk_size: int = 1024
     with_entropy: bool = True
     vocab_size: int | None = None  # the real vocabulary; rows past it (TP padding) get no probability
     # a chunk whose fp32 logits take at most this much is kept for the backward pass (with
@@ -167,11 +170,12 @@ def vocab_parallel_logprobs(
     real_rows = (
         weight.shape[0] if config.vocab_size is None else min(weight.shape[0], max(config.vocab_size - vocab_start, 0))
     )
-    chunk_logits_mb = min(config.chunk_size, hidden.shape[0]) * hidden.shape[1] * weight.shape[0] * 4 / 2**20
+    positions = max(1, config.chunk_size // max(hidden.shape[1], 1))
+    chunk_logits_mb = min(positions, hidden.shape[0]) * hidden.shape[1] * weight.shape[0] * 4 / 2**20
     recompute = torch.is_grad_enabled() and chunk_logits_mb > config.keep_logits_mb
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], config.chunk_size):
-        chunk = slice(start, start + config.chunk_size)
+    for start in range(0, hidden.shape[0], positions):
+        chunk = slice(start, start + positions)
         args = (
             hidden[chunk],
             weight,

@@ -53,6 +53,26 @@ def test_small_chunks_keep_their_logits_for_backward(keep_logits_mb: float, keep
     assert (max(saved) >= s * b * v) is keeps_logits  # a [s, b, v] logits-sized tensor kept, or none (recomputed)
 
 
+def test_a_chunk_holds_its_token_budget_whatever_the_rows() -> None:
+    """``chunk_size`` counts tokens over the micro-batch's rows: 4 rows and a budget of 8
+    take 2 positions a chunk (a budget of positions alone would hold 4x the logits)."""
+    s, b, h, v = 6, 4, 4, 50
+    hidden = torch.randn(s, b, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (s, b))
+    saved: list[int] = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = vocab_parallel_logprobs(hidden, weight, targets, config=LogProbConfig(chunk_size=8))
+    assert max(saved) == 8 * v  # the kept chunk's logits: 2 positions x 4 rows
+    reference = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(logp, reference)
+
+
 def test_bf16_activations_get_fp32_logits() -> None:
     """bf16 hidden states and weights: the log-probs are those of the fp32 product of the
     same bf16 values (not of logits rounded to bf16: steps of 0.125 at 16-32)."""
