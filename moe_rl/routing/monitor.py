@@ -131,8 +131,8 @@ class RoutingMonitor:
 
         def compare(i: int, new: ProbedRouting) -> None:  # as each micro-batch's forward ends
             old, layers = self._old[i], self.probe.layer_numbers
-            # kept off the accelerator between the passes
-            old_probs = old.probs.to(new.probs.device) if old.probs is not None and new.probs is not None else None
+            # (old.probs stay on the host: the KL brings them over a layer at a time)
+            old_probs = old.probs if new.probs is not None else None
             self._stats["old_vs_new"].add_drift(layers, old.natural, new.natural, self._masks[i], old_probs, new.probs)
             if (
                 bias_before is not None
