@@ -13,10 +13,10 @@ the model's expert count in its metadata (``num_experts``).
 
 from __future__ import annotations
 
-import base64
 import os
 
 import numpy as np
+import pybase64
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -38,7 +38,9 @@ def decode_routed_experts(data: str, num_layers: int, top_k: int, num_experts: i
     """``[n, num_layers, top_k]`` from SGLang's base64 string, in
     :func:`expert_index_dtype` of ``num_experts`` (int32, SGLang's own, when not given),
     every id checked to be in ``[0, num_experts)`` (``>= 0`` when not given)."""
-    raw = base64.b64decode(data)  # ~0.75 GB/s; holds the GIL, so a thread would not take it off the event loop
+    # pybase64 (SIMD): 1.0 ms for an 8k-token, 48-layer, top-8 reply against base64's 46.5 ms
+    # (2026-12-06), GIL-held time on the first rank's event loop once per sample
+    raw = pybase64.b64decode(data, validate=True)
     per_token = num_layers * top_k * 4
     if len(raw) % per_token:
         raise ValueError(
@@ -66,7 +68,7 @@ def encode_routed_experts(indices: Tensor) -> str:
     """Inverse of :func:`decode_routed_experts` (used by the local engine)."""
     if indices.dim() != 3:
         raise ValueError(f"routed experts must be [n, num_layers, top_k], got {tuple(indices.shape)}")
-    return base64.b64encode(indices.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+    return pybase64.b64encode(indices.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
 
 
 def save_routing(

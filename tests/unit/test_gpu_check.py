@@ -19,7 +19,7 @@ from tools.gpu_check.training import resume_differences
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MISSING_ON_H200 = {"megatron-core", "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime"}
+MISSING_ON_H200 = {"megatron-core", "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime", "pybase64"}
 
 
 def lock() -> dict:
@@ -38,7 +38,8 @@ def test_the_h200_gets_only_what_it_lacks_and_keeps_every_preinstalled_package()
         name = install.normalize(req.name)
         assert name in machine or name in installed or name in install.LEFT_OUT, name
     assert all(
-        e["file"].endswith(("-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "-py3-none-any.whl"))
+        ("-cp312-cp312-manylinux" in e["file"] and e["file"].endswith("_x86_64.whl"))
+        or e["file"].endswith("-py3-none-any.whl")
         for e in plan.install
     )
 
@@ -68,7 +69,7 @@ def test_dry_run_prints_the_plan_for_a_package_list(tmp_path: Path) -> None:
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert out.returncode == 0, out.stderr
-    assert "would install (pip --no-deps, into a folder of their own): 3 wheels" in out.stdout
+    assert "would install (pip --no-deps, into a folder of their own): 4 wheels" in out.stdout  # + pybase64
     assert "math_verify-0.9.0-py3-none-any.whl" in out.stdout and "megatron_core-0.16.1-cp312" not in out.stdout
     assert "torch 2.11.0" in out.stdout and "left out: deepspeed" in out.stdout
 
