@@ -4,7 +4,7 @@ works in a one-process world without a process group."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -102,18 +102,24 @@ def send_tensors(tensors: list[torch.Tensor], dst: int) -> None:
     Batched point to point: NCCL runs a batch on the group's own communicator, while a
     single ``dist.send`` opens a two-rank communicator per pair of ranks (buffers and a
     setup each; on 2x8 GPUs, 15 of them on the first rank alone)."""
-    _point_to_point(dist.isend, tensors, dst)
+    send_tensors_to([(dst, tensors)])
+
+
+def send_tensors_to(messages: Sequence[tuple[int, list[torch.Tensor]]]) -> None:
+    """:func:`send_tensors` of each ``(dst, tensors)`` in one batch: the transfers to the
+    ranks overlap (each receiver calls :func:`recv_tensors` as for one send)."""
+    _point_to_point([(dist.isend, tensor, dst) for dst, tensors in messages for tensor in tensors])
 
 
 def recv_tensors(tensors: list[torch.Tensor], src: int) -> None:
     """Fill ``tensors`` from rank ``src``'s :func:`send_tensors`."""
-    _point_to_point(dist.irecv, tensors, src)
+    _point_to_point([(dist.irecv, tensor, src) for tensor in tensors])
 
 
-def _point_to_point(op: Any, tensors: list[torch.Tensor], peer: int) -> None:
+def _point_to_point(operations: list[tuple[Any, torch.Tensor, int]]) -> None:
     # empty tensors are left out on both sides (their shapes match): nothing to move, and no
     # zero-length operation for NCCL to treat its own way
-    ops = [dist.P2POp(op, tensor, peer) for tensor in tensors if tensor.numel()]
+    ops = [dist.P2POp(op, tensor, peer) for op, tensor, peer in operations if tensor.numel()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

@@ -12,8 +12,10 @@ pipeline-parallel peers of one replica each receive the same share).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from itertools import chain
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from moe_rl.rollout.types import Sample
@@ -25,7 +27,7 @@ from parallel.collectives import (
     rank,
     rank_device,
     recv_tensors,
-    send_tensors,
+    send_tensors_to,
     world_size,
 )
 
@@ -48,9 +50,7 @@ def share_experience(
     wanted = gather_objects(needed)  # small: sample indices
     if rank() == 0:
         assert exp is not None and wanted is not None
-        for dst, indices in enumerate(wanted):
-            if dst != 0 and indices:
-                _send_samples([exp.sample(i) for i in indices], exp.advantages[indices], dst)
+        _send_shares(exp, {dst: indices for dst, indices in enumerate(wanted) if dst != 0 and indices})
         return exp, scalars
     samples: list[Sample | None] = [None] * len(totals.lengths)
     advantages = torch.zeros(len(totals.lengths))
@@ -60,7 +60,21 @@ def share_experience(
     return Experience(samples, torch.zeros(len(samples), len(names)), names, advantages, totals=totals), scalars
 
 
-def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int) -> None:
+def _send_shares(exp: Experience, wanted: dict[int, list[int]]) -> None:
+    """Each rank its samples: every share packed once (a replica's tensor- and pipeline-parallel
+    ranks want the same one) and moved to the device once; first every rank's sizes, then
+    the rest, each in one batch, so the transfers to the ranks overlap."""
+    packed: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for indices in wanted.values():
+        if tuple(indices) not in packed:
+            packed[tuple(indices)] = _packed([exp.sample(i) for i in indices], exp.advantages[indices])
+    send_tensors_to([(dst, packed[tuple(indices)][0]) for dst, indices in wanted.items()])
+    send_tensors_to([(dst, packed[tuple(indices)][1]) for dst, indices in wanted.items()])
+
+
+def _packed(samples: Sequence[Sample], advantages: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``samples`` as tensors on this rank's device: the sizes (the receiver allocates the
+    rest from them), and the rest."""
     device = rank_device()
     routed = [s.routed_experts for s in samples if s.routed_experts is not None]
     routing = torch.cat(routed) if routed else torch.zeros((0, 0, 0), dtype=torch.uint8)
@@ -73,14 +87,17 @@ def _send_samples(samples: Sequence[Sample], advantages: torch.Tensor, dst: int)
         dtype=torch.long,
     ).reshape(-1, 3)  # -1: no routing
     header = torch.tensor([*routing.shape, dtype_code], dtype=torch.long)
-    ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
-    logprobs = torch.tensor([lp for s in samples for lp in s.output_logprobs], dtype=torch.float32)
-    loss_mask = torch.tensor([m for s in samples for m in s.output_mask()], dtype=torch.uint8)
-    # routing travels as its bytes: NCCL has no int16 (the type of > 256 experts); the
-    # receiver sizes the rest from the first two
-    send_tensors([t.contiguous().to(device) for t in (header, sizes)], dst)
+    ids = _flat([chain(s.prompt_ids, s.output_ids) for s in samples], np.int64)
+    logprobs = _flat([s.output_logprobs for s in samples], np.float32)
+    loss_mask = _flat([s.output_mask() for s in samples], np.uint8)
+    # routing travels as its bytes: NCCL has no int16 (the type of > 256 experts)
     rest = (ids, logprobs, loss_mask, advantages.float(), _as_bytes(routing))
-    send_tensors([t.contiguous().to(device) for t in rest], dst)
+    return [t.contiguous().to(device) for t in (header, sizes)], [t.contiguous().to(device) for t in rest]
+
+
+def _flat(lists: Sequence[Iterable], dtype: type) -> torch.Tensor:
+    """The items of ``lists`` in one tensor (through numpy: ~3.5x a list of Python ints)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype=dtype))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
