@@ -121,7 +121,7 @@ def test_a_stage_the_budget_cut_short_is_not_run_and_one_out_of_its_own_time_fai
     was left of a 100 s budget, less than its 120 (SKIPPED "no time left", for a second call)."""
     limits = {}
 
-    def ends_at_its_limit(name, mode, limit, install_report):
+    def ends_at_its_limit(name, mode, limit, install_report, logs_to):
         limits[name] = limit
         why = {"name": "stage finished", "verdict": FAILED, "why": f"over its {limit:.0f} s limit"}
         return {"verdict": FAILED, "checks": [why], "timed_out": True, "seconds": 0.0}
@@ -149,3 +149,26 @@ def test_resume_differences_are_relative_and_a_missing_step_is_infinite() -> Non
         {"train/loss": 1e-3, "train/grad_norm": 0.0, "reward/total": 0.0}
     )
     assert resume_differences(straight, {}, [3])["train/loss"] == math.inf
+
+
+def test_a_failed_stage_keeps_the_tails_of_its_commands_logs(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "run").mkdir(parents=True)
+    (work / "prepare.log").write_text("x" * 300_000 + "the end")
+    (work / "run" / "train.log").write_text("Traceback: boom")
+    (work / "model.safetensors").write_bytes(b"0" * 1000)
+    gpu_check.keep_logs(work, out / "trainer")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        "trainer/prepare.log",
+        "trainer/run/train.log",
+    ]
+    kept = (out / "trainer" / "prepare.log").read_text()
+    assert len(kept) == 200_000 and kept.endswith("the end")
+
+
+def test_results_are_strict_json_with_nan_as_text() -> None:
+    text = gpu_check.strict_json(
+        {"a": float("nan"), "b": [1.5, float("inf")], "c": {"d": -float("inf")}, "p": Path("x")}
+    )
+    assert json.loads(text) == {"a": "nan", "b": [1.5, "inf"], "c": {"d": "-inf"}, "p": "x"}
+    assert "NaN" not in text

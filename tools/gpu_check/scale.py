@@ -506,10 +506,13 @@ def stage_checkpoint(mode: str, checks: Checks, work: Path) -> dict:
         }
         print(f"    checkpoint {key}: {figures[key]}", flush=True)
         if mode != "smoke":  # (tiny sizes: the interpreter's own allocations dominate)
-            checks.check(f"{key}: host peak / predicted", host.peak_gb / predicted["host_peak_GB"], "<=", 1.3)
-            checks.check(
-                f"{key}: host peak / predicted (at least)", host.peak_gb / predicted["host_peak_GB"], ">=", 0.5
-            )
+            # megatron stages to pinned host memory through torch's caching host allocator, which
+            # rounds each block up to a power of two (up to 2x) and keeps the blocks: the second
+            # save reuses the first's, so only the first can show the lower bound
+            ratio = host.peak_gb / predicted["host_peak_GB"]
+            checks.check(f"{key}: host peak / predicted", ratio, "<=", 2.0)
+            if reshardable:
+                checks.check(f"{key}: host peak / predicted (at least)", ratio, ">=", 0.5)
         if cuda():
             checks.check(f"{key}: static GPU memory / predicted", static / static_planned["total_GB"], "<=", 1.1)
             checks.check(
