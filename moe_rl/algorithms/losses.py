@@ -69,6 +69,8 @@ def policy_loss(
         advantages = advantages.unsqueeze(1).expand_as(logp)
     elif advantages.shape != logp.shape:
         raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
+    elif name in SEQUENCE_ADVANTAGE_LOSSES:  # (a host read: [B] advantages, the trainer's, skip it)
+        _check_one_advantage_per_sequence(name, advantages, mask)
     weights = params.get("token_weights")
     if weights is not None and weights.shape != logp.shape:
         raise ValueError(f"token_weights must be [B, T] like logp; got {tuple(weights.shape)}")
@@ -135,8 +137,14 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: flo
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def _per_sequence_advantage(name: str, adv: Tensor, mask: Tensor) -> Tensor:
-    """The one advantage of each sequence; per-token advantages that vary are an error."""
+# losses that weigh a whole sequence by one advantage
+SEQUENCE_ADVANTAGE_LOSSES = frozenset({"gspo", "gmpo", "gmpo_seqclip"})
+
+
+def _check_one_advantage_per_sequence(name: str, adv: Tensor, mask: Tensor) -> None:
+    """``ValueError`` where ``[B, T]`` advantages vary within a sequence's masked tokens."""
+    dtype = torch.promote_types(adv.dtype, torch.float32)
+    adv, mask = adv.detach().to(dtype), mask.to(dtype)
     seq_adv = sequence_mean(adv, mask)
     spread = ((adv - seq_adv.unsqueeze(1)).abs() * mask).amax() if adv.numel() else adv.new_zeros(())
     if spread > 1e-6 * (1.0 + seq_adv.abs().max()):
@@ -144,7 +152,11 @@ def _per_sequence_advantage(name: str, adv: Tensor, mask: Tensor) -> Tensor:
             f"policy loss {name!r} needs one advantage per sequence, but the per-token "
             "advantages vary within a sequence (use 'gspo_token' for token-level advantages)"
         )
-    return seq_adv
+
+
+def _per_sequence_advantage(adv: Tensor, mask: Tensor) -> Tensor:
+    """The one advantage of each sequence (:func:`policy_loss` has checked there is one)."""
+    return sequence_mean(adv, mask)
 
 
 def _token_kl(log_ratio: Tensor) -> Tensor:
@@ -241,7 +253,7 @@ def gspo_loss(
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: clip the length-normalised sequence ratio ``s_i = exp(mean_t logr)``."""
-    seq_adv = _per_sequence_advantage("gspo", adv, mask)
+    seq_adv = _per_sequence_advantage(adv, mask)
     log_ratio = logp - old_logp
     in_ratio = _ratio_mask(mask, token_weights)
     seq_ratio = torch.exp(sequence_mean(log_ratio, in_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
@@ -290,7 +302,7 @@ def gmpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO: geometric mean of token ratios, each clipped in log space at ``±log_clip``
     on the side the advantage's sign makes optimistic; loss ``-A_i * ratio_i``."""
-    seq_adv = _per_sequence_advantage("gmpo", adv, mask)
+    seq_adv = _per_sequence_advantage(adv, mask)
     sign = torch.sign(seq_adv).unsqueeze(1)
     log_ratio = logp - old_logp
     clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-log_clip, log_clip))
@@ -317,7 +329,7 @@ def gmpo_seqclip_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO ablation with a sequence-level clip (as DeepSeek-R1): the log of the whole
     product ``sum_t logr`` is clipped at ``±log_clip``, then its geometric mean taken."""
-    seq_adv = _per_sequence_advantage("gmpo_seqclip", adv, mask)
+    seq_adv = _per_sequence_advantage(adv, mask)
     sign = torch.sign(seq_adv)
     log_ratio = logp - old_logp
     in_ratio = _ratio_mask(mask, token_weights)
@@ -378,7 +390,7 @@ def sapo_loss(
     whose gradient weight is below one half."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
+    tau = torch.where(adv > 0, tau_pos, tau_neg)  # python scalars: no host-to-device copy
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -adv * (4.0 / tau) * gate
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)

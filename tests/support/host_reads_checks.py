@@ -81,7 +81,26 @@ def main() -> dict:
             layer.token_dispatcher = one_rank[id(layer)]
         out["replay_setup_and_probe"] = replay_setup_and_probe_reads(ddp, batches, hf_config, gen)
     out["moe_layer_forwards"] = len(layers) * len(batches)
+    out["policy_losses"] = policy_loss_reads(gen)
     return out
+
+
+def policy_loss_reads(gen: torch.Generator) -> dict:
+    """Each registered policy loss, forward and backward on the trainer's ``[B]``
+    advantages (inside megatron's loss step, once per micro-batch): what it reads back."""
+    from moe_rl.algorithms import POLICY_LOSSES, policy_loss
+
+    logp = (-torch.rand(3, 8, generator=gen)).to(FAKE_DEVICE).requires_grad_()
+    old = (-torch.rand(3, 8, generator=gen)).to(FAKE_DEVICE)
+    adv = torch.tensor([1.0, -0.5, 0.25]).to(FAKE_DEVICE)
+    mask = torch.ones(3, 8).tril().to(FAKE_DEVICE)
+    reads = {}
+    for name in POLICY_LOSSES.names():
+        HOST_READS.clear()
+        loss, _ = policy_loss(name, logp, old, adv, mask, num_tokens=mask.sum(), num_seqs=3)
+        loss.backward()
+        reads[name] = dict(HOST_READS)
+    return reads
 
 
 def routing_stats_reads(gen: torch.Generator) -> dict:

@@ -93,6 +93,10 @@ def test_a_step_at_ep_1_reads_no_device_value_on_the_host_per_moe_layer() -> Non
     # R3's setup of engine routing (was a read per sequence) and a pass keeping the router
     # distributions in host memory for router_kl (was a blocking copy per micro-batch)
     assert result["replay_setup_and_probe"] == {}
+    # every policy loss, inside the loss step of each micro-batch (GSPO's per-sequence
+    # advantage check was a read; SAPO's temperatures were host tensors copied over)
+    assert {"gspo", "gmpo", "gmpo_seqclip", "sapo", "grpo"} <= set(result["policy_losses"])
+    assert all(reads == {} for reads in result["policy_losses"].values()), result["policy_losses"]
 
 
 @pytest.mark.parametrize("mask", ["shared_causal", "copied_causal", "padding"])
