@@ -306,6 +306,11 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.colocate=true and rollout.async_rollouts=true exclude each other: colocated rollouts and training take turns on the same GPUs"
             )
+        if self.colocate and self.weight_sync.method == "distributed":
+            raise ConfigError(
+                "rollout.colocate=true needs rollout.weight_sync.method=tensor (or disk): the distributed sync puts "
+                "the trainer's first rank and a server's rank in one NCCL group on the same GPU, which NCCL refuses"
+            )
 
 
 def is_server_url(url: str) -> bool:

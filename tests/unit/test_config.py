@@ -243,6 +243,10 @@ BAD = [
         "rollout.colocate=true and rollout.async_rollouts=true exclude each other",
     ),
     (
+        ["rollout.engine=sglang", "rollout.server.urls=[http://h:1]", "rollout.colocate=true"],
+        "rollout.colocate=true needs rollout.weight_sync.method=tensor (or disk)",
+    ),
+    (
         ["rollout.async_rollouts=true"],
         "rollout.async_rollouts=true trains on samples of the weights one step behind: set algorithm.old_logprobs=rollout",
     ),
