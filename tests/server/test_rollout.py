@@ -273,10 +273,11 @@ def test_distributed_update_reaches_both_servers_in_buckets(servers, ckpts) -> N
                     [(t.name, t.dtype, t.shape) for t in first.tensors],
                     lambda: sync._send(first, flat),
                     group_name=sync.link.group_names[0],
-                    weight_version="2",
                     flattened=True,
                 )
-        engine.generate(PROMPTS[:1], 1, PARAMS, seed=3)  # not left paused
+        assert engine.read_weight_version() == "incomplete-2"  # (SGLang would hold part of version 2)
+        reply = httpx.post(servers[0].url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=60)
+        assert reply.json()["meta_info"]["weight_version"] == "incomplete-2"  # not left paused
     finally:
         sync.close()
     control(servers[1], "/_test/faults", {"server_version": "0.5.5"})

@@ -141,6 +141,24 @@ def test_control_endpoints(server):
     assert destroyed.status_code == 400 and destroyed.json()["success"] is False
 
 
+def test_a_weight_update_labels_the_servers_only_when_it_completed(server):
+    """The new ``weight_version`` is set once every bucket has been loaded (SGLang loads each
+    bucket as it arrives: a label sent with one would name half-new weights); an update that
+    failed part-way leaves ``incomplete-<version>`` and the server generating again."""
+    from moe_rl.rollout.sglang.engine import SGLangEngine
+
+    engine = SGLangEngine([server.url])
+    with engine.weight_update("whole"):
+        pass
+    assert engine.read_weight_version() == "whole"
+    with pytest.raises(RuntimeError, match="a bucket failed"):
+        with engine.weight_update("next"):
+            raise RuntimeError("a bucket failed")
+    assert engine.read_weight_version() == "incomplete-next"
+    reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
+    assert reply["meta_info"]["weight_version"] == "incomplete-next"  # not left paused
+
+
 def test_an_abort_before_its_request_is_dropped_and_one_after_it_stops_it(server):
     """What the client's repeated aborts rely on: an ``/abort_request`` for a rid the server
     does not know yet is dropped (the request, sent after it, runs to its end), and leaves
@@ -237,7 +255,6 @@ def test_a_bucket_arrives_as_one_flat_broadcast_through_either_group(server, dem
                     [(k, tensors[k].dtype, tensors[k].shape) for k in part],
                     lambda flat=flat, group=group: torch.distributed.broadcast(flat, group=group, group_src=0),
                     group_name=name,
-                    weight_version="flat",
                     flattened=True,
                 )
             unaligned = {

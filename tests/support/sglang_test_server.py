@@ -28,7 +28,8 @@ size (SGLang 0.5.23's ``FlattenedTensorBucket.empty``);
 weight (SGLang would load a partial one; a trainer must send them all).
 ``/update_weights_from_tensor`` maps SGLang's serialized tensors (shared memory on CPU), a
 list of ``(name, tensor)`` or a ``flattened_bucket`` ``{flattened_tensor, metadata}``.
-``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): while any
+``/update_weight_version`` labels the weights (aborting running requests unless
+``abort_all_requests`` is false). ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): while any
 memory is released, or after released weights until a full update, /generate fails.
 
 Fault injection for tests (not part of SGLang): ``POST /_test/faults`` with
@@ -262,14 +263,17 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/abort_request":  # as SGLang: every running rid that starts with it; an empty reply
             st.aborts += 1
             st.aborted.append(body)
-            rid = str(body.get("rid") or "")
-            with st.count_lock:
-                for running, event in st.running.items():
-                    if body.get("abort_all") or (rid and running.startswith(rid)):
-                        if not event.is_set():
-                            event.at = time.monotonic()  # type: ignore[attr-defined]  # its decoding stops here
-                        event.set()
+            _abort_running(st, str(body.get("rid") or ""), every=bool(body.get("abort_all")))
             return self._send(200, b"")
+        if path == "/update_weight_version":  # as SGLang: no session needed; aborts all unless told not to
+            if "new_version" not in body:
+                return self._send(400, {"detail": [{"type": "missing", "loc": ["body", "new_version"]}]})
+            if body.get("abort_all_requests", True):
+                _abort_running(st, "", every=True)
+            with st.lock:
+                st.engine._version = str(body["new_version"])
+            message = f"Weight version updated to {body['new_version']}"
+            return self._send(200, {"success": True, "message": message, "new_version": body["new_version"]})
         if path == "/_test/faults":
             st.faults = body
             with st.count_lock:
@@ -576,6 +580,16 @@ def _load_from_disk(st: State, body: dict) -> tuple[int, dict]:
             "num_paused_requests": 0,
         }
     return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+
+def _abort_running(st: State, rid: str, *, every: bool) -> None:
+    """Stop every running request whose rid starts with ``rid`` (all with ``every``)."""
+    with st.count_lock:
+        for running, event in st.running.items():
+            if every or (rid and running.startswith(rid)):
+                if not event.is_set():
+                    event.at = time.monotonic()  # type: ignore[attr-defined]  # its decoding stops here
+                event.set()
 
 
 def _apply_received(st: State) -> tuple[int, dict]:

@@ -107,18 +107,22 @@ class WeightUpdateEndpoints(ServerControl):
 
     @contextlib.contextmanager
     def weight_update(self, weight_version: str) -> Iterator[None]:
-        """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``;
-        afterwards every server must report ``weight_version``. When anything inside fails,
-        the servers are asked to end, flush and continue, best effort (the failure stands)."""
+        """Generation paused, inside ``/begin_weight_update`` .. ``/end_weight_update``; then
+        every server is labelled ``weight_version`` (only now: SGLang writes each bucket into
+        the live model, so a label sent with a bucket would name weights not all there yet)
+        and must report it. When anything inside fails, each server is labelled
+        ``incomplete-<weight_version>`` (its weights may be part old, part new) and asked to end,
+        flush and continue, best effort (the failure stands)."""
         try:
             self._post_all("/pause_generation", check_success=False)
             self._post_all("/begin_weight_update")
             yield
+            self._post_all("/end_weight_update")
         except BaseException:
-            self._leave_failed_update()
+            self._leave_failed_update(weight_version)
             raise
         try:
-            self._post_all("/end_weight_update")
+            self._post_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
         finally:  # never leave the servers paused
             self._post_all("/flush_cache", check_success=False)
             self._post_all("/continue_generation", check_success=False)
@@ -129,23 +133,30 @@ class WeightUpdateEndpoints(ServerControl):
                 f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}"
             )
 
-    def _leave_failed_update(self, timeout_s: float = 5.0) -> None:
-        """After a failed update (a refused begin or bucket): every server at once is asked to
-        end its session, flush and continue generating, each request within ``timeout_s`` (a
-        server still waiting in a broadcast cannot answer); what fails is only logged."""
+    def _leave_failed_update(self, weight_version: str, timeout_s: float = 5.0) -> None:
+        """After a failed update to ``weight_version`` (a refused begin, bucket or end): every
+        server at once is asked to end its session, take the label ``incomplete-<version>``,
+        flush and continue generating, each request within ``timeout_s`` (a server still
+        waiting in a broadcast cannot answer); what fails is only logged."""
+        label = {"new_version": f"incomplete-{weight_version}", "abort_all_requests": False}
 
         def leave(url: str) -> None:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
-                for path in ("/end_weight_update", "/flush_cache", "/continue_generation"):
+                for path, body in (
+                    ("/end_weight_update", {}),
+                    ("/update_weight_version", label),
+                    ("/flush_cache", {}),
+                    ("/continue_generation", {}),
+                ):
                     try:
-                        response = client.post(url + path, json={})
+                        response = client.post(url + path, json=body)
                     except httpx.TransportError as e:
                         log.warning("%s%s after a failed weight update: %s: %s", url, path, type(e).__name__, e)
                         return
                     if response.status_code >= 400:  # e.g. no session open (its begin was refused)
                         log.info("%s%s after a failed weight update: %s", url, path, response.text[:200])
 
-        concurrent.futures.wait([on_daemon_thread(leave, url) for url in self.urls], timeout=3 * timeout_s + 5)
+        concurrent.futures.wait([on_daemon_thread(leave, url) for url in self.urls], timeout=4 * timeout_s + 5)
 
     def update_weights_from_distributed(
         self,
@@ -153,7 +164,6 @@ class WeightUpdateEndpoints(ServerControl):
         broadcast: Callable[[], None],
         *,
         group_name: str,
-        weight_version: str,
         flattened: bool = False,
     ) -> None:
         """Announce ``tensors`` (name, dtype, shape) to every server, then ``broadcast()``
@@ -167,7 +177,6 @@ class WeightUpdateEndpoints(ServerControl):
             "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in tensors],
             "shapes": [list(shape) for _, _, shape in tensors],
             "group_name": group_name,
-            "weight_version": weight_version,
             "flush_cache": False,
         }
         if flattened:
@@ -181,9 +190,7 @@ class WeightUpdateEndpoints(ServerControl):
                 f"broadcasting a bucket over weight-update group {group_name} failed: {type(e).__name__}: {e}"
             ) from e
 
-    def update_weights_from_tensor(
-        self, serialized: str | Sequence[Sequence[str]], *, weight_version: str, flattened: bool = False
-    ) -> None:
+    def update_weights_from_tensor(self, serialized: str | Sequence[Sequence[str]], *, flattened: bool = False) -> None:
         """Hand every server one bucket by reference, in SGLang's ``MultiprocessingSerializer``
         form: ``serialized[s][i]`` is what TP rank i of server s maps (each from the GPU it
         runs on, where a trainer rank shares it), or one string every TP rank of every server
@@ -200,7 +207,6 @@ class WeightUpdateEndpoints(ServerControl):
                 "serialized_named_tensors": list(entries),
                 "load_format": load_format,
                 "flush_cache": False,
-                "weight_version": weight_version,
             }
             for entries in per_server
         ]

@@ -83,7 +83,6 @@ class DistributedSync(WeightSync[DistributedWeightReceiver]):
                 [(t.name, t.dtype, t.shape) for t in bucket.tensors],
                 lambda: self._send(bucket, flat),
                 group_name=link.group_names[bucket.sender],
-                weight_version=version,
                 flattened=link.flattened,
             )
 

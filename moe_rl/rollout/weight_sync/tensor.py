@@ -118,7 +118,6 @@ class TensorSync(WeightSync[TensorWeightReceiver]):
         if self.engine is None:  # another producer: its copy of every bucket
             weights.stream(self.bucket_bytes, self.dtype, self._send, every_rank=True)
             return
-        self._version = version
         with self.engine.weight_update(version):
             plan = weights.stream(self.bucket_bytes, self.dtype, self._send, every_rank=self.group is not None)
         log.info(
@@ -159,7 +158,6 @@ class TensorSync(WeightSync[TensorWeightReceiver]):
             try:
                 self.engine.update_weights_from_tensor(
                     [[serialized[r] for r in server] for server in self.producers],
-                    weight_version=self._version,
                     flattened=bool(self.flattened),
                 )
             except Exception as e:  # the other producers stop with it
