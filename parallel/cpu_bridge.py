@@ -120,6 +120,7 @@ def _patch_torch_cuda() -> None:
     cuda.default_stream = lambda device=None: _NullStream()
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.empty_cache = lambda: None
+    cuda.ipc_collect = lambda: None
     # the model-parallel RNG tracker keeps its states in "the CUDA generator": use the CPU one
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)

@@ -71,7 +71,9 @@ class DeviceOffloader:
             self._moved[kind] = saved
         if freed and torch.cuda.is_available():
             # the freed blocks stay in this process's caching allocator until emptied: a
-            # colocated SGLang server could not have them back
+            # colocated SGLang server could not have them back; blocks handed to it by CUDA
+            # IPC (the tensor sync's buckets) are kept until collected once it let them go
+            torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
         return freed
 

@@ -173,3 +173,20 @@ def test_a_run_whose_server_refuses_a_bucket_stops_with_its_message(demo_cache, 
         "injected refusal of load_format=flattened_bucket"
     ], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+def test_a_sender_on_another_host_advertises_the_address_towards_the_first_ranks_host(monkeypatch) -> None:
+    """Loopback server URLs name the first rank's host: a later stage's sender on another
+    node advertises its interface towards that host (MASTER_ADDR), never loopback, which
+    would send the servers to themselves; without a routable MASTER_ADDR it says so."""
+    import ipaddress
+
+    local = ["http://127.0.0.1:30000", "http://localhost:30001"]
+    assert distributed.reachable_address(local) == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # (TEST-NET-1: routed, never reached)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    elsewhere = distributed.reachable_address(local, on_first_host=False)
+    assert not ipaddress.ip_address(elsewhere).is_loopback
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(RolloutError, match="give rollout.server.urls with the host's name"):
+        distributed.reachable_address(local, on_first_host=False)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.rollout.contracts import DistributedWeightReceiver, require_capability
-from moe_rl.rollout.types import RolloutEngine
+from moe_rl.rollout.types import RolloutEngine, RolloutError
 from moe_rl.rollout.weight_sync.base import WeightSource, WeightSync
 from moe_rl.rollout.weight_sync.nccl import check_nccl_versions, trainer_nccl_version
 
@@ -151,16 +151,17 @@ class DistributedSync(WeightSync[DistributedWeightReceiver]):
                 uuid.uuid4().hex[:12],
                 flattened,
                 weight_group_offsets(self.engine.server_ranks())[1],
+                socket.gethostname(),
             )
         shared = broadcast_object(setup)
         assert shared is not None  # (the first rank's)
-        urls, token, flattened, world_size = shared
+        urls, token, flattened, world_size, first_host = shared
         me = rank()
-        endpoint = (
-            (self.address if me == 0 and self.address else reachable_address(urls), free_port())
-            if me in senders
-            else None
-        )
+        endpoint = None
+        if me in senders:
+            on_first_host = socket.gethostname() == first_host
+            address = self.address if me == 0 and self.address else reachable_address(urls, on_first_host)
+            endpoint = (address, free_port())
         endpoints = all_gather_objects(endpoint)
         link = _SenderLink({sender: f"{self.GROUP_PREFIX}-{token}-r{sender}" for sender in senders}, flattened)
         if self.engine is not None:
@@ -219,12 +220,34 @@ class DistributedSync(WeightSync[DistributedWeightReceiver]):
         self.link = None
 
 
-def reachable_address(urls: Sequence[str]) -> str:
-    """This host's address as the servers at ``urls`` reach it: loopback when they are all
-    local, else the address of the interface that routes to the first one (no packet is sent)."""
+def reachable_address(urls: Sequence[str], on_first_host: bool = True) -> str:
+    """This host's address as the servers at ``urls`` reach it: the address of the interface
+    that routes to the first of them (no packet is sent); loopback when they are all local
+    to the first rank's host and this is that host. Loopback URLs on another host (a later
+    pipeline stage's sender on another node) name the first rank's host: the interface that
+    routes to it (``MASTER_ADDR``, the launcher's address of the first rank)."""
     hosts = [urlparse(u).hostname or "127.0.0.1" for u in urls]
-    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+    if not all(h in LOOPBACK for h in hosts):
+        return _interface_towards(hosts[0], urlparse(urls[0]).port or 80)
+    if on_first_host:
         return "127.0.0.1"
+    from parallel.distributed import launch_env
+
+    first_rank = launch_env()
+    if first_rank.master_addr in LOOPBACK:
+        raise RolloutError(
+            f"servers at {', '.join(urls)} run on the first rank's host, but this sender is on "
+            f"{socket.gethostname()} and MASTER_ADDR={first_rank.master_addr} does not say where that host is: "
+            "give rollout.server.urls with the host's name"
+        )
+    return _interface_towards(first_rank.master_addr, first_rank.master_port)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _interface_towards(host: str, port: int) -> str:
+    """The address of this host's interface that routes to ``host`` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((hosts[0], urlparse(urls[0]).port or 80))
+        probe.connect((host, port))
         return probe.getsockname()[0]
