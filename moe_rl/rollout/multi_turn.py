@@ -68,6 +68,7 @@ GenerateFn = Callable[..., Coroutine[Any, Any, Transcript]]  # an ``async def`` 
 KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.multi_turn.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
 CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
+ENGINE_POLL_S = 0.5  # while a sample's turn is in the engine (its clock stopped), its deadline is looked at this often
 
 
 class FunctionCancelled(RuntimeError):
@@ -132,7 +133,8 @@ class EngineHandle:
     def __init__(self, source: TurnSource, sampling: SamplingParams, seed: int, max_tokens: int | None = None) -> None:
         self._source, self.sampling, self.seed, self.max_tokens = source, sampling, seed, max_tokens
         self.turns: list[Turn] = []
-        self.seconds = 0.0  # spent waiting for the engine
+        self.seconds = 0.0  # spent waiting for the engine (turns that ended, or were cancelled)
+        self.engine_since: float | None = None  # when the turn in flight was asked for
         self.clock = LoopClock()
         self.context_full = False  # a turn was cut at the model's context, or got no room there
         self._refused = False  # a turn at the context got no tokens
@@ -160,11 +162,14 @@ class EngineHandle:
             stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))),
         )
         known, routing_from = self._known_routing(ids)
-        start = time.perf_counter()
-        sample = await self._source.generate(
-            ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from
-        )
-        self.seconds += time.perf_counter() - start
+        self.engine_since = time.perf_counter()
+        try:
+            sample = await self._source.generate(
+                ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from
+            )
+        finally:
+            self.seconds += time.perf_counter() - self.engine_since
+            self.engine_since = None
         routed = sample.routed_experts
         if routed is not None and known is not None:
             routed = torch.cat([known, routed])
@@ -180,6 +185,10 @@ class EngineHandle:
         if room < limit and turn.finish_reason == "length":
             self.context_full = True
         return turn
+
+    def engine_seconds(self, now: float) -> float:
+        """Seconds spent waiting for the engine up to ``now``, the turn in flight included."""
+        return self.seconds + (now - self.engine_since if self.engine_since is not None else 0.0)
 
     def _at_context(self, ids: list[int]) -> Turn:
         """A turn without tokens for a request at the model's context (once)."""
@@ -324,7 +333,7 @@ class MultiTurnSampler:
             problem, prompt_ids=list(prompt), engine=handle, tokenizer=self.tokenizer, sampling=params, **self.kwargs
         )
         try:
-            transcript = await self._within_timeout(call, handle.clock)
+            transcript = await self._within_timeout(call, handle)
             if not isinstance(transcript, Transcript):
                 raise TranscriptError(f"the generate function returned {type(transcript).__name__}, not a Transcript")
             sample = transcript.to_sample(seed, self.max_tokens)
@@ -343,15 +352,24 @@ class MultiTurnSampler:
         )
         return sample
 
-    async def _within_timeout(self, call: Coroutine[Any, Any, Any], clock: LoopClock) -> Any:
-        """What ``call`` returns; ``TimeoutError`` when it runs past ``timeout_s`` (cancelled
-        then, and abandoned when it is still running :data:`CANCEL_GRACE_S` later), also when
-        it returns late because it blocked the event loop."""
+    async def _within_timeout(self, call: Coroutine[Any, Any, Any], handle: EngineHandle) -> Any:
+        """What ``call`` returns; ``TimeoutError`` when it spends more than ``timeout_s``
+        outside the engine's turns (its own code and its environment's: the time a turn waits
+        for the engine, a server slot included, does not count), cancelled then and abandoned
+        when it is still running :data:`CANCEL_GRACE_S` later; also when it returns late
+        because it blocked the event loop."""
         start = time.perf_counter()
-        task = asyncio.ensure_future(timed(call, clock))
+
+        def outside_engine() -> float:
+            now = time.perf_counter()
+            return now - start - handle.engine_seconds(now)
+
+        task = asyncio.ensure_future(timed(call, handle.clock))
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-            if not done:
+            while not task.done() and (left := self.timeout_s - outside_engine()) > 0:
+                # a turn in flight stops the clock: look again at most every ENGINE_POLL_S
+                await asyncio.wait({task}, timeout=max(left, ENGINE_POLL_S) if handle.engine_since else left)
+            if not task.done():
                 task.cancel()
                 done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
                 if not done:
@@ -368,13 +386,14 @@ class MultiTurnSampler:
             task.cancel()
             raise
         finally:
-            self._warn_if_blocking(clock)
+            self._warn_if_blocking(handle.clock)
         if task.cancelled():  # done without a cancellation of ours: the function raised CancelledError itself
             raise FunctionCancelled("the generate function raised CancelledError (moe-rl did not cancel it)")
         result = task.result()
-        elapsed = time.perf_counter() - start
-        if elapsed > self.timeout_s:  # it blocked the event loop past its deadline, or outran its cancellation
-            raise TimeoutError(f"ran {elapsed:.1f} s, past rollout.multi_turn.timeout_s={self.timeout_s:g}")
+        if (spent := outside_engine()) > self.timeout_s:  # it blocked the event loop past its deadline
+            raise TimeoutError(
+                f"ran {spent:.1f} s outside engine turns, past rollout.multi_turn.timeout_s={self.timeout_s:g}"
+            )
         return result
 
     def _warn_if_blocking(self, clock: LoopClock) -> None:

@@ -145,8 +145,10 @@ class MultiTurnConfig:
     # engine call per sample)
     generate_fn: str = ""
     generate_kwargs: dict = field(default_factory=dict)  # keyword arguments of rollout.multi_turn.generate_fn
-    # a sample's generate function past this scores 0: cancelled at its next await (abandoned 1 s later
-    # if it ignores that); one that blocks the event loop cannot be stopped, only named in a warning
+    # a sample's generate function that spends more than this outside the engine's turns (its own code
+    # and its environment's; a turn waiting for the engine does not count) scores 0: cancelled at its
+    # next await (abandoned 1 s later if it ignores that); one that blocks the event loop cannot be
+    # stopped, only named in a warning
     timeout_s: float = 300.0
     # a step with more than this share of its samples failed stops the run, in one line naming the
     # first reason (1: only a step in which every sample failed, which always stops)

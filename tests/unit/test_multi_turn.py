@@ -5,6 +5,7 @@ training end to end on the local engine and an SGLang server."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -189,12 +190,38 @@ def test_a_function_blocking_the_event_loop_is_named_and_its_late_sample_scores_
     monkeypatch.setattr(multi_turn, "BLOCKING_WARN_S", 0.1)
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
         s = sample_with(ScriptedPolicy(["1<eos>"]), multi_turn_fns.blocks, Problem("1=", "1"), timeout_s=0.15)
-    assert s.failure.startswith("TimeoutError: ran 0.2 s, past rollout.multi_turn.timeout_s=0.15")
+    assert s.failure.startswith("TimeoutError: ran 0.2 s outside engine turns, past rollout.multi_turn.timeout_s=0.15")
     assert "rollout.multi_turn.generate_fn=multi_turn_fns:blocks held the event loop for 0.2" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):  # the engine's own blocking is not its
         s = sample_with(BlockingPolicy(["1<eos>"], 0.2), multi_turn_fns.blocks, Problem("1=", "1"), seconds=0.0)
     assert s.status is SampleStatus.OK and caplog.text == ""
+
+
+class SlowPolicy(ScriptedPolicy):
+    """A scripted policy whose every turn takes ``seconds`` in the engine (awaited, as a
+    server's reply or a queue for a server slot)."""
+
+    def __init__(self, script: list[str], seconds: float) -> None:
+        super().__init__(script)
+        self.seconds = seconds
+
+    async def generate_turn(self, token_ids, params, *, seed, routing_from=0) -> Sample:
+        await asyncio.sleep(self.seconds)
+        return await super().generate_turn(token_ids, params, seed=seed, routing_from=routing_from)
+
+
+def test_the_timeout_counts_only_time_outside_the_engines_turns() -> None:
+    """Three turns of 0.3 s each in the engine, a calculator taking ~0: within a 0.2 s limit
+    (it counts the function's and its environment's time, not the engine's); a function
+    that hangs outside the engine still times out."""
+    policy = SlowPolicy(["calc(3*4)", "calc(12+5)", "\\boxed{17}<eos>"], 0.3)
+    s = sample_with(policy, calculator.generate, Problem("3*4+5=", "17"), timeout_s=0.2)
+    assert s.status is SampleStatus.OK and s.meta["turns"] == 3, s.failure
+    assert s.meta["environment_seconds"] < 0.2
+    start = time.perf_counter()
+    hung = sample_with(SlowPolicy(["x"], 0.3), multi_turn_fns.hangs, Problem("1=", "1"), timeout_s=0.2)
+    assert hung.failure == "TimeoutError" and time.perf_counter() - start < 2.0
 
 
 def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) -> None:
