@@ -31,6 +31,7 @@ from moe_rl.rollout.types import (
     GroupCallback,
     GroupProgress,
     RolloutEngine,
+    RolloutError,
     Sample,
     SamplingParams,
     TurnSource,
@@ -482,8 +483,17 @@ class _BatchingTurns:
     async def generate(
         self, token_ids: Sequence[int], params: SamplingParams, *, seed: int, routing_from: int = 0
     ) -> Sample:
+        ids = list(token_ids)
+        vocab = self.engine.model.config.vocab_size
+        if not ids or not all(0 <= t < vocab for t in ids):  # refused alone, not with its batch
+            shown = (
+                "an empty request"
+                if not ids
+                else f"token ids outside [0, {vocab}): {[t for t in ids if not 0 <= t < vocab][:5]}"
+            )
+            raise RolloutError(f"the local engine refused {shown} (as SGLang answers HTTP 400)")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((list(token_ids), params, seed, routing_from, future))
+        self._pending.append((ids, params, seed, routing_from, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         return await future

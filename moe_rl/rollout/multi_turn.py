@@ -290,6 +290,7 @@ class MultiTurnSampler:
         self.engine, self.fn, self.tokenizer = engine, fn, tokenizer
         self.kwargs, self.timeout_s, self.max_tokens = dict(kwargs), timeout_s, max_tokens
         self._warned: set[str] = set()  # what has been warned about once
+        self._traceback_shown = False  # this sample() call's first failure was logged with its traceback
 
     def sample(
         self,
@@ -304,6 +305,7 @@ class MultiTurnSampler:
     ) -> list[list[Sample]]:
         """Every transcript a task of one event loop; ``on_group`` as each problem's last one ends."""
         params.validate()
+        self._traceback_shown = False
         try:
             return run_abandoning(self._sample_all(problems, prompts, n, params, seed, routed, on_group))
         except KeyboardInterrupt as e:  # asyncio lets it through at once, from any sample
@@ -341,6 +343,12 @@ class MultiTurnSampler:
             raise
         except Exception as e:  # the function or its environment failed (or timed out): the sample scores 0
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if not self._traceback_shown and not isinstance(e, (TranscriptError, TimeoutError, FunctionCancelled)):
+                # the step's first error of the function's own, with where it happened
+                self._traceback_shown = True
+                log.warning(
+                    "a sample failed in rollout.multi_turn.generate_fn=%s", function_name(self.fn), exc_info=True
+                )
             sample = await self._failed_sample(source, handle, prompt, params, seed, routed, why)
         if handle.context_full and sample.status is not SampleStatus.FAILED:
             sample.truncation = Truncation.CONTEXT
@@ -421,9 +429,11 @@ class MultiTurnSampler:
         why: str,
     ) -> Sample:
         """A sample of what the last turn saw and sampled, none of it trained on; with no
-        such turn the bare prompt (its routing from a one-token request when needed)."""
+        such turn the bare prompt (its routing from a one-token request when needed and the
+        prompt leaves room for it; else none, which the batch fills)."""
         last = next((t for t in reversed(handle.turns) if t.input_ids[: len(prompt)] == prompt), None)
-        if last is None and routed:
+        room = self.max_tokens is None or len(prompt) < self.max_tokens  # (else the engine refuses the probe)
+        if last is None and routed and room:
             probe = await source.generate(prompt, replace(params, max_new_tokens=1), seed=seed)
             assert probe.routed_experts is not None  # routed: the source returns routing
             last = Turn(prompt, [], [], "abort", "", probe.routed_experts[: len(prompt) - 1])

@@ -96,10 +96,12 @@ class Transcript:
         end = last_policy_end(self.loss_mask)
         dropped = len(self.loss_mask) - end
         routed = self.routed_experts
-        if routed is not None and len(routed) != len(self.prompt_ids) + end - 1:
+        if routed is not None and len(routed) < len(self.prompt_ids) + end - 1:
             raise TranscriptError(
                 f"routing covers {len(routed)} positions, the transcript {len(self.prompt_ids) + end - 1}"
             )
+        if routed is not None:  # (longer: a last turn cut after it was sampled; routing is causal)
+            routed = routed[: len(self.prompt_ids) + end - 1]
         truncation, finish = Truncation.named(self.meta.get(TRUNCATED_KEY)), self.finish_reason
         if max_tokens is not None and len(self.prompt_ids) + end > max_tokens:
             end = last_policy_end(self.loss_mask[: max(0, max_tokens - len(self.prompt_ids))])

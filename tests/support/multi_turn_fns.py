@@ -169,3 +169,12 @@ async def fails_by_seed(problem, *, prompt_ids, engine, tokenizer, sampling) -> 
     if engine.seed % 2:
         raise ConnectionError("the environment went away")
     return transcript
+
+
+async def inserts_token(problem, *, prompt_ids, engine, tokenizer, sampling, token: int) -> Transcript:
+    """A turn, ``token`` inserted, another turn."""
+    transcript = Transcript(prompt_ids)
+    transcript.add_policy(await engine.generate(transcript.token_ids, max_new_tokens=2))
+    transcript.add_environment([token])
+    transcript.add_policy(await engine.generate(transcript.token_ids, max_new_tokens=2))
+    return transcript

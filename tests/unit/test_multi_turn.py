@@ -565,6 +565,47 @@ def test_the_loss_counts_the_policys_tokens_only() -> None:
     assert float(mb.environment_tokens[2].sum()) == 2 and float(mb.environment_tokens[1].sum()) == 0
 
 
+def test_the_first_error_of_a_generate_function_is_logged_with_its_traceback(caplog) -> None:
+    policy = ScriptedPolicy(["calc(3*4)"])
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
+        s = sample_with(policy, multi_turn_fns.fails_after_a_turn, Problem("1=", "1"))
+    assert "ConnectionError" in s.failure
+    (record,) = [r for r in caplog.records if r.exc_info]
+    assert record.getMessage() == "a sample failed in rollout.multi_turn.generate_fn=multi_turn_fns:fails_after_a_turn"
+    assert "fails_after_a_turn" in caplog.text.split("Traceback", 1)[1]  # the function's own frame
+
+
+def test_a_failed_sample_whose_prompt_fills_the_context_sends_no_routing_probe() -> None:
+    """A function failing before its first turn gets its prompt's routing from a one-token
+    request, unless the prompt already fills the model's context (the engine would refuse
+    that request and stop the run): then it has none."""
+    for context, probes in ((len(ids("1=")) + 4, 1), (len(ids("1=")), 0)):
+        policy = ScriptedPolicy(["x"])
+        sampler = MultiTurnSampler(
+            policy, multi_turn_fns.returns_none, TOKENIZER, kwargs={}, timeout_s=30, max_tokens=context
+        )
+        s = sampler.sample([Problem("1=", "1")], [ids("1=")], 1, PARAMS, seed=7, routed=True)[0][0]
+        assert s.status is SampleStatus.FAILED and len(policy.requests) == probes
+        assert (s.routed_experts is None) == (probes == 0)
+
+
+def test_a_last_turn_cut_after_sampling_keeps_the_routing_of_what_is_left() -> None:
+    """An edited turn (tokens and log-probs cut) keeps the routing the engine returned for
+    all it sampled: the sample's routing is cut to the transcript (routing is causal); too
+    little routing is still an error."""
+    from moe_rl.rollout.multi_turn import Turn
+
+    t = Transcript(ids("1="))
+    sampled = ids("abcd")
+    routing = torch.arange(len(ids("1=")) + len(sampled) - 1)[:, None, None].expand(-1, 1, 2).clone()
+    t.add_policy(Turn(t.token_ids, sampled[:2], [-1.0, -1.0], "stop", "0", routing))
+    s = t.to_sample(0)
+    assert s.output_ids == sampled[:2] and torch.equal(s.routed_experts, routing[: len(t.token_ids) - 1])
+    t.routed_experts = routing[:1]
+    with pytest.raises(TranscriptError, match="routing covers 1 positions"):
+        t.to_sample(0)
+
+
 def test_trailing_environment_tokens_are_left_out() -> None:
     t = Transcript(ids("1="))
     t.add_policy(_turn(t, "ab", [-1.0, -1.0]))
@@ -598,6 +639,23 @@ def test_one_turn_equals_the_single_turn_rollout(local_engine) -> None:
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-6)
         assert torch.equal(a.routed_experts, b.routed_experts)
         assert b.loss_mask == [1] * len(b.output_ids) and b.meta["turns"] == 1
+
+
+def test_a_token_id_the_local_engine_refuses_stops_the_run_as_sglangs_refusal_does(local_engine) -> None:
+    """A token id outside the vocabulary, inserted by an environment: the run stops naming
+    it, as SGLang's HTTP 400 stops it (it was every sample of the batch failing with it)."""
+    problems = ArithmeticChainTask(9).problems(0, 0, 2)
+    prompts = [ids(p.prompt) for p in problems]
+    vocab = local_engine.model.config.vocab_size
+    multi = MultiTurnSampler(
+        local_engine, multi_turn_fns.inserts_token, TOKENIZER, kwargs={"token": vocab + 5}, timeout_s=60
+    )
+    with pytest.raises(RolloutError, match=rf"refused token ids outside \[0, {vocab}\): \[{vocab + 5}\]"):
+        multi.sample(problems, prompts, 2, PARAMS, seed=3, routed=False)
+    fine = MultiTurnSampler(local_engine, multi_turn_fns.inserts_token, TOKENIZER, kwargs={"token": 4}, timeout_s=60)
+    assert all(
+        s.status is SampleStatus.OK for g in fine.sample(problems, prompts, 2, PARAMS, seed=3, routed=False) for s in g
+    )
 
 
 def test_multi_turn_routing_is_the_engines_for_every_token(local_engine) -> None:
