@@ -69,12 +69,13 @@ def build_train_batch(
     shapes, :func:`moe_rl.models.forward.run_microbatches`). Built on the CPU and moved to
     ``device`` in one place (:func:`_on_device`)."""
     routing_shape = _routing_shape(exp) if with_routing else None
-    lengths = exp.lengths
+    lengths, advantages = exp.lengths, exp.advantages.tolist()
     micro_batches = []
     for rows in plan:
         longest = max((lengths[i] for i in rows if i is not None), default=0)
         seq_len = round_up(max(longest, 2), seq_len_multiple)
-        micro_batches.append(_on_device(_micro_batch(exp, rows, seq_len, pad_id, routing_shape), device))
+        batch = _micro_batch(exp, advantages, rows, seq_len, pad_id, routing_shape)
+        micro_batches.append(_on_device(batch, device))
     real = float(sum(lengths[i] for rows in plan for i in rows if i is not None))
     return TrainBatch(step, micro_batches, float(exp.num_response_tokens), float(exp.num_responses), exp, real)
 
@@ -88,13 +89,13 @@ def _routing_shape(exp: Experience) -> tuple[int, int]:
 
 
 def _micro_batch(
-    exp: Experience, chunk: list[int | None], seq_len: int, pad_id: int, routing_shape
+    exp: Experience, step_advantages: list[float], chunk: list[int | None], seq_len: int, pad_id: int, routing_shape
 ) -> PolicyMicroBatch:
     """Rows of ``chunk`` (``None``: an empty row), each tensor made at once from padded rows
-    (a tensor write per row and field cost more than the rest of the step's bookkeeping)."""
+    (a tensor write per row and field cost more than the rest of the step's bookkeeping);
+    ``step_advantages``: every sample's, as a list (made once a step)."""
     ids, mask, rollout_logp, lengths, advantages, environment = [], [], [], [], [], []
     routed: list[Tensor | None] | None = [] if routing_shape is not None else None
-    step_advantages = exp.advantages.tolist()
     for i in chunk:
         if i is None:
             ids.append([pad_id] * seq_len)

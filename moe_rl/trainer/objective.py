@@ -119,9 +119,19 @@ def log_ratio_percentiles(tokens: Sequence[UpdateTokens]) -> tuple[list[dict[str
     selected = torch.cat([t.log_ratio.reshape(-1) for t in tokens])[torch.cat([k.reshape(-1) for k in keep])]
     if not selected.numel():
         return [{} for _ in tokens], selected
-    p01, p99 = torch.quantile(selected.float(), _percentile_points(selected.device))  # one sort for both
+    p01, p99 = quantiles(selected, _percentile_points(selected.device))
     pass_percentiles = {"log_ratio_p01": p01, "log_ratio_p99": p99}
     return [pass_percentiles if count else {} for count in counts], selected
+
+
+def quantiles(values: Tensor, points: Tensor) -> Tensor:
+    """``torch.quantile(values, points)`` (linear interpolation) of a 1-D tensor of any size
+    (torch.quantile refuses more than 2^24 values: a rank's step can hold more tokens), in
+    fp32 at least; one sort, no host read."""
+    ordered = values.to(torch.promote_types(values.dtype, torch.float32)).sort().values
+    at = points.to(ordered.dtype) * (ordered.numel() - 1)
+    low, high = at.floor().long(), at.ceil().long()
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 @functools.cache

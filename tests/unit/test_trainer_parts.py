@@ -792,3 +792,20 @@ def test_an_export_writes_its_dtype_without_changing_the_callers_config(tmp_path
     hf_weights._write_export(None, hf_config, tmp_path, torch.bfloat16, None, 0)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     assert hf_config.dtype == before and before != torch.bfloat16
+
+
+def test_quantiles_equal_torch_quantile_and_take_more_than_two_to_the_24_values() -> None:
+    """torch.quantile refuses more than 2^24 values (a rank's step at 512 x 32k tokens holds
+    more): the percentiles' own sort gives its results, at any size."""
+    from moe_rl.trainer.objective import quantiles
+
+    points = torch.tensor([0.01, 0.5, 0.99])
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 1000):
+        values = torch.randn(n, generator=gen)
+        torch.testing.assert_close(quantiles(values, points), torch.quantile(values, points), rtol=0, atol=1e-6)
+    n = 2**24 + 1
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(torch.zeros(n), points)
+    shuffled = torch.randperm(n, generator=gen).float()  # quantile q is q * 2^24 (to fp32's rounding)
+    assert quantiles(shuffled, points).tolist() == pytest.approx([0.01 * 2**24, 0.5 * 2**24, 0.99 * 2**24], rel=1e-7)
