@@ -206,7 +206,7 @@ def parse_config(path: str | None = None, overrides: Sequence[str] = ()) -> Conf
         except OSError as e:
             raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"config file {path!r} is not valid YAML: {yaml_problem(e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
     _move_keys(raw)
@@ -291,6 +291,14 @@ class _Override:
 
     text: str
     parsed: Any
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line, with where it is (``line 2, column 10: expected ',' or ']'``)."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is None or not problem:
+        return str(error).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 class ConfigLoader(yaml.SafeLoader):

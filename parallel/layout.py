@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# the world size is the number of processes: what to change when the layout does not fit it
+WORLD_SIZE_HINT = " (the world size is the number of processes: moe-rl train --nproc N, or the launcher's)"
+
+
 class LayoutError(ValueError):
     """A parallel layout that cannot work; the message names the bad value."""
 
@@ -116,12 +120,13 @@ class ParallelLayout:
         if world_size % (self.tp * self.pp):
             raise LayoutError(
                 f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {self.tp * self.pp}"
+                f"{WORLD_SIZE_HINT}"
             )
         per_stage = world_size // self.pp
         if per_stage % (self.ep * self.expert_tp):
             raise LayoutError(
                 f"world size / pp = {per_stage} is not divisible by ep*etp = {self.ep}*{self.expert_tp} "
-                f"= {self.ep * self.expert_tp}"
+                f"= {self.ep * self.expert_tp}{WORLD_SIZE_HINT}"
             )
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel.sequence_parallel=True needs tp > 1")

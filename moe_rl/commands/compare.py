@@ -42,11 +42,13 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from moe_rl.commands._distributed import fail
-    from moe_rl.config import ConfigError, ConfigLoader, load_config
+    from moe_rl.config import ConfigError, ConfigLoader, load_config, yaml_problem
 
     try:
         spec = yaml.load(Path(args.config).read_text(), Loader=ConfigLoader)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    except yaml.YAMLError as e:
+        return fail(f"cannot read compare config {args.config!r}: {yaml_problem(e)}")
+    except (OSError, UnicodeDecodeError) as e:
         return fail(f"cannot read compare config {args.config!r}: {str(e).splitlines()[0]}")
     problem = _shape_problem(spec)
     if problem:

@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sync-weights", action="store_true", help="with --engine: load the checkpoint into the servers first"
     )
+    p.add_argument(
+        "--wait-s", type=float, default=300.0, help="with --engine: how long to wait for the servers to be healthy"
+    )
     p.add_argument("--out", help="directory for eval.json and TensorBoard events")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.eval_samples=8")
     p.set_defaults(func=run)
@@ -79,6 +82,8 @@ def _arguments_problem(args: argparse.Namespace) -> str | None:
             return f"--engine took the override {url!r} for a server URL: give overrides before --engine"
         if not is_server_url(url):
             return f"--engine {url!r} must be a URL like http://host:30000"
+    if not args.wait_s > 0:
+        return f"--wait-s {args.wait_s:g} must be > 0"
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         return f"--out {args.out!r} is a file: it must be a directory (eval.json and TensorBoard events go there)"
     return None
@@ -149,7 +154,7 @@ def _engine(args: argparse.Namespace, cfg, model_dir: Path):
         top_k=hf_config.num_experts_per_tok,
         num_experts=architecture_of(hf_config).num_experts(hf_config),
     )
-    engine.wait_healthy()
+    engine.wait_healthy(timeout_s=args.wait_s)
     if args.sync_weights:
         engine.update_weights_from_disk(str(model_dir.resolve()), "moe-rl-eval")
     return engine

@@ -451,7 +451,10 @@ def test_bad_data_lines_are_skipped_with_file_and_line(base, tmp_path: Path, cap
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["parallel.ep=3"], "world size / pp = 1 is not divisible by ep*etp = 3*1 = 3"),
+        (
+            ["parallel.ep=3"],
+            "world size / pp = 1 is not divisible by ep*etp = 3*1 = 3 (the world size is the number of processes: moe-rl train --nproc N",
+        ),
         (["parallel.tp=2"], "world size 1 is not divisible by tp*pp = 2*1 = 2"),
     ],
 )

@@ -264,8 +264,8 @@ def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "none.yaml"))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("train: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    bad.write_text("model: {}\ntrain: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML: line 3, column 1: expected ',' or ']'"):
         load_config(str(bad))
 
 

@@ -594,3 +594,27 @@ def test_eval_refuses_bad_engines_and_outputs_before_evaluating_and_finds_a_runs
     (tmp_path / "run" / "config.yaml").write_text("{}")
     assert _run_config(step) == _run_config(step / "model") == str(tmp_path / "run" / "config.yaml")
     assert _run_config(tmp_path) is None
+    assert "--wait-s 0 must be > 0" in moe_rl_in_process(*base, "--engine", "http://h:1", "--wait-s", "0").stderr
+
+
+def test_eval_gives_up_on_a_server_that_never_answers_after_wait_s(tmp_path: Path) -> None:
+    import time
+
+    from conftest import moe_rl_in_process
+    from moe_rl.models.tiny import save_tiny_checkpoint
+    from parallel.launch import free_port
+
+    model = save_tiny_checkpoint(tmp_path / "model", "qwen3_moe", seed=0)
+    start = time.monotonic()
+    dead = moe_rl_in_process(
+        "eval",
+        "--checkpoint",
+        str(model),
+        "--task",
+        "arithmetic",
+        "--engine",
+        f"http://127.0.0.1:{free_port()}",
+        "--wait-s",
+        "1",
+    )
+    assert dead.returncode != 0 and "moe-rl: error: eval: " in dead.stderr and time.monotonic() - start < 60
