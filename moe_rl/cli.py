@@ -8,32 +8,43 @@ import warnings
 
 import moe_rl
 
+DESCRIPTION = "moe-rl: RL post-training for Mixture-of-Experts models (megatron-core training, SGLang rollouts)."
+EXAMPLES = """examples:
+  moe-rl demo                                      the built-in comparison (a few minutes on CPU)
+  moe-rl train --config configs/algorithms/gspo.yaml train.steps=50
+  moe-rl compare --config configs/compare/demo.yaml --only grpo,grpo_r3
+  moe-rl COMMAND --help                            each command's options
+docs: README.md and docs/ in the repository"""
+
 
 def _demo(args: argparse.Namespace) -> int:
-    """The built-in default: ``moe-rl compare --config configs/compare/demo.yaml``."""
+    """The built-in default: ``moe-rl compare`` on ``configs/compare/demo.yaml``."""
     from pathlib import Path
 
     from moe_rl.commands import compare
 
-    config = Path(args.config)
-    if not config.is_file():
-        print(f"moe-rl: error: {config} not found (run from the repository root, or pass --config)", file=sys.stderr)
+    if not Path(args.config).is_file():
+        print(
+            f"moe-rl: error: {args.config} not found (run from the repository root, or pass --config)", file=sys.stderr
+        )
         return 2
-    # through compare's own parser: its every option gets its default
-    return compare.run(build_parser().parse_args(["compare", "--config", str(config), *args.overrides]))
+    return compare.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="moe-rl", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"moe-rl {moe_rl.__version__}")
     # the DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment is used
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run the built-in demo: compare GRPO (+R2/R3, +TIS), GSPO, GMPO, GDPO, SAPO")
-    demo.add_argument("--config", default="configs/compare/demo.yaml")
-    demo.add_argument("overrides", nargs="*")
-    demo.set_defaults(func=_demo)
     from moe_rl.commands import budget, compare, drift, evaluate, export, parity, prepare, train
+
+    demo_help = "run the built-in demo: compare GRPO (+R2/R3, +TIS), GSPO, GMPO, GDPO, SAPO"
+    demo = sub.add_parser("demo", help=demo_help, description=demo_help + " (moe-rl compare on its default config)")
+    compare.add_arguments(demo)
+    demo.set_defaults(func=_demo)
 
     train.add_parser(sub)
     compare.add_parser(sub)

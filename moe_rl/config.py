@@ -272,7 +272,7 @@ def _move_keys(raw: dict) -> None:
 
 def _build(cls, raw: Any, prefix: str):
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:

@@ -20,6 +20,10 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "[setup] moe-rl needs Python 3.10 or later (tested: 3.11); $PYTHON is $("$PYTHON" -V 2>&1): set PYTHON=python3.11" >&2
+  exit 2
+fi
 extras=""
 sglang=0
 for flag in "$@"; do

@@ -23,6 +23,8 @@ from moe_rl.checkpoint.catalog import checkpoint_dirs, format_problem, newest_re
 
 def check_run_dir(cfg: Config) -> None:
     run_dir = Path(cfg.train.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} is a file: it must be a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

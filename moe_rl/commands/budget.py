@@ -82,7 +82,8 @@ def budget_inputs(config: str, world: int, hf_config_path: str | None) -> tuple[
         model = AutoConfig.for_model(**hf_config)
     except (OSError, ValueError, TypeError) as e:
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise ConfigError(f"cannot read the model's config {hf_path} ({why}): pass --hf-config") from None
+        fix = "give an HF config.json" if hf_config_path else "pass --hf-config"
+        raise ConfigError(f"cannot read the model's config {hf_path} ({why}): {fix}") from None
     try:
         cfg.optim.validate()
         cfg.parallel.validate(world, model_dims(model))

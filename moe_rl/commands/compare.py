@@ -16,8 +16,16 @@ HELP = "run several algorithms on the same data and write a comparison report"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help=HELP, description=HELP)
-    p.add_argument("--config", default="configs/compare/demo.yaml")
+    add_arguments(sub.add_parser("compare", help=HELP, description=HELP))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``compare``'s options (``demo`` takes them too)."""
+    p.add_argument(
+        "--config",
+        default="configs/compare/demo.yaml",
+        help="the comparison: a base config and the runs (default: %(default)s, from the repository root)",
+    )
     p.add_argument("--only", default=None, help="comma-separated runs to do (names from the config)")
     p.add_argument(
         "--seeds", default=None, help="comma-separated seeds: every run once per seed, reported as mean and spread"

@@ -33,6 +33,8 @@ def model_dir_of(checkpoint: str) -> Path:
     from moe_rl.checkpoint.catalog import CheckpointMismatch, model_problem
 
     path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"{checkpoint} does not exist (a checkpoint step_N/ or a Hugging Face model directory)")
     if (path / "model" / "config.json").exists():
         problem = model_problem(path) if (path / "meta.json").exists() or (path / "dist").is_dir() else None
         if problem:

@@ -10,8 +10,8 @@ HELP = "prepare (and cache) the model a config uses"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help=HELP, description=HELP)
-    p.add_argument("--config", default=None)
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--config", default=None, help="the run's config (default: the built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for moe-rl train")
     p.set_defaults(func=run)
 
 

@@ -11,7 +11,11 @@ def read_prompts(path: str | None, tokenizer_dir: str, limit: int | None) -> lis
         raise ValueError("--prompts is needed when --a or --b is a model directory")
     prompts: list[list[int]] = []
     tokenizer = None
-    with open(path, encoding="utf-8") as f:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--prompts {path!r} cannot be read: {e.strerror or e}") from None
+    with f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -8,6 +8,7 @@ Attention, norms and embeddings share Llama-style names across these families.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -293,6 +294,8 @@ _register_with_transformers(KimiK2Config, KimiK2ForCausalLM, like="deepseek_v3")
 
 def load_hf_config(path: str) -> PretrainedConfig:
     """The ``config.json`` of a local HF model directory (never a hub download)."""
+    if not Path(path).exists():
+        raise ValueError(f"{path!r} does not exist (a Hugging Face model directory is needed)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

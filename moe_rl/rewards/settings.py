@@ -69,6 +69,7 @@ class RewardConfig:
                 if getattr(cond, attr) not in names:
                     raise ConfigError(
                         f"reward.conditionals[{i}].{attr}={getattr(cond, attr)!r} is not a reward; rewards: {', '.join(names)}"
+                        " (new reward.rewards keep the default conditionals: set reward.conditionals=[] or new ones)"
                     )
         require_positive("reward.timeout_s", self.timeout_s)
         require_positive("reward.workers", self.workers, allow_zero=True)

@@ -469,3 +469,28 @@ def test_a_resume_may_change_how_layers_are_implemented_not_what_they_compute() 
     assert fingerprint_differences(base.fingerprint(), load_config(None, ["model.top_k=1"]).fingerprint()) == [
         "model.top_k: 2 -> 1"
     ]
+
+
+def test_bad_paths_and_sections_are_named_plainly(tmp_path: Path) -> None:
+    """What a user mistyped, named as such: a section that is not a mapping, a path that
+    does not exist, a run directory that is a file."""
+    from moe_rl.checkpoint.run_dir import check_run_dir
+    from moe_rl.commands.export import model_dir_of
+    from moe_rl.commands.prompt_file import read_prompts
+    from moe_rl.models.architectures import load_hf_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: 3\n")
+    with pytest.raises(ConfigError, match=r"^algorithm must be a mapping, got 3$"):
+        load_config(str(bad))
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"'.*nope' does not exist \(a Hugging Face model directory is needed\)"):
+        load_hf_config(missing)
+    with pytest.raises(FileNotFoundError, match=r"nope does not exist \(a checkpoint step_N/"):
+        model_dir_of(missing)
+    with pytest.raises(ValueError, match=r"--prompts '.*nope' cannot be read: No such file or directory"):
+        read_prompts(missing, missing, None)
+    (tmp_path / "afile").write_text("")
+    cfg = load_config(None, [f"train.run_dir={tmp_path / 'afile'}"])
+    with pytest.raises(ConfigError, match="is a file: it must be a directory"):
+        check_run_dir(cfg)
