@@ -66,6 +66,7 @@ _KNOWN_NOISE = (
     ".*reduce_scatter_tensor. is deprecated.*",
     ".*The .grad attribute of a Tensor that is not a leaf Tensor.*",
     ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    ".*`load_state_dict` is deprecated.*",  # torch's, called by megatron's checkpoint loader
 )
 
 

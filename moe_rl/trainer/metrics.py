@@ -271,6 +271,9 @@ class StepLogger:
         """The end of a run: what it reached and where to look."""
         if not self.enabled:
             return
+        if steps_run <= 0:
+            self._print(f"{self.run_dir.name}: nothing to do, its checkpoints already reach train.steps (raise it to go on)")
+            return
         lines = [
             f"{self.run_dir.name}: {steps_run} step(s) in {seconds:.0f}s"
             + (f", {step_line(0, 0, scalars, short=True)}" if scalars else "")

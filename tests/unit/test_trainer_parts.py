@@ -809,3 +809,14 @@ def test_quantiles_equal_torch_quantile_and_take_more_than_two_to_the_24_values(
         torch.quantile(torch.zeros(n), points)
     shuffled = torch.randperm(n, generator=gen).float()  # quantile q is q * 2^24 (to fp32's rounding)
     assert quantiles(shuffled, points).tolist() == pytest.approx([0.01 * 2**24, 0.5 * 2**24, 0.99 * 2**24], rel=1e-7)
+
+
+def test_a_run_that_already_reached_its_steps_says_so(tmp_path, capsys) -> None:
+    from moe_rl.trainer.metrics import StepLogger
+
+    logger = StepLogger(tmp_path / "r5", 4, 4, enabled=True, progress=False)
+    logger.summary(0, {}, None, 0.0)
+    assert (
+        capsys.readouterr().err.strip()
+        == "r5: nothing to do, its checkpoints already reach train.steps (raise it to go on)"
+    )
