@@ -9,6 +9,7 @@ import copy
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,19 +80,26 @@ def run(args: argparse.Namespace) -> int:
     if busy:
         return fail(f"{busy}: another compare or train is running there (nothing was started or deleted)")
     earlier = earlier_runs(out_dir, list(runs)) if args.fresh else []  # (before this compare writes configs)
+    checked = {}
+    with tempfile.TemporaryDirectory() as scratch:  # every run's config checked before any is written
+        for name, extra in runs.items():
+            merged = _merge(spec.get("base") or {}, extra or {})
+            merged.setdefault("train", {})["run_dir"] = str(out_dir / name)
+            text = yaml.safe_dump(merged, sort_keys=False)
+            trial = Path(scratch) / f"{name}.yaml"
+            trial.write_text(text)
+            try:
+                checked[name] = (text, load_config(str(trial), args.overrides))
+            except ConfigError as e:
+                return fail(f"run {name!r}: {e}")
+    if not checked:
+        return fail("no runs to compare")
     configs = {}
-    for name, extra in runs.items():
-        merged = _merge(spec.get("base") or {}, extra or {})
-        merged.setdefault("train", {})["run_dir"] = str(out_dir / name)
+    for name, (text, cfg) in checked.items():
         path = out_dir / "configs" / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(merged, sort_keys=False))
-        try:
-            configs[name] = (path, load_config(str(path), args.overrides))
-        except ConfigError as e:
-            return fail(f"run {name!r}: {e}")
-    if not configs:
-        return fail("no runs to compare")
+        path.write_text(text)
+        configs[name] = (path, cfg)
     for run_dir in remove_runs(earlier):  # once every run's config is known good
         print(f"[compare] --fresh: deleted the earlier run {run_dir}", flush=True)
 

@@ -272,7 +272,9 @@ class StepLogger:
         if not self.enabled:
             return
         if steps_run <= 0:
-            self._print(f"{self.run_dir.name}: nothing to do, its checkpoints already reach train.steps (raise it to go on)")
+            self._print(
+                f"{self.run_dir.name}: nothing to do, its checkpoints already reach train.steps (raise it to go on)"
+            )
             return
         lines = [
             f"{self.run_dir.name}: {steps_run} step(s) in {seconds:.0f}s"

@@ -539,6 +539,7 @@ def test_fresh_deletes_nothing_until_every_runs_config_is_good_and_demo_takes_co
     typo = moe_rl_in_process("compare", "--config", str(spec), "--fresh", "rollout.group_sise=4")
     assert typo.returncode == 2 and "unknown key 'rollout.group_sise'" in typo.stderr, typo.stderr
     assert (out / "grpo" / "checkpoints").is_dir() and "deleted" not in typo.stdout
+    assert (out / "configs" / "grpo.yaml").read_text() == "{}"  # no config written for a run that cannot start
     demo = moe_rl_in_process("demo", "--config", str(spec), "rollout.group_sise=4")  # compare's defaults
     assert demo.returncode == 2 and "unknown key 'rollout.group_sise'" in demo.stderr, demo.stderr
 
