@@ -25,8 +25,8 @@ class WeightUpdateSession(Protocol):
     """Updates weights between a begin and an end (generation paused in between)."""
 
     def weight_update(self, weight_version: str) -> contextlib.AbstractContextManager[None]:
-        """Inside: generation paused and weights may be sent; after it, every server
-        reports ``weight_version``."""
+        """Inside: generation paused and weights may be sent; after it, every server is
+        labelled ``weight_version`` and reports it (after a failure: not that version)."""
         ...
 
     def supports_flattened_buckets(self) -> bool:
@@ -67,10 +67,10 @@ class DistributedWeightReceiver(WeightUpdateSession, Protocol):
         broadcast: Callable[[], None],
         *,
         group_name: str,
-        weight_version: str,
         flattened: bool = False,
     ) -> None:
-        """Announce ``tensors`` (name, dtype, shape), then ``broadcast()`` them over ``group_name``."""
+        """Announce ``tensors`` (name, dtype, shape), then ``broadcast()`` them over ``group_name``
+        (inside :meth:`weight_update`, which labels the weights once all have arrived)."""
         ...
 
 
@@ -78,10 +78,9 @@ class DistributedWeightReceiver(WeightUpdateSession, Protocol):
 class TensorWeightReceiver(WeightUpdateSession, Protocol):
     """Takes buckets by reference (CUDA IPC handles; shared-memory files on CPU)."""
 
-    def update_weights_from_tensor(
-        self, serialized: str | Sequence[Sequence[str]], *, weight_version: str, flattened: bool = False
-    ) -> None:
-        """``serialized[s][i]``: what TP rank i of server s maps (or one for all of them)."""
+    def update_weights_from_tensor(self, serialized: str | Sequence[Sequence[str]], *, flattened: bool = False) -> None:
+        """``serialized[s][i]``: what TP rank i of server s maps (or one for all of them);
+        inside :meth:`weight_update`, which labels the weights once all have arrived."""
         ...
 
 

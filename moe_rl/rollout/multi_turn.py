@@ -36,9 +36,12 @@ run when the config loads.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import logging
+import os
+import threading
 import time
 from collections.abc import Coroutine, Generator
 from dataclasses import replace
@@ -457,11 +460,47 @@ class MultiTurnSampler:
         )
 
 
+class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """An event loop's default executor (``asyncio.to_thread``, a tool's blocking call):
+    at most ``workers`` calls at once, on daemon threads. A thread pool's threads are joined
+    when the interpreter exits, so one tool call that never returns (its sample long timed
+    out) would keep the trainer's process alive after the run ended; these are left behind."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers)  # (asyncio takes only a ThreadPoolExecutor; its pool stays unused)
+        self._slots = threading.BoundedSemaphore(workers)
+        self._lock = threading.Lock()
+        self.running = 0  # calls started and not yet returned
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            with self._slots:
+                if not future.set_running_or_notify_cancel():
+                    return
+                with self._lock:
+                    self.running += 1
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                    future.set_exception(e)
+                finally:
+                    with self._lock:
+                        self.running -= 1
+
+        threading.Thread(target=run, daemon=True, name="moe-rl-to-thread").start()
+        return future
+
+
 def run_abandoning(main: Coroutine[Any, Any, Any]) -> Any:
     """``asyncio.run(main)``, except that tasks still running at its end (a generate
     function that ignored its cancellation) get :data:`CANCEL_GRACE_S` to stop after being
-    cancelled and are then left behind, not waited for."""
+    cancelled and are then left behind, not waited for; so are blocking calls of theirs
+    still running on the loop's threads (:class:`DaemonThreads`), named in a warning."""
     loop = asyncio.new_event_loop()
+    threads = DaemonThreads(min(32, (os.cpu_count() or 1) + 4))  # (asyncio's own default)
+    loop.set_default_executor(threads)
     try:
         return loop.run_until_complete(main)
     finally:
@@ -474,3 +513,9 @@ def run_abandoning(main: Coroutine[Any, Any, Any]) -> Any:
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
+            if threads.running:
+                log.warning(
+                    "%d blocking call(s) of the rollout (asyncio.to_thread) still running after their samples ended:"
+                    " left behind on daemon threads (give the tool a timeout of its own)",
+                    threads.running,
+                )

@@ -178,3 +178,9 @@ async def inserts_token(problem, *, prompt_ids, engine, tokenizer, sampling, tok
     transcript.add_environment([token])
     transcript.add_policy(await engine.generate(transcript.token_ids, max_new_tokens=2))
     return transcript
+
+
+async def tool_never_returns(problem, *, prompt_ids, engine, tokenizer, sampling, seconds: float = 3.0) -> Transcript:
+    """A blocking tool call, run as the docs advise (``asyncio.to_thread``), that outlives any timeout."""
+    await asyncio.to_thread(time.sleep, seconds)
+    raise AssertionError("unreachable within the test's timeout")

@@ -224,6 +224,20 @@ def test_the_timeout_counts_only_time_outside_the_engines_turns() -> None:
     assert hung.failure == "TimeoutError" and time.perf_counter() - start < 2.0
 
 
+def test_a_tool_call_that_never_returns_is_left_on_a_daemon_thread(caplog) -> None:
+    """The sample times out; the tool's thread (asyncio.to_thread) is a daemon, so the
+    process can still exit when the run ends (a thread pool's would be joined), and a
+    warning says a call was left behind."""
+    import threading
+
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.multi_turn"):
+        s = sample_with(ScriptedPolicy(["x"]), multi_turn_fns.tool_never_returns, Problem("1=", "1"), timeout_s=0.2)
+    assert s.failure == "TimeoutError"
+    left = [t for t in threading.enumerate() if t.name == "moe-rl-to-thread"]
+    assert left and all(t.daemon for t in left)
+    assert "1 blocking call(s) of the rollout (asyncio.to_thread) still running" in caplog.text
+
+
 def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) -> None:
     monkeypatch.setattr(multi_turn, "CANCEL_GRACE_S", 0.1)
     start = time.perf_counter()
