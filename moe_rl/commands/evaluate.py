@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--task",
-        help="held-out problems (data.eval_task): arithmetic, .jsonl/.json/.parquet, or a datasets DIR[:split]",
+        help="held-out problems: arithmetic, .jsonl/.json/.parquet, or a datasets DIR[:split] (default: the"
+        " run config's data.eval_task)",
     )
     p.add_argument(
         "--config", help="run config for the prompt format, rewards and sampling (default: the checkpoint's run's)"

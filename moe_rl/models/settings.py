@@ -21,7 +21,8 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 @dataclass
 class ModelConfig:
     hf_dir: str | None = None  # None: the built-in tiny demo model (warm-started and cached)
-    architecture: str = "qwen3_moe"  # for the built-in model: one of DEMO_ARCHITECTURES
+    # for the built-in model: qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe or deepseek_v3
+    architecture: str = "qwen3_moe"
     hidden_size: int = 64  # the built-in model: hidden width
     num_layers: int = 2  # the built-in model: decoder layers (all MoE)
     num_experts: int = 8  # the built-in model: routed experts per layer

@@ -494,3 +494,12 @@ def test_bad_paths_and_sections_are_named_plainly(tmp_path: Path) -> None:
     cfg = load_config(None, [f"train.run_dir={tmp_path / 'afile'}"])
     with pytest.raises(ConfigError, match="is a file: it must be a directory"):
         check_run_dir(cfg)
+
+
+def test_the_config_reference_names_every_built_in_architecture() -> None:
+    from moe_rl.models.settings import DEMO_ARCHITECTURES
+
+    line = next(
+        x for x in (ROOT / "docs" / "config-reference.md").read_text().splitlines() if "`model.architecture`" in x
+    )
+    assert all(name in line for name in DEMO_ARCHITECTURES), line
