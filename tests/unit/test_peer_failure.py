@@ -65,6 +65,35 @@ def test_a_rank_failing_itself_is_not_stopped_by_its_own_watch_nor_by_a_stopped_
     assert 0.4 < time.monotonic() - start < 2
 
 
+def test_a_rank_gone_without_a_word_is_announced_by_the_rank_watching_its_heartbeat() -> None:
+    """Rank 1 never beats (killed, its node lost): rank 0, which watches it, announces it
+    after the silence limit, and rank 2 (watching rank 0, alive) stops with the same line; a
+    rank that stopped on purpose (its run ended) is never taken for dead."""
+    server, client = _store_pair()
+    exits: list[int] = []
+    errs = [io.StringIO(), io.StringIO()]
+    watcher = PeerWatch(0, 3, server, poll_s=0.05, silent_s=0.4, exit_process=exits.append, err=errs[0]).start()
+    other = PeerWatch(2, 3, client, poll_s=0.05, silent_s=0.4, exit_process=exits.append, err=errs[1]).start()
+    start = time.monotonic()
+    _wait_for(lambda: len(exits) == 2)
+    assert time.monotonic() - start >= 0.4 and exits == [PEER_FAILED_EXIT] * 2
+    assert (
+        errs[0].getvalue()
+        == "moe-rl: rank 0 stops: rank 1 (host unknown) stopped answering 0s ago (killed? out of memory?)\n"
+    )
+    assert errs[1].getvalue() == errs[0].getvalue().replace("rank 0 stops", "rank 2 stops")
+    watcher.stop(), other.stop()
+    server, client = _store_pair()
+    exits.clear()
+    watcher = PeerWatch(0, 2, server, poll_s=0.05, silent_s=0.3, exit_process=exits.append).start()
+    finished = PeerWatch(1, 2, client, poll_s=0.05, silent_s=0.3, exit_process=exits.append).start()
+    time.sleep(0.2)
+    finished.stop()
+    time.sleep(0.8)
+    assert exits == []
+    watcher.stop()
+
+
 def test_a_store_that_stops_answering_stops_the_rank_after_its_grace() -> None:
     server, client = _store_pair()
     exits: list[int] = []
