@@ -390,7 +390,7 @@ def sapo_loss(
     whose gradient weight is below one half."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    tau = torch.where(adv > 0, tau_pos, tau_neg)  # python scalars: no host-to-device copy
+    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # filled on the device: no host copy
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -adv * (4.0 / tau) * gate
     loss = _reduce(per_token, mask, agg, num_tokens, num_seqs, token_weights)
