@@ -9,7 +9,7 @@
 #   - a machine with an NVIDIA driver (nvidia-smi on PATH) gets the normal wheel from PyPI;
 #   - a CPU machine gets torch==2.13.0 (on the project's dev/CI machines a CPU build
 #     that lies on local disk; elsewhere point pip at a CPU index, e.g.
-#     PIP_INDEX_URL=https://download.pytorch.org/whl/cpu).
+#     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
 # Override either choice with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.9.1".
 # With --sglang on a GPU machine SGLang is installed first and the trainer takes its torch
 # (SGLang 0.5.23 pins torch==2.14.1; the same wheel pins the same NCCL): the distributed weight

@@ -21,14 +21,19 @@ from moe_rl.config import Config, ConfigError, fingerprint_differences
 from moe_rl.checkpoint.catalog import checkpoint_dirs, format_problem, newest_readable
 
 
-def check_run_dir(cfg: Config) -> None:
-    run_dir = Path(cfg.train.run_dir)
+def make_run_dir(run_dir: Path) -> None:
+    """``run_dir`` and its parents made (nothing when it is there); :class:`ConfigError` naming why not."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"train.run_dir={str(run_dir)!r} is a file: it must be a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"train.run_dir={str(run_dir)!r} cannot be created: {e.strerror or e}") from None
+
+
+def check_run_dir(cfg: Config) -> None:
+    run_dir = Path(cfg.train.run_dir)
+    make_run_dir(run_dir)
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"train.run_dir={str(run_dir)!r} is not writable")
     if not checkpoint_dirs(run_dir):
@@ -123,10 +128,7 @@ def hold_run_dir(run_dir: str | os.PathLike, *, first_rank: bool = True) -> Iter
         yield
         return
     run_dir = Path(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} cannot be created: {e.strerror or e}") from None
+    make_run_dir(run_dir)
     fd = _try_lock(run_dir)
     if fd is None:
         raise RunDirInUse(in_use_message(run_dir, holder_of(run_dir) or "another process"))

@@ -41,6 +41,7 @@ import importlib
 import inspect
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Coroutine, Generator
@@ -71,7 +72,6 @@ GenerateFn = Callable[..., Coroutine[Any, Any, Transcript]]  # an ``async def`` 
 KWARGS_CHECK = "check_kwargs"  # attribute of a generate function: its check of rollout.multi_turn.generate_kwargs
 BLOCKING_WARN_S = 0.5  # a generate function holding the event loop this long without an await is warned about
 CANCEL_GRACE_S = 1.0  # a timed-out function has this long to stop after its cancellation, then it is abandoned
-ENGINE_POLL_S = 0.5  # while a sample's turn is in the engine (its clock stopped), its deadline is looked at this often
 
 
 class FunctionCancelled(RuntimeError):
@@ -136,8 +136,11 @@ class EngineHandle:
     def __init__(self, source: TurnSource, sampling: SamplingParams, seed: int, max_tokens: int | None = None) -> None:
         self._source, self.sampling, self.seed, self.max_tokens = source, sampling, seed, max_tokens
         self.turns: list[Turn] = []
-        self.seconds = 0.0  # spent waiting for the engine (turns that ended, or were cancelled)
-        self.engine_since: float | None = None  # when the turn in flight was asked for
+        self.seconds = 0.0  # spent with a turn in the engine (up to the last time none was)
+        self.engine_since: float | None = None  # since when a turn has been in the engine (None: none is)
+        self._in_engine = 0  # turns in the engine now (a function may ask for several at once)
+        self.out_of_engine = asyncio.Event()  # set while no turn is in the engine
+        self.out_of_engine.set()
         self.clock = LoopClock()
         self.context_full = False  # a turn was cut at the model's context, or got no room there
         self._refused = False  # a turn at the context got no tokens
@@ -165,14 +168,13 @@ class EngineHandle:
             stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))),
         )
         known, routing_from = self._known_routing(ids)
-        self.engine_since = time.perf_counter()
+        self._enter_engine()
         try:
             sample = await self._source.generate(
                 ids, params, seed=turn_seed(self.seed, len(self.turns)), routing_from=routing_from
             )
         finally:
-            self.seconds += time.perf_counter() - self.engine_since
-            self.engine_since = None
+            self._leave_engine()
         routed = sample.routed_experts
         if routed is not None and known is not None:
             routed = torch.cat([known, routed])
@@ -190,8 +192,21 @@ class EngineHandle:
         return turn
 
     def engine_seconds(self, now: float) -> float:
-        """Seconds spent waiting for the engine up to ``now``, the turn in flight included."""
+        """Seconds with at least one turn in the engine up to ``now``, turns in flight included."""
         return self.seconds + (now - self.engine_since if self.engine_since is not None else 0.0)
+
+    def _enter_engine(self) -> None:
+        if self._in_engine == 0:
+            self.engine_since = time.perf_counter()
+            self.out_of_engine.clear()
+        self._in_engine += 1
+
+    def _leave_engine(self) -> None:
+        self._in_engine -= 1
+        if self._in_engine == 0 and self.engine_since is not None:
+            self.seconds += time.perf_counter() - self.engine_since
+            self.engine_since = None
+            self.out_of_engine.set()
 
     def _at_context(self, ids: list[int]) -> Turn:
         """A turn without tokens for a request at the model's context (once)."""
@@ -378,8 +393,12 @@ class MultiTurnSampler:
         task = asyncio.ensure_future(timed(call, handle.clock))
         try:
             while not task.done() and (left := self.timeout_s - outside_engine()) > 0:
-                # a turn in flight stops the clock: look again at most every ENGINE_POLL_S
-                await asyncio.wait({task}, timeout=max(left, ENGINE_POLL_S) if handle.engine_since else left)
+                if handle.engine_since is None:
+                    await asyncio.wait({task}, timeout=left)
+                    continue
+                back = asyncio.ensure_future(handle.out_of_engine.wait())  # a turn in flight stops the clock
+                await asyncio.wait({task, back}, return_when=asyncio.FIRST_COMPLETED)
+                back.cancel()
             if not task.done():
                 task.cancel()
                 done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
@@ -462,23 +481,37 @@ class MultiTurnSampler:
 
 class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
     """An event loop's default executor (``asyncio.to_thread``, a tool's blocking call):
-    at most ``workers`` calls at once, on daemon threads. A thread pool's threads are joined
-    when the interpreter exits, so one tool call that never returns (its sample long timed
-    out) would keep the trainer's process alive after the run ended; these are left behind."""
+    at most ``workers`` daemon threads, each taking calls in turn. A thread pool's threads
+    are joined when the interpreter exits, so one tool call that never returns (its sample
+    long timed out) would keep the trainer's process alive after the run ended; these
+    threads are left behind instead."""
 
     def __init__(self, workers: int) -> None:
         super().__init__(max_workers=workers)  # (asyncio takes only a ThreadPoolExecutor; its pool stays unused)
-        self._slots = threading.BoundedSemaphore(workers)
+        self.workers = workers
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for a call, not yet promised one
         self.running = 0  # calls started and not yet returned
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args, kwargs))
+        with self._lock:
+            if self._idle:  # an idle thread takes it (promised: no other call counts on that one)
+                self._idle -= 1
+                return future
+            if self._threads >= self.workers:  # it waits for a thread to come free
+                return future
+            self._threads += 1
+        threading.Thread(target=self._serve, daemon=True, name="moe-rl-to-thread").start()
+        return future
 
-        def run() -> None:
-            with self._slots:
-                if not future.set_running_or_notify_cancel():
-                    return
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            if future.set_running_or_notify_cancel():
                 with self._lock:
                     self.running += 1
                 try:
@@ -488,9 +521,8 @@ class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
                 finally:
                     with self._lock:
                         self.running -= 1
-
-        threading.Thread(target=run, daemon=True, name="moe-rl-to-thread").start()
-        return future
+            with self._lock:
+                self._idle += 1
 
 
 def run_abandoning(main: Coroutine[Any, Any, Any]) -> Any:

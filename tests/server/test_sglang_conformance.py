@@ -144,19 +144,20 @@ def test_control_endpoints(server):
 def test_a_weight_update_labels_the_servers_only_when_it_completed(server):
     """The new ``weight_version`` is set once every bucket has been loaded (SGLang loads each
     bucket as it arrives: a label sent with one would name half-new weights); an update that
-    failed part-way leaves ``incomplete-<version>`` and the server generating again."""
+    failed before any bucket leaves the label and the server generating again (one that
+    failed after a bucket: ``incomplete-<version>``, tests/server/test_rollout.py)."""
     from moe_rl.rollout.sglang.engine import SGLangEngine
 
     engine = SGLangEngine([server.url])
     with engine.weight_update("whole"):
         pass
     assert engine.read_weight_version() == "whole"
-    with pytest.raises(RuntimeError, match="a bucket failed"):
+    with pytest.raises(RuntimeError, match="failed before any bucket"):
         with engine.weight_update("next"):
-            raise RuntimeError("a bucket failed")
-    assert engine.read_weight_version() == "incomplete-next"
+            raise RuntimeError("failed before any bucket")
+    assert engine.read_weight_version() == "whole"  # no bucket went out: its weights are whole
     reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
-    assert reply["meta_info"]["weight_version"] == "incomplete-next"  # not left paused
+    assert reply["meta_info"]["weight_version"] == "whole"  # not left paused
 
 
 def test_an_abort_before_its_request_is_dropped_and_one_after_it_stops_it(server):

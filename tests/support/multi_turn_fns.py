@@ -184,3 +184,11 @@ async def tool_never_returns(problem, *, prompt_ids, engine, tokenizer, sampling
     """A blocking tool call, run as the docs advise (``asyncio.to_thread``), that outlives any timeout."""
     await asyncio.to_thread(time.sleep, seconds)
     raise AssertionError("unreachable within the test's timeout")
+
+
+async def best_of_two(problem, *, prompt_ids, engine, tokenizer, sampling) -> Transcript:
+    """Two turns asked for at once on the same context; the first one kept."""
+    transcript = Transcript(prompt_ids)
+    first, _ = await asyncio.gather(engine.generate(transcript.token_ids), engine.generate(transcript.token_ids))
+    transcript.add_policy(first)
+    return transcript

@@ -474,7 +474,7 @@ def test_a_resume_may_change_how_layers_are_implemented_not_what_they_compute() 
 def test_bad_paths_and_sections_are_named_plainly(tmp_path: Path) -> None:
     """What a user mistyped, named as such: a section that is not a mapping, a path that
     does not exist, a run directory that is a file."""
-    from moe_rl.checkpoint.run_dir import check_run_dir
+    from moe_rl.checkpoint.run_dir import check_run_dir, hold_run_dir
     from moe_rl.commands.export import model_dir_of
     from moe_rl.commands.prompt_file import read_prompts
     from moe_rl.models.architectures import load_hf_config
@@ -494,6 +494,9 @@ def test_bad_paths_and_sections_are_named_plainly(tmp_path: Path) -> None:
     cfg = load_config(None, [f"train.run_dir={tmp_path / 'afile'}"])
     with pytest.raises(ConfigError, match="is a file: it must be a directory"):
         check_run_dir(cfg)
+    with pytest.raises(ConfigError, match="is a file: it must be a directory"):  # what `moe-rl train` meets first
+        with hold_run_dir(cfg.train.run_dir):
+            pass
 
 
 def test_the_config_reference_names_every_built_in_architecture() -> None:

@@ -219,6 +219,8 @@ def test_the_timeout_counts_only_time_outside_the_engines_turns() -> None:
     s = sample_with(policy, calculator.generate, Problem("3*4+5=", "17"), timeout_s=0.2)
     assert s.status is SampleStatus.OK and s.meta["turns"] == 3, s.failure
     assert s.meta["environment_seconds"] < 0.2
+    both = sample_with(SlowPolicy(["1<eos>"], 0.3), multi_turn_fns.best_of_two, Problem("1=", "1"), timeout_s=0.2)
+    assert both.status is SampleStatus.OK and both.meta["environment_seconds"] < 0.2, both.failure  # turns at once
     start = time.perf_counter()
     hung = sample_with(SlowPolicy(["x"], 0.3), multi_turn_fns.hangs, Problem("1=", "1"), timeout_s=0.2)
     assert hung.failure == "TimeoutError" and time.perf_counter() - start < 2.0
@@ -236,6 +238,24 @@ def test_a_tool_call_that_never_returns_is_left_on_a_daemon_thread(caplog) -> No
     left = [t for t in threading.enumerate() if t.name == "moe-rl-to-thread"]
     assert left and all(t.daemon for t in left)
     assert "1 blocking call(s) of the rollout (asyncio.to_thread) still running" in caplog.text
+
+
+def test_the_rollouts_blocking_calls_share_at_most_its_workers_daemon_threads() -> None:
+    import concurrent.futures
+    import threading
+
+    from moe_rl.rollout.multi_turn import DaemonThreads
+
+    def ours() -> int:
+        return sum(t.name == "moe-rl-to-thread" for t in threading.enumerate())
+
+    before = ours()
+    threads = DaemonThreads(4)
+    seen: list[int] = []
+    calls = [threads.submit(lambda: (time.sleep(0.01), seen.append(ours()))[1]) for _ in range(40)]
+    concurrent.futures.wait(calls, timeout=30)
+    assert all(c.done() and c.exception() is None for c in calls) and len(seen) == 40
+    assert max(seen) - before <= 4
 
 
 def test_a_function_ignoring_its_cancellation_is_abandoned(monkeypatch, caplog) -> None:

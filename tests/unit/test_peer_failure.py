@@ -72,9 +72,9 @@ def test_a_rank_gone_without_a_word_is_announced_by_the_rank_watching_its_heartb
     server, client = _store_pair()
     exits: list[int] = []
     errs = [io.StringIO(), io.StringIO()]
+    start = time.monotonic()  # (before the watch: its clock starts at its first poll, later)
     watcher = PeerWatch(0, 3, server, poll_s=0.05, silent_s=0.4, exit_process=exits.append, err=errs[0]).start()
     other = PeerWatch(2, 3, client, poll_s=0.05, silent_s=0.4, exit_process=exits.append, err=errs[1]).start()
-    start = time.monotonic()
     _wait_for(lambda: len(exits) == 2)
     assert time.monotonic() - start >= 0.4 and exits == [PEER_FAILED_EXIT] * 2
     assert (

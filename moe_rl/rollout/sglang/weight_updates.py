@@ -28,6 +28,8 @@ FLATTENED_BUCKETS_SINCE = (0, 5, 6)
 class WeightUpdateEndpoints(ServerControl):
     """New weights into every server (SGLang's ``/update_weights_from_*`` and their session)."""
 
+    _buckets_sent = 0  # bucket requests of the weight-update session in progress
+
     def _init_weight_updates(self, nccl_version_probes: Sequence[Callable[[], str | None]] | None) -> None:
         """Each server's ranks (read when first needed) and how to learn its NCCL version."""
         self._server_ranks: list[int] | None = None
@@ -112,14 +114,16 @@ class WeightUpdateEndpoints(ServerControl):
         the live model, so a label sent with a bucket would name weights not all there yet)
         and must report it. When anything inside fails, each server is labelled
         ``incomplete-<weight_version>`` (its weights may be part old, part new) and asked to end,
-        flush and continue, best effort (the failure stands)."""
+        flush and continue, best effort (the failure stands); before any bucket went out
+        their weights are whole and keep their label."""
+        self._buckets_sent = 0
         try:
             self._post_all("/pause_generation", check_success=False)
             self._post_all("/begin_weight_update")
             yield
             self._post_all("/end_weight_update")
         except BaseException:
-            self._leave_failed_update(weight_version)
+            self._leave_failed_update(weight_version if self._buckets_sent else None)
             raise
         try:
             self._post_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
@@ -133,21 +137,25 @@ class WeightUpdateEndpoints(ServerControl):
                 f"after the weight update the servers serve weight_version {served!r}, not {weight_version!r}"
             )
 
-    def _leave_failed_update(self, weight_version: str, timeout_s: float = 5.0) -> None:
-        """After a failed update to ``weight_version`` (a refused begin, bucket or end): every
-        server at once is asked to end its session, take the label ``incomplete-<version>``,
-        flush and continue generating, each request within ``timeout_s`` (a server still
-        waiting in a broadcast cannot answer); what fails is only logged."""
-        label = {"new_version": f"incomplete-{weight_version}", "abort_all_requests": False}
+    def _leave_failed_update(self, weight_version: str | None, timeout_s: float = 5.0) -> None:
+        """After a failed update (a refused begin, bucket or end): every server at once is
+        asked to end its session, take the label ``incomplete-<weight_version>`` (unless
+        ``None``: no bucket went out), flush and continue generating, each request within
+        ``timeout_s`` (a server still waiting in a broadcast cannot answer); what fails is
+        only logged."""
+        label = [
+            ("/update_weight_version", {"new_version": f"incomplete-{weight_version}", "abort_all_requests": False})
+        ]
+        steps = [
+            ("/end_weight_update", {}),
+            *(label if weight_version else []),
+            ("/flush_cache", {}),
+            ("/continue_generation", {}),
+        ]
 
         def leave(url: str) -> None:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
-                for path, body in (
-                    ("/end_weight_update", {}),
-                    ("/update_weight_version", label),
-                    ("/flush_cache", {}),
-                    ("/continue_generation", {}),
-                ):
+                for path, body in steps:
                     try:
                         response = client.post(url + path, json=body)
                     except httpx.TransportError as e:
@@ -181,6 +189,7 @@ class WeightUpdateEndpoints(ServerControl):
         }
         if flattened:
             body["load_format"] = "flattened_bucket"
+        self._buckets_sent += 1
         try:
             self._post_each("/update_weights_from_distributed", [body] * len(self.urls), broadcast)
         except RolloutError:
@@ -210,6 +219,7 @@ class WeightUpdateEndpoints(ServerControl):
             }
             for entries in per_server
         ]
+        self._buckets_sent += 1
         self._post_each("/update_weights_from_tensor", payloads)
 
     def supports_flattened_buckets(self) -> bool:
