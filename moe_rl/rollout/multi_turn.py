@@ -491,7 +491,7 @@ class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
         self.workers = workers
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._threads = 0
+        self._started = 0
         self._idle = 0  # threads waiting for a call, not yet promised one
         self.running = 0  # calls started and not yet returned
 
@@ -502,9 +502,9 @@ class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
             if self._idle:  # an idle thread takes it (promised: no other call counts on that one)
                 self._idle -= 1
                 return future
-            if self._threads >= self.workers:  # it waits for a thread to come free
+            if self._started >= self.workers:  # it waits for a thread to come free
                 return future
-            self._threads += 1
+            self._started += 1
         threading.Thread(target=self._serve, daemon=True, name="moe-rl-to-thread").start()
         return future
 
