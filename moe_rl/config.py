@@ -5,6 +5,7 @@ Every error names the key, the value and what would be valid."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -276,7 +277,9 @@ def _build(cls, raw: Any, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'; valid keys here: {', '.join(sorted(fields))}")
+        near = difflib.get_close_matches(unknown[0], fields, n=1)
+        hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'{hint}; valid keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in raw.items():

@@ -55,7 +55,10 @@ def test_bad_layout_is_one_clear_line(checkpoints) -> None:
     assert out.returncode == 2
     assert "moe-rl: error:" in out.stderr and "Traceback" not in out.stderr
     missing = moe_rl("parity", "--hf-dir", "/nonexistent/dir")
-    assert missing.returncode == 2 and "'/nonexistent/dir' does not exist (a Hugging Face model directory" in missing.stderr
+    assert (
+        missing.returncode == 2
+        and "'/nonexistent/dir' does not exist (a Hugging Face model directory" in missing.stderr
+    )
 
 
 def test_export_reproduces_the_input_bitwise(checkpoints, tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ def test_a_moved_rollout_key_keeps_working_with_one_warning_naming_its_new_place
 
 
 BAD = [
-    (["algorithm.los=gspo"], "unknown key 'algorithm.los'"),
+    (["algorithm.los=gspo"], "unknown key 'algorithm.los' (did you mean 'algorithm.loss'?); valid keys here"),
     (["algorithm.loss=ppo2"], "algorithm.loss='ppo2' is not valid; valid: cispo, gmpo"),
     (["algorithm.advantage=gae"], "algorithm.advantage='gae' is not valid"),
     (["algorithm.loss_params={eps_low: 1.5}"], "algorithm.loss_params.eps_low=1.5 is out of range"),
