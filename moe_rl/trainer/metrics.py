@@ -268,9 +268,13 @@ class StepLogger:
         self._print(eval_table(step, scalars))
 
     def summary(self, steps_run: int, scalars: dict[str, float], checkpoint: Path | None, seconds: float) -> None:
-        """The end of a run: what it reached and where to look."""
+        """The end of a run: what it reached and where to look (below the closed progress bar,
+        which is not drawn again after it)."""
         if not self.enabled:
             return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
         if steps_run <= 0:
             self._print(
                 f"{self.run_dir.name}: nothing to do, its checkpoints already reach train.steps (raise it to go on)"
