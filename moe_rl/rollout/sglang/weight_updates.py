@@ -143,15 +143,11 @@ class WeightUpdateEndpoints(ServerControl):
         ``None``: no bucket went out), flush and continue generating, each request within
         ``timeout_s`` (a server still waiting in a broadcast cannot answer); what fails is
         only logged."""
-        label = [
-            ("/update_weight_version", {"new_version": f"incomplete-{weight_version}", "abort_all_requests": False})
-        ]
-        steps = [
-            ("/end_weight_update", {}),
-            *(label if weight_version else []),
-            ("/flush_cache", {}),
-            ("/continue_generation", {}),
-        ]
+        steps: list[tuple[str, dict]] = [("/end_weight_update", {})]
+        if weight_version is not None:
+            label = {"new_version": f"incomplete-{weight_version}", "abort_all_requests": False}
+            steps.append(("/update_weight_version", label))
+        steps += [("/flush_cache", {}), ("/continue_generation", {})]
 
         def leave(url: str) -> None:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
